@@ -1,0 +1,57 @@
+# pdserve developer entry points. `make test` is the one command CI runs.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PYTEST_ARGS ?=
+
+.PHONY: install test unit lint fmt bench bench-operator cluster-build cluster-up cluster-down kind-e2e demo clean
+
+install: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e '.[dev,bench]'
+	@touch $@
+
+## Whole suite: unit, loopback integration and tests against the real control plane (built and started on demand).
+test: install cluster-build
+	$(VENV)/bin/pytest $(PYTEST_ARGS)
+
+## Fast feedback: unit tests only.
+unit: install
+	$(VENV)/bin/pytest tests/unit $(PYTEST_ARGS)
+
+lint: install
+	$(VENV)/bin/ruff check pdserve tests bench
+	$(VENV)/bin/ruff format --check pdserve tests bench
+	$(VENV)/bin/mypy
+
+fmt: install
+	$(VENV)/bin/ruff format pdserve tests bench
+	$(VENV)/bin/ruff check --fix pdserve tests bench
+
+bench: install
+	$(PY) -m bench.proxy_bench
+
+bench-operator: install cluster-up
+	$(PY) -m bench.operator_bench
+
+cluster-build:
+	hack/cluster/build
+
+cluster-up: cluster-build
+	hack/cluster/up
+
+cluster-down:
+	hack/cluster/down
+
+kind-e2e: install
+	hack/kind-e2e
+
+demo: install
+	$(PY) -m pdserve.local.demo
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis

@@ -1,0 +1,35 @@
+"""The routing-table contract between the operator (writer) and the proxy (reader).
+
+Depends on nothing else in pdserve: the operator, the local mode and the proxy all import it.
+"""
+
+from pdserve.routing.slots import Slot, SlotTable, build_slot_table, interleaved_slots
+from pdserve.routing.table import (
+    API_VERSION,
+    CONFIGMAP_KEY,
+    KIND,
+    Connector,
+    Instance,
+    Role,
+    RoutingTable,
+    RoutingTableError,
+    load_routing_table,
+    parse_routing_table,
+)
+
+__all__ = [
+    "API_VERSION",
+    "CONFIGMAP_KEY",
+    "KIND",
+    "Connector",
+    "Instance",
+    "Role",
+    "RoutingTable",
+    "RoutingTableError",
+    "Slot",
+    "SlotTable",
+    "build_slot_table",
+    "interleaved_slots",
+    "load_routing_table",
+    "parse_routing_table",
+]

@@ -1,0 +1,253 @@
+"""Typed routing table and its one parser.
+
+The operator writes this document into the ``<name>-routing`` ConfigMap under ``routing.json``;
+the proxy hot-reloads it. Both sides use :func:`parse_routing_table` and
+:meth:`RoutingTable.to_dict`, so there is exactly one definition of the format.
+
+Unknown fields are ignored (a newer operator may add some); wrong types and missing
+required fields are errors whose message names the offending path, e.g.
+``prefill[1].dpSize: expected an integer >= 1, got "8" (string)``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any
+from urllib.parse import urlsplit
+
+API_VERSION = "pdserve.io/v1alpha1"
+KIND = "RoutingTable"
+CONFIGMAP_KEY = "routing.json"
+
+CONNECTOR_TYPES = ("nixl", "moriio")
+TRANSFER_MODES = ("READ", "WRITE")
+
+
+class Role(StrEnum):
+    PREFILL = "prefill"
+    DECODE = "decode"
+
+
+class RoutingTableError(ValueError):
+    """A routing table that must not be served; the message names the field and the reason."""
+
+    def __init__(self, path: str, reason: str) -> None:
+        self.path = path
+        self.reason = reason
+        super().__init__(f"{path}: {reason}" if path else reason)
+
+
+@dataclass(frozen=True)
+class Connector:
+    type: str  # "nixl" | "moriio"
+    transfer_mode: str | None = None  # "READ" | "WRITE", MoRIIO only
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"type": self.type}
+        if self.transfer_mode is not None:
+            out["transferMode"] = self.transfer_mode
+        return out
+
+
+@dataclass(frozen=True)
+class Instance:
+    """One vLLM server (one pod): ``dp_size`` engines behind one HTTP endpoint."""
+
+    name: str
+    url: str
+    dp_size: int = 1
+    tp_size: int = 1
+    ready: bool = False
+    draining: bool = False
+    kv_address: str | None = None
+
+    @property
+    def routable(self) -> bool:
+        return self.ready and not self.draining
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "name": self.name,
+            "url": self.url,
+            "dpSize": self.dp_size,
+            "tpSize": self.tp_size,
+            "ready": self.ready,
+            "draining": self.draining,
+        }
+        if self.kv_address is not None:
+            out["kvAddress"] = self.kv_address
+        return out
+
+
+@dataclass(frozen=True)
+class RoutingTable:
+    deployment: str
+    generation: int
+    connector: Connector
+    prefill: tuple[Instance, ...] = ()
+    decode: tuple[Instance, ...] = ()
+    extra: Mapping[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    def instances(self, role: Role) -> tuple[Instance, ...]:
+        return self.prefill if role is Role.PREFILL else self.decode
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "apiVersion": API_VERSION,
+            "kind": KIND,
+            "deployment": self.deployment,
+            "generation": self.generation,
+            "connector": self.connector.to_dict(),
+            "prefill": [i.to_dict() for i in self.prefill],
+            "decode": [i.to_dict() for i in self.decode],
+        }
+
+    def to_json(self) -> str:
+        """Canonical text: stable key order, so equal tables produce equal ConfigMap data."""
+        return json.dumps(self.to_dict(), indent=2, sort_keys=False) + "\n"
+
+    def same_content(self, other: RoutingTable) -> bool:
+        """Equal apart from ``generation``: the writer bumps the generation only when this is False."""
+        return (self.deployment, self.connector, self.prefill, self.decode) == (
+            other.deployment,
+            other.connector,
+            other.prefill,
+            other.decode,
+        )
+
+
+# --- parsing -----------------------------------------------------------------------------------
+
+
+def load_routing_table(text: str | bytes) -> RoutingTable:
+    """Parse the JSON text of a routing table (the ConfigMap value or a mounted file)."""
+    try:
+        data = json.loads(text)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise RoutingTableError("", f"not valid JSON: {exc}") from exc
+    return parse_routing_table(data)
+
+
+def parse_routing_table(data: object) -> RoutingTable:
+    doc = _object(data, "")
+    api_version = _required(doc, "apiVersion", "", str)
+    if api_version != API_VERSION:
+        raise RoutingTableError("apiVersion", f'expected "{API_VERSION}", got {_show(api_version)}')
+    kind = _required(doc, "kind", "", str)
+    if kind != KIND:
+        raise RoutingTableError("kind", f'expected "{KIND}", got {_show(kind)}')
+    deployment = _required(doc, "deployment", "", str)
+    if not deployment:
+        raise RoutingTableError("deployment", "must not be empty")
+    generation = _int(_required(doc, "generation", "", object), "generation", minimum=0)
+    connector = _parse_connector(_required(doc, "connector", "", object))
+    prefill = _parse_role(doc.get("prefill", []), Role.PREFILL, connector)
+    decode = _parse_role(doc.get("decode", []), Role.DECODE, connector)
+    return RoutingTable(deployment, generation, connector, prefill, decode)
+
+
+def _parse_connector(value: object) -> Connector:
+    doc = _object(value, "connector")
+    ctype = _required(doc, "type", "connector", str)
+    if ctype not in CONNECTOR_TYPES:
+        raise RoutingTableError("connector.type", f"expected one of {_choices(CONNECTOR_TYPES)}, got {_show(ctype)}")
+    mode = doc.get("transferMode")
+    if ctype == "moriio":
+        if mode is None:
+            raise RoutingTableError("connector.transferMode", "required for moriio (READ or WRITE)")
+        if mode not in TRANSFER_MODES:
+            raise RoutingTableError(
+                "connector.transferMode", f"expected one of {_choices(TRANSFER_MODES)}, got {_show(mode)}"
+            )
+    elif mode is not None:
+        raise RoutingTableError("connector.transferMode", f"only valid for moriio, not {ctype}")
+    return Connector(ctype, mode)
+
+
+def _parse_role(value: object, role: Role, connector: Connector) -> tuple[Instance, ...]:
+    if not isinstance(value, list):
+        raise RoutingTableError(role.value, f"expected a list, got {_show(value)}")
+    seen: set[str] = set()
+    out = []
+    for index, item in enumerate(value):
+        path = f"{role.value}[{index}]"
+        inst = _parse_instance(item, path, connector)
+        if inst.name in seen:
+            raise RoutingTableError(f"{path}.name", f"duplicate instance name {_show(inst.name)}")
+        seen.add(inst.name)
+        out.append(inst)
+    return tuple(out)
+
+
+def _parse_instance(value: object, path: str, connector: Connector) -> Instance:
+    doc = _object(value, path)
+    name = _required(doc, "name", path, str)
+    if not name:
+        raise RoutingTableError(f"{path}.name", "must not be empty")
+    url = _required(doc, "url", path, str)
+    _check_url(url, f"{path}.url")
+    dp_size = _int(_required(doc, "dpSize", path, object), f"{path}.dpSize", minimum=1)
+    tp_size = _int(doc.get("tpSize", 1), f"{path}.tpSize", minimum=1)
+    ready = _bool(_required(doc, "ready", path, object), f"{path}.ready")
+    draining = _bool(doc.get("draining", False), f"{path}.draining")
+    kv_address = doc.get("kvAddress")
+    if kv_address is not None and not isinstance(kv_address, str):
+        raise RoutingTableError(f"{path}.kvAddress", f"expected a string, got {_show(kv_address)}")
+    if connector.type == "moriio" and not kv_address:
+        raise RoutingTableError(f"{path}.kvAddress", "required for the moriio connector")
+    return Instance(name, url.rstrip("/"), dp_size, tp_size, ready, draining, kv_address)
+
+
+def _check_url(url: str, path: str) -> None:
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise RoutingTableError(path, f"expected an http(s) URL such as http://10.0.0.5:8000, got {_show(url)}")
+    try:
+        parts.port  # noqa: B018 - raises on a malformed port
+    except ValueError as exc:
+        raise RoutingTableError(path, f"bad port in {_show(url)}") from exc
+
+
+# --- small typed readers -----------------------------------------------------------------------
+
+
+def _object(value: object, path: str) -> Mapping[str, Any]:
+    if not isinstance(value, Mapping):
+        raise RoutingTableError(path, f"expected an object, got {_show(value)}")
+    return value
+
+
+def _required(doc: Mapping[str, Any], key: str, path: str, kind: type) -> Any:
+    full = f"{path}.{key}" if path else key
+    if key not in doc or doc[key] is None:
+        raise RoutingTableError(full, "required field is missing")
+    value = doc[key]
+    if kind is str and not isinstance(value, str):
+        raise RoutingTableError(full, f"expected a string, got {_show(value)}")
+    return value
+
+
+def _int(value: object, path: str, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise RoutingTableError(path, f"expected an integer >= {minimum}, got {_show(value)}")
+    return value
+
+
+def _bool(value: object, path: str) -> bool:
+    if not isinstance(value, bool):
+        raise RoutingTableError(path, f"expected true or false, got {_show(value)}")
+    return value
+
+
+def _choices(values: tuple[str, ...]) -> str:
+    return ", ".join(f'"{v}"' for v in values)
+
+
+def _show(value: object) -> str:
+    type_name = {str: "string", bool: "boolean", int: "integer", float: "number", list: "list", dict: "object"}
+    kind = type_name.get(type(value), "null" if value is None else type(value).__name__)
+    text = json.dumps(value) if isinstance(value, str | int | float | bool) or value is None else kind
+    return text if text == kind else f"{text} ({kind})"

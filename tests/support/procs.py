@@ -1,0 +1,124 @@
+"""Real processes on loopback for integration tests: `pdserve sim`, `pdserve proxy`, ...
+
+Every process gets a free port, is waited on until its health URL answers, and is
+terminated (then killed) at teardown, so no test leaves anything behind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_http(url: str, timeout: float = 20.0, proc: subprocess.Popen[bytes] | None = None) -> None:
+    """Poll ``url`` until it answers 200; fail fast if ``proc`` exits."""
+    deadline = time.monotonic() + timeout
+    last: Exception | None = None
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"process exited with {proc.returncode} before {url} answered")
+        try:
+            with urllib.request.urlopen(url, timeout=2) as resp:
+                if resp.status == 200:
+                    return
+        except (urllib.error.URLError, ConnectionError, OSError) as exc:
+            last = exc
+        time.sleep(0.05)
+    raise TimeoutError(f"{url} did not answer within {timeout}s: {last}")
+
+
+@dataclass
+class Proc:
+    name: str
+    args: list[str]
+    port: int
+    log_path: Path
+    popen: subprocess.Popen[bytes]
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def stop(self, grace: float = 10.0) -> int | None:
+        if self.popen.poll() is None:
+            self.popen.send_signal(signal.SIGTERM)
+            try:
+                self.popen.wait(grace)
+            except subprocess.TimeoutExpired:
+                self.popen.kill()
+                self.popen.wait(5)
+        return self.popen.returncode
+
+    def kill(self) -> None:
+        if self.popen.poll() is None:
+            self.popen.kill()
+            self.popen.wait(5)
+
+
+@dataclass
+class ProcessGroup:
+    """Starts `pdserve <subcommand>` processes and stops all of them at teardown."""
+
+    log_dir: Path
+    procs: list[Proc] = field(default_factory=list)
+
+    def start(
+        self,
+        name: str,
+        subcommand: Sequence[str],
+        port: int | None = None,
+        health: str | None = "/health",
+        env: dict[str, str] | None = None,
+        timeout: float = 30.0,
+    ) -> Proc:
+        port = port or free_port()
+        args = [sys.executable, "-m", "pdserve.cli", *subcommand, "--port", str(port)]
+        log_path = self.log_dir / f"{name}.log"
+        log = log_path.open("wb")
+        full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        popen = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=full_env)
+        proc = Proc(name, args, port, log_path, popen)
+        self.procs.append(proc)
+        if health is not None:
+            try:
+                wait_http(proc.url + health, timeout=timeout, proc=popen)
+            except (RuntimeError, TimeoutError) as exc:
+                raise RuntimeError(f"{name} did not start: {exc}\n--- {log_path} ---\n{proc.log()}") from exc
+        return proc
+
+    def stop_all(self) -> None:
+        for proc in reversed(self.procs):
+            with contextlib.suppress(Exception):
+                proc.stop(grace=5)
+
+
+@pytest.fixture
+def procs(tmp_path: Path) -> Iterator[ProcessGroup]:
+    group = ProcessGroup(tmp_path)
+    try:
+        yield group
+    finally:
+        group.stop_all()
