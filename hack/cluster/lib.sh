@@ -1,0 +1,105 @@
+# shellcheck shell=bash
+# Shared settings of hack/cluster/{up,down,env}. Source it; do not run it.
+#
+# Everything lives under <repo>/.cluster (git-ignored): pki/, etcd/, kubeconfigs/, logs/, pids/,
+# and kubeconfig (the admin kubeconfig). Every listener binds to loopback only.
+
+cluster_here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+repo_root="$(cd "$cluster_here/../.." && pwd)"
+cluster_dir="${PDSERVE_CLUSTER_DIR:-$repo_root/.cluster}"
+pki="$cluster_dir/pki"
+logs="$cluster_dir/logs"
+pids="$cluster_dir/pids"
+kubeconfigs="$cluster_dir/kubeconfigs"
+admin_kubeconfig="$cluster_dir/kubeconfig"
+
+# Fixed defaults on loopback in a high range; each can be overridden.
+etcd_port="${PDSERVE_CLUSTER_ETCD_PORT:-23790}"
+etcd_peer_port="${PDSERVE_CLUSTER_ETCD_PEER_PORT:-23800}"
+apiserver_port="${PDSERVE_CLUSTER_APISERVER_PORT:-26443}"
+kcm_port="${PDSERVE_CLUSTER_CONTROLLER_MANAGER_PORT:-26257}"
+scheduler_port="${PDSERVE_CLUSTER_SCHEDULER_PORT:-26259}"
+kwok_port="${PDSERVE_CLUSTER_KWOK_PORT:-26280}"
+node_count="${PDSERVE_CLUSTER_NODES:-4}"
+gpus_per_node="${PDSERVE_CLUSTER_GPUS_PER_NODE:-8}"
+
+# Start order; down stops them in reverse.
+components=(etcd kube-apiserver kube-controller-manager kube-scheduler kwok)
+
+declare -A component_port=(
+  [etcd]="$etcd_port"
+  [kube-apiserver]="$apiserver_port"
+  [kube-controller-manager]="$kcm_port"
+  [kube-scheduler]="$scheduler_port"
+  [kwok]="$kwok_port"
+)
+declare -A port_env=(
+  [etcd]=PDSERVE_CLUSTER_ETCD_PORT
+  [etcd-peer]=PDSERVE_CLUSTER_ETCD_PEER_PORT
+  [kube-apiserver]=PDSERVE_CLUSTER_APISERVER_PORT
+  [kube-controller-manager]=PDSERVE_CLUSTER_CONTROLLER_MANAGER_PORT
+  [kube-scheduler]=PDSERVE_CLUSTER_SCHEDULER_PORT
+  [kwok]=PDSERVE_CLUSTER_KWOK_PORT
+)
+
+die() {
+  echo "hack/cluster: error: $*" >&2
+  exit 1
+}
+
+log() {
+  printf '[cluster %5.1fs] %s\n' "$(elapsed)" "$*"
+}
+
+_t0="$(date +%s.%N)"
+elapsed() {
+  local now
+  now="$(date +%s.%N)"
+  awk -v a="$_t0" -v b="$now" 'BEGIN { printf "%.1f", b - a }'
+}
+
+# Directory of the built binaries; fails with the next step if they are not built.
+cluster_bin() {
+  local b
+  if ! b="$("$cluster_here/build" --print-bin 2>/dev/null)"; then
+    die "the cluster binaries are not built; run hack/cluster/build first (or make cluster-build)"
+  fi
+  echo "$b"
+}
+
+# True if something accepts TCP connections on 127.0.0.1:$1.
+port_open() {
+  (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null
+}
+
+# PID recorded for component $1 if that process is alive and is really that component.
+component_pid() {
+  local name="$1" f="$pids/$1.pid" pid
+  [[ -f "$f" ]] || return 1
+  pid="$(<"$f")"
+  [[ "$pid" =~ ^[0-9]+$ ]] || return 1
+  [[ -r "/proc/$pid/cmdline" ]] || return 1
+  # Guard against a recycled PID: the process must run our binary for this component.
+  tr '\0' ' ' <"/proc/$pid/cmdline" | grep -q -- "/$name " || return 1
+  echo "$pid"
+}
+
+# Stops component $1 by its recorded PID: TERM, wait up to $2 seconds (default 15), then KILL.
+stop_component() {
+  local name="$1" wait_s="${2:-15}" pid i
+  if pid="$(component_pid "$name")"; then
+    kill -TERM "$pid" 2>/dev/null || true
+    for ((i = 0; i < wait_s * 10; i++)); do
+      [[ -d "/proc/$pid" ]] || break
+      # A zombie child of ours counts as stopped.
+      [[ "$(awk '{print $3}' "/proc/$pid/stat" 2>/dev/null)" == Z ]] && break
+      sleep 0.1
+    done
+    if [[ -d "/proc/$pid" ]]; then
+      echo "hack/cluster: $name (pid $pid) did not stop after ${wait_s}s; sending KILL" >&2
+      kill -KILL "$pid" 2>/dev/null || true
+    fi
+    echo "stopped $name (pid $pid)"
+  fi
+  rm -f "$pids/$name.pid"
+}

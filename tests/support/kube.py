@@ -1,0 +1,249 @@
+"""Kubernetes test-cluster fixtures.
+
+``kube_cluster`` (session) gives a :class:`KubeCluster` for a real control plane:
+
+* ``PDSERVE_TEST_KUBECONFIG`` set: that cluster (e.g. kind, see ``hack/kind-e2e``); kubectl and
+  helm come from the build cache if built, else from PATH. It is never stopped here.
+* else the local one from ``hack/cluster/up`` (etcd, kube-apiserver, kube-controller-manager,
+  kube-scheduler and kwok fake GPU nodes on loopback): reused when ``.cluster/kubeconfig``
+  answers, else built (``hack/cluster/build``, cached) and started, and then stopped with
+  ``hack/cluster/down`` at session end, only if this session started it (set
+  ``PDSERVE_TEST_KEEP_CLUSTER=1`` to keep it running).
+
+A cluster that cannot be reached or started fails the session (never skips).
+
+``kube_namespace`` (function) creates a fresh namespace and deletes it after the test;
+``kube_api`` (session) is a configured ``kubernetes.client.ApiClient``.
+Mark tests that use these ``@pytest.mark.cluster``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import secrets
+import shutil
+import subprocess
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path, PosixPath
+from typing import Any, TypeVar
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+CLUSTER_DIR = REPO / ".cluster"
+LOCAL_KUBECONFIG = CLUSTER_DIR / "kubeconfig"
+LOGS = CLUSTER_DIR / "logs"
+BUILD_TIMEOUT = 3600.0
+UP_TIMEOUT = 300.0
+
+T = TypeVar("T")
+
+
+class KubeCommandError(subprocess.CalledProcessError):
+    """A kubectl/helm call that failed; its message carries the command's stderr."""
+
+    def __str__(self) -> str:
+        return f"{super().__str__()}\nstdout: {self.stdout}\nstderr: {self.stderr}"
+
+
+class Tool(PosixPath):
+    """Path of a CLI (kubectl or helm) bound to a kubeconfig; calling it runs the CLI.
+
+    ``cluster.kubectl`` is a :class:`~pathlib.Path` (``str(cluster.kubectl)`` is the binary) and
+    ``cluster.kubectl("get", "nodes")`` runs ``kubectl --kubeconfig=<cluster> get nodes``.
+    """
+
+    kubeconfig: Path
+
+    @classmethod
+    def bound(cls, path: Path | str, kubeconfig: Path) -> Tool:
+        tool = cls(path)
+        tool.kubeconfig = kubeconfig
+        return tool
+
+    def __call__(
+        self,
+        *args: object,
+        input: str | None = None,
+        check: bool = True,
+        timeout: float = 120.0,
+    ) -> subprocess.CompletedProcess[str]:
+        cmd = [str(self), f"--kubeconfig={self.kubeconfig}", *(str(a) for a in args)]
+        proc = subprocess.run(cmd, input=input, capture_output=True, text=True, timeout=timeout, check=False)
+        if check and proc.returncode != 0:
+            raise KubeCommandError(proc.returncode, cmd, proc.stdout, proc.stderr)
+        return proc
+
+
+@dataclass(frozen=True)
+class KubeCluster:
+    kubeconfig: Path
+    kubectl: Tool
+    helm: Tool
+    is_local: bool
+
+    def apply(self, manifest: str, namespace: str | None = None) -> subprocess.CompletedProcess[str]:
+        """``kubectl apply -f -`` of a YAML/JSON manifest (server-side apply)."""
+        ns = ["-n", namespace] if namespace else []
+        return self.kubectl("apply", "--server-side", "--force-conflicts", *ns, "-f", "-", input=manifest)
+
+    def ready(self) -> bool:
+        """True if the API server answers /readyz."""
+        try:
+            out = self.kubectl("get", "--raw", "/readyz", "--request-timeout=5s", check=False, timeout=15)
+        except subprocess.TimeoutExpired:
+            return False
+        return out.returncode == 0 and out.stdout.strip() == "ok"
+
+
+def eventually(
+    fn: Callable[[], T | None],
+    timeout: float = 30.0,
+    interval: float = 0.25,
+    message: str = "condition",
+) -> T:
+    """Call ``fn`` until it returns a truthy value (returned) or ``timeout`` passes (AssertionError).
+
+    Exceptions raised by ``fn`` count as "not yet"; the last one is reported on timeout.
+    """
+    deadline = time.monotonic() + timeout
+    last_exc: BaseException | None = None
+    last: Any = None
+    while True:
+        try:
+            last = fn()
+            if last:
+                return last
+        except Exception as exc:
+            last_exc = exc
+        if time.monotonic() >= deadline:
+            detail = f"; last error: {last_exc!r}" if last_exc else f"; last value: {last!r}"
+            raise AssertionError(f"timed out after {timeout}s waiting for {message}{detail}")
+        time.sleep(interval)
+
+
+def _run_logged(cmd: list[str], log: Path, timeout: float) -> tuple[bool, str]:
+    log.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        proc = subprocess.run(
+            cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL
+        )
+    except subprocess.TimeoutExpired as exc:
+        out = (exc.stdout or b"").decode(errors="replace") if isinstance(exc.stdout, bytes) else exc.stdout
+        log.write_text(f"$ {' '.join(cmd)}\n{out or ''}\n(timed out after {timeout}s)\n")
+        return False, f"timed out after {timeout}s"
+    text = f"$ {' '.join(cmd)}\n{proc.stdout}{proc.stderr}"
+    log.write_text(text)
+    return proc.returncode == 0, "\n".join(text.strip().splitlines()[-15:])
+
+
+def _local_bin(build_if_missing: bool) -> Path | None:
+    build = REPO / "hack" / "cluster" / "build"
+    out = subprocess.run([str(build), "--print-bin"], capture_output=True, text=True, cwd=REPO, check=False)
+    if out.returncode == 0:
+        return Path(out.stdout.strip())
+    if not build_if_missing:
+        return None
+    log = LOGS / "build.log"
+    ok, tail = _run_logged([str(build)], log, BUILD_TIMEOUT)
+    if not ok:
+        pytest.fail(f"hack/cluster/build failed (full output: {log}):\n{tail}", pytrace=False)
+    out = subprocess.run([str(build), "--print-bin"], capture_output=True, text=True, cwd=REPO, check=True)
+    return Path(out.stdout.strip())
+
+
+def _tool(name: str, bin_dir: Path | None, kubeconfig: Path) -> Tool:
+    if bin_dir is not None and (bin_dir / name).exists():
+        return Tool.bound(bin_dir / name, kubeconfig)
+    found = shutil.which(name)
+    if found is None:
+        pytest.fail(f"{name} not found: run hack/cluster/build (or put {name} on PATH)", pytrace=False)
+    return Tool.bound(found, kubeconfig)
+
+
+@pytest.fixture(scope="session")
+def kube_cluster() -> Iterator[KubeCluster]:
+    external = os.environ.get("PDSERVE_TEST_KUBECONFIG")
+    if external:
+        kubeconfig = Path(external).expanduser().resolve()
+        if not kubeconfig.is_file():
+            pytest.fail(f"PDSERVE_TEST_KUBECONFIG={external} is not a file", pytrace=False)
+        bin_dir = _local_bin(build_if_missing=False)
+        cluster = KubeCluster(
+            kubeconfig, _tool("kubectl", bin_dir, kubeconfig), _tool("helm", bin_dir, kubeconfig), False
+        )
+        if not cluster.ready():
+            pytest.fail(
+                f"the cluster in PDSERVE_TEST_KUBECONFIG={external} does not answer /readyz", pytrace=False
+            )
+        yield cluster
+        return
+
+    bin_dir = _local_bin(build_if_missing=True)
+    assert bin_dir is not None
+    kubeconfig = LOCAL_KUBECONFIG
+    cluster = KubeCluster(
+        kubeconfig, _tool("kubectl", bin_dir, kubeconfig), _tool("helm", bin_dir, kubeconfig), True
+    )
+    started_here = False
+    if not (kubeconfig.is_file() and cluster.ready()):
+        log = LOGS / "up.log"
+        ok, tail = _run_logged([str(REPO / "hack" / "cluster" / "up")], log, UP_TIMEOUT)
+        if not ok:
+            pytest.fail(
+                f"hack/cluster/up failed; see {log} and the component logs in {LOGS}/:\n{tail}", pytrace=False
+            )
+        started_here = True
+        if not cluster.ready():
+            pytest.fail(f"the test cluster started but does not answer; see {LOGS}/kube-apiserver.log")
+    try:
+        yield cluster
+    finally:
+        if started_here and not os.environ.get("PDSERVE_TEST_KEEP_CLUSTER"):
+            subprocess.run(
+                [str(REPO / "hack" / "cluster" / "down")], cwd=REPO, capture_output=True, check=False
+            )
+
+
+def _namespace_name(test_name: str) -> str:
+    slug = re.sub(r"[^a-z0-9]+", "-", test_name.lower()).strip("-") or "test"
+    suffix = secrets.token_hex(3)
+    slug = slug[: 63 - len("t--") - len(suffix)].rstrip("-")
+    return f"t-{slug}-{suffix}"
+
+
+@pytest.fixture
+def kube_namespace(kube_cluster: KubeCluster, request: pytest.FixtureRequest) -> Iterator[str]:
+    """A fresh namespace (``t-<test>-<random>``), deleted after the test."""
+    name = _namespace_name(request.node.name)
+    kube_cluster.kubectl("create", "namespace", name)
+    try:
+        # Pods need the namespace's default ServiceAccount, which kube-controller-manager creates.
+        eventually(
+            lambda: (
+                kube_cluster.kubectl("get", "serviceaccount", "default", "-n", name, check=False).returncode
+                == 0
+            ),
+            timeout=30,
+            message=f"ServiceAccount default in namespace {name}",
+        )
+        yield name
+    finally:
+        kube_cluster.kubectl("delete", "namespace", name, "--wait=false", "--ignore-not-found", check=False)
+
+
+@pytest.fixture(scope="session")
+def kube_api(kube_cluster: KubeCluster) -> Iterator[Any]:
+    """A ``kubernetes.client.ApiClient`` configured for ``kube_cluster``."""
+    from kubernetes import config  # the 'operator' extra, installed by `make install`
+
+    client = config.new_client_from_config(config_file=str(kube_cluster.kubeconfig))
+    try:
+        yield client
+    finally:
+        with contextlib.suppress(Exception):
+            client.close()
