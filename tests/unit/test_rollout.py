@@ -15,7 +15,7 @@ OLD = "old"
 
 def pod(
     index: int,
-    hash_: str = NEW,
+    hash_: str | None = NEW,
     ready: bool = True,
     draining_since: float | None = None,
     terminating: bool = False,
