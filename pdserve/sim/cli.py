@@ -1,0 +1,160 @@
+"""Run a fake vLLM server with real prefill/decode (P/D) and data-parallel (DP) semantics.
+
+An OpenAI-compatible server (POST /v1/completions, /v1/chat/completions, streaming or not)
+that answers the way vLLM does in a P/D deployment, without a GPU or a model:
+
+  * X-data-parallel-rank picks one of --dp-size engine ranks (400 when out of range,
+    in vLLM's words); without it the simulator balances over its ranks itself.
+  * A prefill request (kv_transfer_params.do_remote_decode) answers with NIXL's
+    kv_transfer_params (remote_engine_id "<instance-name>-dp<rank>", block ids, host,
+    port, request id), or MoRIIO's when the request carries a transfer_id.
+  * A decode request (do_remote_prefill) with missing or malformed handoff fields gets a
+    400 naming them (real vLLM would hang) and is counted as malformed_handoff.
+  * Output is deterministic: token i is " tok<i>"; --ttft-ms before the first token,
+    --itl-ms between tokens.
+  * GET /health, /v1/models, /metrics (per-engine vllm:* metrics), /sim/stats (counters and
+    the last requests), POST /sim/reset, GET/POST /sim/faults (fault injection at run time),
+    POST /start_profile, /stop_profile.
+
+Fault specs (--fault, repeatable): KIND[:ARG][@RATE], RATE in [0, 1] (default 1); kinds
+without an argument also take KIND:RATE. Kinds: malformed-kv-params, http-500, hang,
+slow-first-byte:MS, drop-mid-stream, reset. Examples: --fault http-500:0.5
+--fault slow-first-byte:2000@0.25. See docs/simulator.md for what a client sees.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from pdserve.sim.faults import FaultSpecError, parse_faults
+from pdserve.sim.payloads import Identity
+from pdserve.sim.server import ROLES, SimConfig, Simulator, serve
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--role",
+        choices=ROLES,
+        default="both",
+        help="P/D role: prefill serves do_remote_decode requests, decode serves do_remote_prefill "
+        "requests, both serves either; every role serves plain requests (default: both)",
+    )
+    parser.add_argument(
+        "--dp-size", type=_positive_int, default=1, help="number of data-parallel engine ranks (default: 1)"
+    )
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=8000, help="port to listen on (default: 8000)")
+    parser.add_argument(
+        "--ttft-ms", type=_non_negative_float, default=20.0, help="time to first token in ms (default: 20)"
+    )
+    parser.add_argument(
+        "--itl-ms", type=_non_negative_float, default=5.0, help="inter-token latency in ms (default: 5)"
+    )
+    parser.add_argument(
+        "--tokens",
+        type=_positive_int,
+        default=16,
+        help="tokens generated per request; a request's max_tokens caps it (default: 16)",
+    )
+    parser.add_argument(
+        "--model", default="sim-model", help="served model name; other names get 404 (default: sim-model)"
+    )
+    parser.add_argument(
+        "--instance-name",
+        default=None,
+        help="instance name used in remote_engine_id '<name>-dp<rank>' (default: sim-<host>-<port>)",
+    )
+    parser.add_argument(
+        "--kv-host",
+        default=None,
+        help="NIXL side-channel host reported as remote_host (default: the --host address)",
+    )
+    parser.add_argument(
+        "--kv-port",
+        type=int,
+        default=5600,
+        help="NIXL side-channel port reported as remote_port (default: 5600)",
+    )
+    parser.add_argument(
+        "--tp-size",
+        type=_positive_int,
+        default=1,
+        help="tensor-parallel size reported as tp_size (default: 1)",
+    )
+    parser.add_argument(
+        "--max-model-len",
+        type=_positive_int,
+        default=4096,
+        help="max_model_len in /v1/models (default: 4096)",
+    )
+    parser.add_argument(
+        "--fault",
+        action="append",
+        default=[],
+        metavar="KIND[:ARG][@RATE]",
+        help="inject a fault into generation requests (repeatable; first that fires wins): "
+        "malformed-kv-params, http-500, hang, slow-first-byte:MS, drop-mid-stream, reset",
+    )
+    parser.add_argument(
+        "--seed",
+        type=int,
+        default=None,
+        help="seed of the fault dice, for reproducible runs (default: random)",
+    )
+    parser.add_argument(
+        "--backlog", type=_positive_int, default=4096, help="listen backlog of the socket (default: 4096)"
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        faults = parse_faults(args.fault)
+    except FaultSpecError as exc:
+        print(f"pdserve sim: error: {exc}", file=sys.stderr)
+        return 2
+    identity = Identity(
+        model=args.model,
+        instance_name=args.instance_name or f"sim-{args.host}-{args.port}",
+        kv_host=args.kv_host or args.host,
+        kv_port=args.kv_port,
+        tp_size=args.tp_size,
+        max_model_len=args.max_model_len,
+    )
+    config = SimConfig(
+        role=args.role,
+        dp_size=args.dp_size,
+        ttft_ms=args.ttft_ms,
+        itl_ms=args.itl_ms,
+        tokens=args.tokens,
+        identity=identity,
+        faults=faults,
+        seed=args.seed,
+    )
+    simulator = Simulator(config)
+    try:
+        import uvloop
+
+        uvloop.run(serve(simulator, args.host, args.port, args.backlog))
+    except ImportError:  # pragma: no cover - uvloop is a dependency except on Windows
+        import asyncio
+
+        asyncio.run(serve(simulator, args.host, args.port, args.backlog))
+    except OSError as exc:
+        print(f"pdserve sim: error: cannot listen on {args.host}:{args.port}: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text}")
+    return value
+
+
+def _non_negative_float(text: str) -> float:
+    value = float(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text}")
+    return value

@@ -1,0 +1,385 @@
+"""What the simulator answers, as pure functions: generated text, OpenAI/vLLM response bodies
+and stream chunks, vLLM's P/D ``kv_transfer_params``, request ids, rank choice and metrics.
+
+Shapes follow vLLM's OpenAI server (completion, chat.completion, their chunks) so a proxy
+tested against the simulator also works in front of real vLLM.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from pdserve.wire.openai import RequestError
+
+Endpoint = Literal["completions", "chat"]
+Leg = Literal["prefill", "decode", "plain"]
+
+#: vLLM's default KV-cache block size; block ids per prompt follow from it.
+BLOCK_SIZE = 16
+
+
+@dataclass(frozen=True)
+class Identity:
+    """Who this simulator claims to be, as reported in kv_transfer_params and /v1/models."""
+
+    model: str
+    instance_name: str
+    kv_host: str
+    kv_port: int
+    tp_size: int = 1
+    max_model_len: int = 4096
+
+
+# --- generation ---------------------------------------------------------------------------------
+
+
+def token_text(index: int) -> str:
+    """The deterministic text of generated token ``index`` (tests compare whole outputs)."""
+    return f" tok{index}"
+
+
+def generated_text(num_tokens: int) -> str:
+    return "".join(token_text(i) for i in range(num_tokens))
+
+
+def num_output_tokens(body: Mapping[str, Any], default_tokens: int) -> int:
+    """``--tokens`` per request, capped by ``max_tokens`` (or ``max_completion_tokens``)."""
+    cap = body.get("max_tokens")
+    if cap is None:
+        cap = body.get("max_completion_tokens")
+    return default_tokens if cap is None else max(1, min(default_tokens, int(cap)))
+
+
+def finish_reason(num_tokens: int, body: Mapping[str, Any]) -> str:
+    cap = body.get("max_tokens") or body.get("max_completion_tokens")
+    return "length" if cap is not None and num_tokens >= int(cap) else "stop"
+
+
+def count_prompt_tokens(body: Mapping[str, Any], endpoint: Endpoint) -> int:
+    """A stand-in for tokenisation: words of a text prompt, ids of a token prompt (at least 1)."""
+    if endpoint == "chat":
+        total = 0
+        for message in body.get("messages", []):
+            content = message.get("content")
+            if isinstance(content, str):
+                total += len(content.split())
+            elif isinstance(content, list):
+                total += sum(len(str(p.get("text", "")).split()) for p in content if isinstance(p, Mapping))
+            total += 1  # the role marker
+        return max(1, total)
+    prompt = body.get("prompt")
+    if isinstance(prompt, str):
+        return max(1, len(prompt.split()))
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
+        return len(prompt)
+    if isinstance(prompt, list):
+        return max(1, sum(count_prompt_tokens({"prompt": p}, "completions") for p in prompt))
+    return 1
+
+
+def wants_usage_in_stream(body: Mapping[str, Any]) -> bool:
+    options = body.get("stream_options")
+    return isinstance(options, Mapping) and options.get("include_usage") is True
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "completion_tokens": completion_tokens,
+        "prompt_tokens_details": None,
+    }
+
+
+# --- request classification ---------------------------------------------------------------------
+
+
+def classify_leg(body: Mapping[str, Any]) -> Leg:
+    """Which P/D leg a request is, from its kv_transfer_params; RequestError(400) when unusable."""
+    params = body.get("kv_transfer_params")
+    if params is None:
+        return "plain"
+    if not isinstance(params, Mapping):
+        raise RequestError(400, "'kv_transfer_params' must be an object", param="kv_transfer_params")
+    remote_decode = params.get("do_remote_decode") is True
+    remote_prefill = params.get("do_remote_prefill") is True
+    if remote_decode and remote_prefill:
+        raise RequestError(
+            400,
+            "kv_transfer_params: do_remote_decode and do_remote_prefill cannot both be true",
+            param="kv_transfer_params",
+        )
+    if remote_decode:
+        return "prefill"
+    return "decode" if remote_prefill else "plain"
+
+
+def parse_rank_header(value: str | None, dp_size: int) -> int | None:
+    """The ``X-data-parallel-rank`` header; RequestError(400) in vLLM's words when out of range."""
+    if value is None:
+        return None
+    try:
+        rank = int(value.strip())
+    except ValueError:
+        raise RequestError(400, f"data_parallel_rank {value!r} is not an integer.") from None
+    if not 0 <= rank < dp_size:
+        raise RequestError(400, f"data_parallel_rank {rank} is out of range [0, {dp_size}).")
+    return rank
+
+
+def pick_rank(in_flight: Sequence[int], cursor: int) -> int:
+    """Least-loaded rank, ties broken round-robin from ``cursor`` (vLLM balances its own ranks)."""
+    size = len(in_flight)
+    order = [(cursor + i) % size for i in range(size)]
+    return min(order, key=lambda r: in_flight[r])
+
+
+# --- ids ----------------------------------------------------------------------------------------
+
+
+def response_id(endpoint: Endpoint, base: str) -> str:
+    return f"{'chatcmpl' if endpoint == 'chat' else 'cmpl'}-{base}"
+
+
+def engine_request_id(endpoint: Endpoint, base: str, salt: str) -> str:
+    """vLLM's internal request id (the one NIXL reports as remote_request_id):
+    ``cmpl-<X-Request-Id or random>-0-<8 hex>`` for completions, ``chatcmpl-<...>-<8 hex>`` for chat."""
+    if endpoint == "chat":
+        return f"chatcmpl-{base}-{salt}"
+    return f"cmpl-{base}-0-{salt}"
+
+
+def engine_id(identity: Identity, rank: int) -> str:
+    """remote_engine_id: names the instance and the DP rank that holds the KV."""
+    return f"{identity.instance_name}-dp{rank}"
+
+
+# --- kv_transfer_params -------------------------------------------------------------------------
+
+
+def block_ids(prompt_tokens: int, first_block: int) -> list[list[int]]:
+    """One KV-cache group, ceil(prompt/16) blocks: vLLM sends a list of lists."""
+    count = max(1, math.ceil(prompt_tokens / BLOCK_SIZE))
+    return [list(range(first_block, first_block + count))]
+
+
+def nixl_prefill_answer(
+    identity: Identity, rank: int, request_id: str, prompt_tokens: int, blocks: list[list[int]]
+) -> dict[str, Any]:
+    """What real vLLM's NixlConnector returns from a prefill with ``do_remote_decode``."""
+    return {
+        "do_remote_prefill": True,
+        "do_remote_decode": False,
+        "remote_block_ids": blocks,
+        "remote_engine_id": engine_id(identity, rank),
+        "remote_request_id": request_id,
+        "remote_host": identity.kv_host,
+        "remote_port": identity.kv_port,
+        "tp_size": identity.tp_size,
+        "dcp_size": 1,
+        "pp_size": 1,
+        "remote_num_tokens": prompt_tokens,
+        "remote_blocks_expiry_time": None,
+        "transfer_mode": "pull",
+        "remote_prefill_cached_tokens": 0,
+    }
+
+
+def moriio_prefill_answer(
+    identity: Identity, rank: int, transfer_id: str, blocks: list[list[int]]
+) -> dict[str, Any]:
+    """A MoRIIO prefill answer: the transfer id echoed, with the engine and block ids READ needs."""
+    return {
+        "do_remote_prefill": True,
+        "do_remote_decode": False,
+        "transfer_id": transfer_id,
+        "remote_engine_id": engine_id(identity, rank),
+        "remote_block_ids": blocks,
+        "remote_host": identity.kv_host,
+        "remote_port": identity.kv_port,
+        "remote_dp_rank": rank,
+        "tp_size": identity.tp_size,
+    }
+
+
+def moriio_mode(params: Mapping[str, Any]) -> str:
+    """WRITE-mode decode requests are sent before the prefill answered: no engine id yet."""
+    return "WRITE" if params.get("remote_engine_id") is None else "READ"
+
+
+# --- bodies and chunks --------------------------------------------------------------------------
+
+
+def completion_body(
+    endpoint: Endpoint,
+    rid: str,
+    model: str,
+    created: int,
+    text: str,
+    reason: str,
+    prompt_tokens: int,
+    completion_tokens: int,
+    kv_params: Mapping[str, Any] | None,
+) -> dict[str, Any]:
+    """A non-streaming ``text_completion`` or ``chat.completion`` body, as vLLM shapes it."""
+    if endpoint == "chat":
+        choice: dict[str, Any] = {
+            "index": 0,
+            "message": {"role": "assistant", "content": text, "reasoning_content": None, "tool_calls": []},
+            "logprobs": None,
+            "finish_reason": reason,
+            "stop_reason": None,
+        }
+        obj = "chat.completion"
+    else:
+        choice = {
+            "index": 0,
+            "text": text,
+            "logprobs": None,
+            "finish_reason": reason,
+            "stop_reason": None,
+            "prompt_logprobs": None,
+        }
+        obj = "text_completion"
+    return {
+        "id": rid,
+        "object": obj,
+        "created": created,
+        "model": model,
+        "choices": [choice],
+        "service_tier": None,
+        "system_fingerprint": None,
+        "usage": usage(prompt_tokens, completion_tokens),
+        "prompt_logprobs": None,
+        "kv_transfer_params": dict(kv_params) if kv_params is not None else None,
+    }
+
+
+def stream_chunk(
+    endpoint: Endpoint, rid: str, model: str, created: int, text: str, reason: str | None
+) -> dict[str, Any]:
+    """One token's ``text_completion`` or ``chat.completion.chunk``."""
+    if endpoint == "chat":
+        return {
+            "id": rid,
+            "object": "chat.completion.chunk",
+            "created": created,
+            "model": model,
+            "choices": [
+                {
+                    "index": 0,
+                    "delta": {"content": text},
+                    "logprobs": None,
+                    "finish_reason": reason,
+                    "stop_reason": None,
+                }
+            ],
+        }
+    return {
+        "id": rid,
+        "object": "text_completion",
+        "created": created,
+        "model": model,
+        "choices": [
+            {"index": 0, "text": text, "logprobs": None, "finish_reason": reason, "stop_reason": None}
+        ],
+    }
+
+
+def chat_role_chunk(rid: str, model: str, created: int) -> dict[str, Any]:
+    """vLLM opens a chat stream with the assistant role and empty content."""
+    return {
+        "id": rid,
+        "object": "chat.completion.chunk",
+        "created": created,
+        "model": model,
+        "choices": [
+            {
+                "index": 0,
+                "delta": {"role": "assistant", "content": ""},
+                "logprobs": None,
+                "finish_reason": None,
+            }
+        ],
+    }
+
+
+def usage_chunk(
+    endpoint: Endpoint, rid: str, model: str, created: int, prompt_tokens: int, completion_tokens: int
+) -> dict[str, Any]:
+    """The final ``stream_options.include_usage`` chunk: no choices, only usage."""
+    return {
+        "id": rid,
+        "object": "chat.completion.chunk" if endpoint == "chat" else "text_completion",
+        "created": created,
+        "model": model,
+        "choices": [],
+        "usage": usage(prompt_tokens, completion_tokens),
+    }
+
+
+def sse(payload: Mapping[str, Any]) -> bytes:
+    return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
+
+
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+def models_body(identity: Identity, created: int) -> dict[str, Any]:
+    return {
+        "object": "list",
+        "data": [
+            {
+                "id": identity.model,
+                "object": "model",
+                "created": created,
+                "owned_by": "vllm",
+                "root": identity.model,
+                "parent": None,
+                "max_model_len": identity.max_model_len,
+                "permission": [],
+            }
+        ],
+    }
+
+
+# --- metrics ------------------------------------------------------------------------------------
+
+
+def metrics_text(
+    model: str,
+    running: Sequence[int],
+    success: Sequence[Mapping[str, int]],
+    prompt_tokens: Sequence[int],
+    generation_tokens: Sequence[int],
+) -> str:
+    """Prometheus exposition of vLLM's per-engine metrics that routers and dashboards read."""
+    lines: list[str] = []
+
+    def family(name: str, kind: str, help_text: str) -> None:
+        lines.append(f"# HELP {name} {help_text}")
+        lines.append(f"# TYPE {name} {kind}")
+
+    def labels(rank: int, **extra: str) -> str:
+        parts = [f'engine="{rank}"', f'model_name="{model}"', *(f'{k}="{v}"' for k, v in extra.items())]
+        return "{" + ",".join(parts) + "}"
+
+    family("vllm:num_requests_running", "gauge", "Number of requests in model execution batches.")
+    lines += [f"vllm:num_requests_running{labels(r)} {n}" for r, n in enumerate(running)]
+    family("vllm:num_requests_waiting", "gauge", "Number of requests waiting to be processed.")
+    lines += [f"vllm:num_requests_waiting{labels(r)} 0" for r in range(len(running))]
+    family("vllm:request_success_total", "counter", "Count of successfully processed requests.")
+    for rank, by_reason in enumerate(success):
+        for reason in ("length", "stop"):
+            lines.append(
+                f"vllm:request_success_total{labels(rank, finished_reason=reason)} {by_reason.get(reason, 0)}"
+            )
+    family("vllm:prompt_tokens_total", "counter", "Number of prefill tokens processed.")
+    lines += [f"vllm:prompt_tokens_total{labels(r)} {n}" for r, n in enumerate(prompt_tokens)]
+    family("vllm:generation_tokens_total", "counter", "Number of generation tokens processed.")
+    lines += [f"vllm:generation_tokens_total{labels(r)} {n}" for r, n in enumerate(generation_tokens)]
+    return "\n".join(lines) + "\n"

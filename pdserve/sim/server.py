@@ -1,0 +1,464 @@
+"""The simulator's HTTP server (aiohttp.web on uvloop): the imperative shell over payloads.py,
+faults.py and stats.py.
+
+Why aiohttp.web and not Quart: the simulator is the backend of the proxy benchmark and must
+not be what the benchmark measures; aiohttp.web serves the same SSE several times faster
+per core, and gives direct access to the transport to abort connections on purpose.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import random
+import signal
+import socket
+import struct
+import time
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiohttp import web
+
+from pdserve.sim import payloads
+from pdserve.sim.faults import (
+    Fault,
+    FaultKind,
+    FaultSpecError,
+    choose_fault,
+    drop_after_chunks,
+    faults_from_json,
+    malform_kv_params,
+)
+from pdserve.sim.payloads import Endpoint, Identity, Leg
+from pdserve.sim.stats import SimStats
+from pdserve.wire.headers import AUTHORIZATION, DP_RANK, REQUEST_ID
+from pdserve.wire.kv import moriio_handoff_problems, nixl_handoff_problems, parse_moriio_request_id
+from pdserve.wire.openai import RequestError, check_generation_request, error_body
+
+ROLES = ("prefill", "decode", "both")
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    role: str
+    dp_size: int
+    ttft_ms: float
+    itl_ms: float
+    tokens: int
+    identity: Identity
+    faults: tuple[Fault, ...] = ()
+    seed: int | None = None
+
+
+@dataclass
+class Job:
+    """One accepted generation request, from admission to its last byte."""
+
+    endpoint: Endpoint
+    body: Mapping[str, Any]
+    leg: Leg
+    rank: int
+    base_id: str
+    engine_request_id: str
+    prompt_tokens: int
+    num_tokens: int
+    record: dict[str, Any]
+    aborted: bool = False  # the simulator itself broke the connection (a fault, not a client cancel)
+    created: int = field(default_factory=lambda: int(time.time()))
+
+
+class Simulator:
+    def __init__(self, config: SimConfig) -> None:
+        self.config = config
+        self.stats = SimStats(config.role, config.dp_size)
+        self.faults: tuple[Fault, ...] = config.faults
+        self.rng = random.Random(config.seed)
+        self._cursor = 0
+        self._next_block = [1] * config.dp_size
+        self._started = int(time.time())
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=64 * 1024 * 1024)
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/v1/chat/completions", self.chat_completions)
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/metrics", self.metrics)
+        app.router.add_get("/version", self.version)
+        app.router.add_get("/get_server_info", self.server_info)
+        app.router.add_get("/get_model_info", self.model_info)
+        app.router.add_post("/start_profile", self.profile)
+        app.router.add_post("/stop_profile", self.profile)
+        app.router.add_get("/sim/stats", self.get_stats)
+        app.router.add_post("/sim/reset", self.reset)
+        app.router.add_get("/sim/faults", self.get_faults)
+        app.router.add_post("/sim/faults", self.set_faults)
+        return app
+
+    # --- plain endpoints ------------------------------------------------------------------------
+
+    async def health(self, request: web.Request) -> web.Response:
+        return web.Response(status=200)
+
+    async def models(self, request: web.Request) -> web.Response:
+        return web.json_response(payloads.models_body(self.config.identity, self._started))
+
+    async def version(self, request: web.Request) -> web.Response:
+        return web.json_response({"version": "pdserve-sim"})
+
+    async def server_info(self, request: web.Request) -> web.Response:
+        """Some routers ask for it; vLLM answers with its configuration."""
+        c = self.config
+        return web.json_response(
+            {
+                "model": c.identity.model,
+                "role": c.role,
+                "data_parallel_size": c.dp_size,
+                "tensor_parallel_size": c.identity.tp_size,
+                "max_model_len": c.identity.max_model_len,
+                "kv_role": {"prefill": "kv_producer", "decode": "kv_consumer"}.get(c.role, "kv_both"),
+            }
+        )
+
+    async def model_info(self, request: web.Request) -> web.Response:
+        return web.json_response({"model_path": self.config.identity.model, "is_generation": True})
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        s = self.stats
+        text = payloads.metrics_text(
+            self.config.identity.model, s.in_flight, s.success, s.prompt_tokens, s.generation_tokens
+        )
+        return web.Response(text=text, content_type="text/plain", charset="utf-8")
+
+    async def profile(self, request: web.Request) -> web.Response:
+        self.stats.profile_calls += 1
+        return web.Response(status=200)
+
+    async def get_stats(self, request: web.Request) -> web.Response:
+        return web.json_response(self.stats.to_dict())
+
+    async def reset(self, request: web.Request) -> web.Response:
+        self.stats.reset()
+        return web.json_response(self.stats.to_dict())
+
+    async def get_faults(self, request: web.Request) -> web.Response:
+        return web.json_response({"faults": [f.to_dict() for f in self.faults]})
+
+    async def set_faults(self, request: web.Request) -> web.Response:
+        try:
+            body = json.loads(await request.read())
+            self.faults = faults_from_json(body)
+        except ValueError as exc:  # FaultSpecError and JSONDecodeError are both ValueErrors
+            message = str(exc) if isinstance(exc, FaultSpecError) else f"body is not valid JSON: {exc}"
+            return web.json_response(error_body(message, code="400", param="faults"), status=400)
+        return web.json_response({"faults": [f.to_dict() for f in self.faults]})
+
+    # --- generation -----------------------------------------------------------------------------
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, "completions")
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, "chat")
+
+    async def _generate(self, request: web.Request, endpoint: Endpoint) -> web.StreamResponse:
+        try:
+            body = json.loads(await request.read())
+        except ValueError as exc:
+            return self._reject("invalid_json", RequestError(400, f"request body is not valid JSON: {exc}"))
+        try:
+            check_generation_request(body, endpoint)
+        except RequestError as exc:
+            return self._reject("invalid_request", exc)
+        model = body.get("model")
+        if model is not None and model != self.config.identity.model:
+            return self._reject(
+                "model_not_found",
+                RequestError(404, f"The model `{model}` does not exist.", "NotFoundError", "model"),
+            )
+        try:
+            header_rank = payloads.parse_rank_header(request.headers.get(DP_RANK), self.config.dp_size)
+        except RequestError as exc:
+            return self._reject("rank_out_of_range", exc)
+        try:
+            leg = payloads.classify_leg(body)
+        except RequestError as exc:
+            return self._reject("invalid_kv_transfer_params", exc)
+        wrong_role = self._wrong_role(leg)
+        if wrong_role is not None:
+            return self._reject("wrong_role", wrong_role)
+
+        rank = header_rank if header_rank is not None else self._pick_rank()
+        job = self._admit(request, endpoint, body, leg, rank, header_rank is not None)
+        if leg == "decode":
+            problems = self._handoff_problems(body["kv_transfer_params"])
+            if problems:
+                self.stats.malformed_handoff += 1
+                job.record["outcome"] = "malformed_handoff"
+                job.record["problems"] = problems
+                return self._reject(
+                    "malformed_handoff",
+                    RequestError(
+                        400,
+                        "kv_transfer_params of this remote-prefill request are missing or malformed: "
+                        f"{', '.join(problems)} (real vLLM would wait forever for this KV)",
+                        param="kv_transfer_params",
+                    ),
+                )
+
+        s = self.stats
+        s.requests += 1
+        s.by_rank[rank] += 1
+        s.by_leg[leg] += 1
+        if header_rank is None:
+            s.without_rank_header += 1
+        s.in_flight[rank] += 1
+        try:
+            fault = choose_fault(self.faults, self.rng, leg, rank)
+            if fault is not None:
+                s.faults[str(fault.kind)] += 1
+                job.record["fault"] = fault.spec()
+            response = await self._run(request, job, fault)
+        except (asyncio.CancelledError, ConnectionResetError):
+            if not job.aborted:
+                s.cancelled += 1
+                job.record["outcome"] = "cancelled"
+            raise
+        finally:
+            s.in_flight[rank] -= 1
+        return response
+
+    def _reject(self, reason: str, exc: RequestError) -> web.Response:
+        self.stats.rejected[reason] += 1
+        return web.json_response(exc.body(), status=exc.status)
+
+    def _wrong_role(self, leg: Leg) -> RequestError | None:
+        """A misrouted P/D leg is made visible (real kv_both vLLM would serve it)."""
+        role = self.config.role
+        if role == "decode" and leg == "prefill":
+            return RequestError(400, "this instance is a decode instance; it does not serve do_remote_decode")
+        if role == "prefill" and leg == "decode":
+            return RequestError(
+                400, "this instance is a prefill instance; it does not serve do_remote_prefill"
+            )
+        return None
+
+    @staticmethod
+    def _handoff_problems(params: Mapping[str, Any]) -> list[str]:
+        if "transfer_id" in params:
+            return moriio_handoff_problems(params, payloads.moriio_mode(params))
+        return nixl_handoff_problems(params)
+
+    def _pick_rank(self) -> int:
+        rank = payloads.pick_rank(self.stats.in_flight, self._cursor)
+        self._cursor = (rank + 1) % self.config.dp_size
+        return rank
+
+    def _admit(
+        self,
+        request: web.Request,
+        endpoint: Endpoint,
+        body: Mapping[str, Any],
+        leg: Leg,
+        rank: int,
+        header: bool,
+    ) -> Job:
+        client_id = request.headers.get(REQUEST_ID)
+        base = client_id or uuid.uuid4().hex[:16]
+        engine_request_id = payloads.engine_request_id(endpoint, base, uuid.uuid4().hex[:8])
+        params = body.get("kv_transfer_params")
+        moriio = parse_moriio_request_id(client_id) if client_id else None
+        record: dict[str, Any] = {
+            "request_id": client_id,
+            "engine_request_id": engine_request_id,
+            "endpoint": endpoint,
+            "leg": leg,
+            "rank": rank,
+            "rank_header": header,
+            "stream": bool(body.get("stream")),
+            "max_tokens": body.get("max_tokens"),
+            "max_completion_tokens": body.get("max_completion_tokens"),
+            "min_tokens": body.get("min_tokens"),
+            "stream_options": body.get("stream_options"),
+            "transfer_id": params.get("transfer_id") if isinstance(params, Mapping) else None,
+            "moriio_request_id": (
+                None
+                if moriio is None
+                else {
+                    "prefill_kv_address": moriio.prefill_kv_address,
+                    "decode_kv_address": moriio.decode_kv_address,
+                    "uid": moriio.uid,
+                }
+            ),
+            "kv_transfer_params": dict(params) if isinstance(params, Mapping) else None,
+            "authorization": request.headers.get(AUTHORIZATION),
+            "fault": None,
+            "outcome": "running",
+        }
+        self.stats.recent.append(record)
+        return Job(
+            endpoint=endpoint,
+            body=body,
+            leg=leg,
+            rank=rank,
+            base_id=base,
+            engine_request_id=engine_request_id,
+            prompt_tokens=payloads.count_prompt_tokens(body, endpoint),
+            num_tokens=payloads.num_output_tokens(body, self.config.tokens),
+            record=record,
+        )
+
+    def _kv_answer(self, job: Job) -> dict[str, Any] | None:
+        if job.leg != "prefill":
+            return None
+        blocks = payloads.block_ids(job.prompt_tokens, self._next_block[job.rank])
+        self._next_block[job.rank] += len(blocks[0])
+        params = job.body["kv_transfer_params"]
+        identity = self.config.identity
+        if "transfer_id" in params:
+            return payloads.moriio_prefill_answer(identity, job.rank, str(params["transfer_id"]), blocks)
+        return payloads.nixl_prefill_answer(
+            identity, job.rank, job.engine_request_id, job.prompt_tokens, blocks
+        )
+
+    async def _run(self, request: web.Request, job: Job, fault: Fault | None) -> web.StreamResponse:
+        kind = fault.kind if fault is not None else None
+        if kind is FaultKind.RESET:
+            return await self._abort(request, job)
+        if kind is FaultKind.HANG:
+            await asyncio.Future()  # until the client disconnects (the handler is cancelled)
+        if kind is FaultKind.SLOW_FIRST_BYTE and fault is not None and fault.delay_ms:
+            await asyncio.sleep(fault.delay_ms / 1000)
+        if kind is FaultKind.HTTP_500:
+            job.record["outcome"] = "http-500"
+            body = error_body("simulated internal server error (fault http-500)", "InternalServerError", 500)
+            return web.json_response(body, status=500)
+        kv_answer = self._kv_answer(job)
+        if kv_answer is not None:
+            if kind is FaultKind.MALFORMED_KV_PARAMS:
+                kv_answer = malform_kv_params(kv_answer)
+            job.record["kv_answer"] = kv_answer
+        drop = kind is FaultKind.DROP_MID_STREAM
+        if job.body.get("stream"):
+            return await self._stream(request, job, kv_answer, drop)
+        return await self._respond(request, job, kv_answer, drop)
+
+    async def _respond(
+        self, request: web.Request, job: Job, kv_answer: dict[str, Any] | None, drop: bool
+    ) -> web.StreamResponse:
+        c = self.config
+        await asyncio.sleep((c.ttft_ms + c.itl_ms * (job.num_tokens - 1)) / 1000)
+        rid = payloads.response_id(job.endpoint, job.base_id)
+        body = payloads.completion_body(
+            job.endpoint,
+            rid,
+            c.identity.model,
+            job.created,
+            payloads.generated_text(job.num_tokens),
+            payloads.finish_reason(job.num_tokens, job.body),
+            job.prompt_tokens,
+            job.num_tokens,
+            kv_answer,
+        )
+        data = json.dumps(body, separators=(",", ":")).encode()
+        if not drop:
+            self._finished(job)
+            return web.Response(body=data, content_type="application/json")
+        response = web.StreamResponse(headers={"Content-Type": "application/json"})
+        response.content_length = len(data)
+        await response.prepare(request)
+        await response.write(data[: len(data) // 2])
+        return await self._abort(request, job)
+
+    async def _stream(
+        self, request: web.Request, job: Job, kv_answer: dict[str, Any] | None, drop: bool
+    ) -> web.StreamResponse:
+        c = self.config
+        model = c.identity.model
+        rid = payloads.response_id(job.endpoint, job.base_id)
+        response = web.StreamResponse(
+            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+        )
+        await response.prepare(request)
+        if job.endpoint == "chat":
+            await response.write(payloads.sse(payloads.chat_role_chunk(rid, model, job.created)))
+        reason = payloads.finish_reason(job.num_tokens, job.body)
+        stop_after = drop_after_chunks(job.num_tokens) if drop else None
+        for i in range(job.num_tokens):
+            await asyncio.sleep((c.ttft_ms if i == 0 else c.itl_ms) / 1000)
+            if stop_after is not None and i == stop_after:
+                return await self._abort(request, job)
+            last = i == job.num_tokens - 1
+            chunk = payloads.stream_chunk(
+                job.endpoint, rid, model, job.created, payloads.token_text(i), reason if last else None
+            )
+            if last and kv_answer is not None:
+                chunk["kv_transfer_params"] = kv_answer
+            await response.write(payloads.sse(chunk))
+        if stop_after is not None:  # a one-token answer: break it before [DONE]
+            return await self._abort(request, job)
+        if payloads.wants_usage_in_stream(job.body):
+            chunk = payloads.usage_chunk(
+                job.endpoint, rid, model, job.created, job.prompt_tokens, job.num_tokens
+            )
+            await response.write(payloads.sse(chunk))
+        await response.write(payloads.SSE_DONE)
+        await response.write_eof()
+        self._finished(job)
+        return response
+
+    def _finished(self, job: Job) -> None:
+        s = self.stats
+        s.completed += 1
+        s.success[job.rank][payloads.finish_reason(job.num_tokens, job.body)] += 1
+        s.prompt_tokens[job.rank] += job.prompt_tokens
+        s.generation_tokens[job.rank] += job.num_tokens
+        job.record["outcome"] = "ok"
+
+    async def _abort(self, request: web.Request, job: Job) -> web.StreamResponse:
+        """Break the TCP connection with a reset (SO_LINGER 0), so the client sees a broken
+        connection, not a clean end of the answer."""
+        job.aborted = True
+        job.record["outcome"] = "aborted"
+        transport = request.transport
+        if transport is not None:
+            sock = transport.get_extra_info("socket")
+            if sock is not None:
+                with contextlib.suppress(OSError):
+                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            transport.abort()
+        await asyncio.Future()  # aiohttp cancels the handler once the connection is gone
+        raise AssertionError("unreachable")
+
+
+async def serve(sim: Simulator, host: str, port: int, backlog: int = 4096) -> None:
+    """Serve until SIGTERM or SIGINT; requests still hanging are cut after a short grace period."""
+    runner = web.AppRunner(
+        sim.app(),
+        access_log=None,
+        handler_cancellation=True,  # a client disconnect cancels the request, as in vLLM
+        keepalive_timeout=600,
+        shutdown_timeout=2.0,
+    )
+    await runner.setup()
+    site = web.TCPSite(runner, host, port, backlog=backlog, reuse_address=True)
+    await site.start()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    c = sim.config
+    faults = ", ".join(f.spec() for f in sim.faults) or "none"
+    print(
+        f"pdserve sim: role={c.role} dp_size={c.dp_size} model={c.identity.model} "
+        f"instance={c.identity.instance_name} faults={faults} listening on http://{host}:{port}",
+        flush=True,
+    )
+    try:
+        await stop.wait()
+    finally:
+        await runner.cleanup()
