@@ -1,0 +1,277 @@
+"""The proxy's HTTP surface (Quart app factory).
+
+Generation requests go through :class:`pdserve.proxy.flow.Dispatcher`; everything else here
+is small: probes, metrics, the routing debug view, model listing and profiler fan-out.
+Every answer carries the request's ``X-Request-Id`` and every error is OpenAI-style JSON.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import logging
+import uuid
+from typing import Any
+
+import aiohttp
+from quart import Quart, Response, g, request
+from werkzeug.exceptions import HTTPException
+
+from pdserve.proxy.flow import Deadlines, Dispatcher, RelayStream, Reply
+from pdserve.proxy.health import SlotBook
+from pdserve.proxy.metrics import ProxyMetrics
+from pdserve.proxy.policies import make_policy
+from pdserve.proxy.reload import RoutingWatcher
+from pdserve.proxy.settings import ProxySettings
+from pdserve.proxy.upstream import Upstream
+from pdserve.routing import Instance, Role
+from pdserve.wire.headers import AUTHORIZATION, REQUEST_ID
+from pdserve.wire.openai import Endpoint, RequestError, check_generation_request, error_body
+
+log = logging.getLogger("pdserve.proxy")
+
+# Probes and scraping stay open when --api-key is set (kubelet and Prometheus carry no key).
+OPEN_PATHS = frozenset({"/health", "/ready", "/metrics"})
+ADMIN_TIMEOUT_S = 10.0
+
+_HTTP_CODES = {
+    400: "invalid_request_error",
+    404: "not_found",
+    405: "method_not_allowed",
+    413: "request_too_large",
+}
+
+
+def json_response(payload: Any, status: int = 200) -> Response:
+    return Response(json.dumps(payload), status=status, content_type="application/json")
+
+
+def openai_error(status: int, message: str, type_: str, code: str) -> Response:
+    return json_response(error_body(message, type_, code), status)
+
+
+def create_app(settings: ProxySettings) -> Quart:
+    app = Quart("pdserve.proxy")
+    app.config.update(
+        MAX_CONTENT_LENGTH=settings.max_body_bytes,
+        RESPONSE_TIMEOUT=None,  # streams last minutes; the stream-idle deadline guards them
+        BODY_TIMEOUT=60,
+    )
+    metrics = ProxyMetrics()
+    book = SlotBook(settings.eject_seconds)
+    watcher = RoutingWatcher(settings.routing_file, metrics, settings.reload_interval)
+    upstream = Upstream(settings.connect_timeout)
+    deadlines = Deadlines(
+        settings.prefill_ttfb_timeout, settings.decode_ttfb_timeout, settings.stream_idle_timeout
+    )
+    dispatcher = Dispatcher(
+        watcher,
+        make_policy(settings.policy),
+        book,
+        upstream,
+        metrics,
+        deadlines,
+        settings.max_retries,
+        settings.backend_api_key,
+    )
+    app.extensions["pdserve"] = dispatcher
+    tasks: list[asyncio.Task[None]] = []
+
+    @app.before_serving
+    async def start() -> None:
+        await upstream.start()
+        watcher.poll(confirm_errors=False)
+        tasks.append(asyncio.create_task(watcher.run()))
+
+    @app.after_serving
+    async def stop() -> None:
+        for task in tasks:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        await upstream.close()
+
+    @app.before_request
+    async def identify_and_authorize() -> Response | None:
+        g.request_id = request.headers.get(REQUEST_ID) or uuid.uuid4().hex
+        if settings.api_key and request.path not in OPEN_PATHS:
+            presented = request.headers.get(AUTHORIZATION, "")
+            expected = f"Bearer {settings.api_key}"
+            if not hmac.compare_digest(presented.encode(), expected.encode()):
+                return openai_error(
+                    401,
+                    "missing or wrong API key (send 'Authorization: Bearer <key>')",
+                    "authentication_error",
+                    "invalid_api_key",
+                )
+        return None
+
+    @app.after_request
+    async def tag(response: Response) -> Response:
+        response.headers[REQUEST_ID] = g.get("request_id") or uuid.uuid4().hex
+        return response
+
+    @app.errorhandler(RequestError)
+    async def refused(exc: RequestError) -> Response:
+        return json_response(exc.body(), exc.status)
+
+    @app.errorhandler(HTTPException)
+    async def http_error(exc: HTTPException) -> Response:
+        status = exc.code or 500
+        message = {
+            404: f"no such endpoint: {request.method} {request.path}",
+            405: f"method {request.method} is not allowed on {request.path}",
+            413: f"request body is larger than {settings.max_body_bytes} bytes",
+        }.get(status, exc.description or exc.name)
+        return openai_error(status, message, "invalid_request_error", _HTTP_CODES.get(status, str(status)))
+
+    @app.errorhandler(Exception)
+    async def crashed(exc: Exception) -> Response:
+        log.exception("unexpected error serving %s %s", request.method, request.path)
+        return openai_error(500, "internal proxy error", "internal_error", "internal_error")
+
+    async def generation(endpoint: Endpoint) -> Response:
+        raw = await request.get_data()
+        try:
+            body = json.loads(raw)
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise RequestError(400, f"request body is not valid JSON: {exc}") from None
+        checked = check_generation_request(body, endpoint)
+        reply = await dispatcher.generate(
+            request.path, checked, g.request_id, request.headers.get(AUTHORIZATION)
+        )
+        return to_response(reply)
+
+    @app.post("/v1/completions")
+    async def completions() -> Response:
+        return await generation("completions")
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions() -> Response:
+        return await generation("chat")
+
+    @app.get("/health")
+    async def health() -> Response:
+        return json_response({"status": "ok"})
+
+    @app.get("/ready")
+    async def ready() -> Response:
+        state = watcher.current
+        prefill = len(state.slots.prefill) if state else 0
+        decode = len(state.slots.decode) if state else 0
+        payload: dict[str, Any] = {
+            "ready": prefill > 0 and decode > 0,
+            "generation": state.generation if state else None,
+            "prefill_slots": prefill,
+            "decode_slots": decode,
+        }
+        if not payload["ready"]:
+            payload["reason"] = watcher.last_error or "no routable prefill and decode instances"
+        return json_response(payload, 200 if payload["ready"] else 503)
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        body, content_type = metrics.render()
+        return Response(body, content_type=content_type)
+
+    @app.get("/debug/routing")
+    async def debug_routing() -> Response:
+        state = watcher.current
+        out: dict[str, Any] = {
+            "routing_file": str(settings.routing_file),
+            "policy": settings.policy,
+            "last_reload_error": watcher.last_error,
+            "generation": state.generation if state else None,
+            "table": state.slots.table.to_dict() if state else None,
+            "slots": {},
+        }
+        for role in Role:
+            rows = []
+            for slot in state.slots.slots(role) if state else ():
+                s = book.state(role, slot.key)
+                rows.append(
+                    {
+                        "slot": slot.key,
+                        "url": slot.url,
+                        "dp_rank": slot.dp_rank,
+                        "rank_header": slot.rank_header,
+                        "requests": s.requests,
+                        "in_flight": s.in_flight,
+                        "errors": s.errors,
+                        "ejections": s.ejections,
+                        "ejected_for_seconds": round(book.ejected_for(role, slot.key), 3),
+                    }
+                )
+            out["slots"][role.value] = rows
+        return json_response(out)
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        state = watcher.current
+        instances = _unique(state.slots.decode) if state else []
+        for inst in instances:
+            try:
+                async with asyncio.timeout(ADMIN_TIMEOUT_S):
+                    async with upstream.session.get(
+                        inst.url + "/v1/models", headers=_admin_headers()
+                    ) as resp:
+                        body = await resp.read()
+                        if resp.status == 200:
+                            return Response(body, content_type=resp.content_type or "application/json")
+            except (TimeoutError, aiohttp.ClientError) as exc:
+                log.warning("GET /v1/models from %s failed: %s", inst.name, exc)
+        return openai_error(
+            503, "no ready decode instance answered /v1/models", "service_unavailable", "no_decode_slot"
+        )
+
+    def _admin_headers() -> dict[str, str]:
+        if settings.backend_api_key:
+            return {AUTHORIZATION: f"Bearer {settings.backend_api_key}"}
+        auth = request.headers.get(AUTHORIZATION)
+        return {AUTHORIZATION: auth} if auth else {}
+
+    async def fan_out(path: str) -> Response:
+        state = watcher.current
+        instances = [*state.slots.table.prefill, *state.slots.table.decode] if state else []
+        headers = _admin_headers()
+
+        async def one(inst: Instance) -> tuple[str, dict[str, Any]]:
+            try:
+                async with asyncio.timeout(ADMIN_TIMEOUT_S):
+                    async with upstream.session.post(inst.url + path, headers=headers) as resp:
+                        await resp.read()
+                        return inst.name, {"status": resp.status}
+            except (TimeoutError, aiohttp.ClientError) as exc:
+                return inst.name, {"error": str(exc) or type(exc).__name__}
+
+        results = dict(await asyncio.gather(*(one(i) for i in instances)))
+        ok = bool(results) and all(r.get("status") == 200 for r in results.values())
+        return json_response({"instances": results}, 200 if ok else 502)
+
+    @app.post("/start_profile")
+    async def start_profile() -> Response:
+        return await fan_out("/start_profile")
+
+    @app.post("/stop_profile")
+    async def stop_profile() -> Response:
+        return await fan_out("/stop_profile")
+
+    return app
+
+
+def to_response(reply: Reply) -> Response:
+    if isinstance(reply.body, RelayStream):
+        response = Response(reply.body, status=reply.status, content_type=reply.content_type)
+        response.headers["Cache-Control"] = "no-cache"
+        response.timeout = None
+        return response
+    return Response(reply.body, status=reply.status, content_type=reply.content_type)
+
+
+def _unique(slots: Any) -> list[Instance]:
+    seen: dict[str, Instance] = {}
+    for slot in slots:
+        seen.setdefault(slot.instance.name, slot.instance)
+    return list(seen.values())

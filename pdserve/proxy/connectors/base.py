@@ -1,0 +1,72 @@
+"""The connector protocol: how one client request becomes a prefill leg and a decode leg.
+
+Everything here is pure: a connector maps (client body, chosen slots, ids) to leg bodies and
+the DP rank header each leg carries. The I/O flow (pdserve.proxy.flow) is shared by all
+connectors; a connector only says whether its two legs run one after the other or at once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, ClassVar, Protocol
+
+from pdserve.routing import Slot
+
+
+@dataclass(frozen=True)
+class LegIds:
+    """Ids both legs of one attempt share."""
+
+    request_id: str  # sent as X-Request-Id on both legs
+    transfer_id: str | None = None
+
+
+@dataclass(frozen=True)
+class LegPlan:
+    """One upstream request: its JSON body and the X-data-parallel-rank to send (None: none)."""
+
+    body: dict[str, Any]
+    dp_rank: int | None
+
+
+class Connector(Protocol):
+    name: ClassVar[str]
+
+    @property
+    def concurrent(self) -> bool:
+        """True when the decode is sent together with the prefill instead of after it."""
+        ...
+
+    def ids(self, client_request_id: str, prefill: Slot, decode: Slot, uid: str) -> LegIds: ...
+
+    def prefill_leg(self, body: Mapping[str, Any], prefill: Slot, decode: Slot, ids: LegIds) -> LegPlan: ...
+
+    def handoff_problems(self, answer: object) -> list[str]:
+        """Missing or malformed fields in the prefill's ``kv_transfer_params`` (empty: usable)."""
+        ...
+
+    def decode_leg(
+        self,
+        body: Mapping[str, Any],
+        prefill: Slot,
+        decode: Slot,
+        ids: LegIds,
+        handoff: Mapping[str, Any] | None,
+    ) -> LegPlan: ...
+
+
+def prefill_only(body: Mapping[str, Any]) -> dict[str, Any]:
+    """The client's request cut down to a prefill: one token, no streaming.
+
+    ``min_tokens`` would contradict ``max_tokens=1`` and ``stream_options`` is invalid without
+    ``stream``, so both go.
+    """
+    out = dict(body)
+    out["max_tokens"] = 1
+    if "max_completion_tokens" in out:
+        out["max_completion_tokens"] = 1
+    out["stream"] = False
+    out.pop("stream_options", None)
+    out.pop("min_tokens", None)
+    return out

@@ -1,0 +1,70 @@
+"""Per-slot bookkeeping: request counters, in-flight counts and ejection with a cool-down.
+
+A slot that failed (connect error, 5xx, deadline, bad handoff) is ejected for a while so the
+next requests go elsewhere instead of paying the same failure again. An ejected slot is still
+a last resort: policies order it after the healthy ones, so ejection alone never turns a
+request away.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from pdserve.routing import Role
+
+
+@dataclass
+class SlotState:
+    requests: int = 0
+    in_flight: int = 0
+    errors: int = 0
+    ejections: int = 0
+    ejected_until: float = 0.0  # monotonic clock
+
+
+class SlotBook:
+    """Counters per (role, slot key); keys survive table reloads so counts stay comparable."""
+
+    def __init__(self, eject_seconds: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.eject_seconds = eject_seconds
+        self._clock = clock
+        self._states: dict[tuple[Role, str], SlotState] = {}
+
+    def state(self, role: Role, key: str) -> SlotState:
+        entry = self._states.get((role, key))
+        if entry is None:
+            entry = self._states[(role, key)] = SlotState()
+        return entry
+
+    def in_flight(self, role: Role, key: str) -> int:
+        return self.state(role, key).in_flight
+
+    def ejected(self, role: Role, key: str) -> bool:
+        return self.state(role, key).ejected_until > self._clock()
+
+    def ejected_for(self, role: Role, key: str) -> float:
+        """Seconds of cool-down left (0 when the slot is healthy)."""
+        return max(0.0, self.state(role, key).ejected_until - self._clock())
+
+    def eject(self, role: Role, key: str) -> bool:
+        """Start (or extend) the cool-down; True when the slot was healthy until now."""
+        entry = self.state(role, key)
+        now = self._clock()
+        newly = entry.ejected_until <= now
+        entry.ejected_until = now + self.eject_seconds
+        if newly:
+            entry.ejections += 1
+        return newly
+
+    def started(self, role: Role, key: str) -> None:
+        entry = self.state(role, key)
+        entry.requests += 1
+        entry.in_flight += 1
+
+    def finished(self, role: Role, key: str, ok: bool) -> None:
+        entry = self.state(role, key)
+        entry.in_flight -= 1
+        if not ok:
+            entry.errors += 1

@@ -1,0 +1,97 @@
+"""Prometheus metrics of the proxy, on a registry per app (tests build several apps per process)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+# Streams run for minutes: the buckets reach 10 min.
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+
+
+class ProxyMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.requests = Counter(
+            "pdserve_proxy_requests",
+            "Client requests by endpoint and outcome (ok, client_error, upstream_error, no_slot, cancelled)",
+            ["endpoint", "outcome"],
+            registry=r,
+        )
+        self.upstream = Counter(
+            "pdserve_proxy_upstream_requests",
+            "Upstream legs by role, slot and outcome (ok, http_4xx, http_5xx, connect_error, dropped, "
+            "timeout, bad_handoff, cancelled)",
+            ["role", "slot", "outcome"],
+            registry=r,
+        )
+        self.ttft = Histogram(
+            "pdserve_proxy_ttft_seconds",
+            "Time from the client's request to the first byte sent back to it",
+            ["endpoint"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.total = Histogram(
+            "pdserve_proxy_request_seconds",
+            "Time from the client's request to the end of its response",
+            ["endpoint"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.in_flight = Gauge("pdserve_proxy_in_flight", "Client requests being served", registry=r)
+        self.slot_in_flight = Gauge(
+            "pdserve_proxy_slot_in_flight", "Upstream legs in flight per slot", ["role", "slot"], registry=r
+        )
+        self.generation = Gauge(
+            "pdserve_proxy_routing_generation", "Generation of the routing table being served", registry=r
+        )
+        self.slots = Gauge("pdserve_proxy_routing_slots", "Routable slots per role", ["role"], registry=r)
+        self.reloads = Counter(
+            "pdserve_proxy_routing_reloads", "Routing tables loaded from the routing file", registry=r
+        )
+        self.reload_errors = Counter(
+            "pdserve_proxy_routing_reload_errors",
+            "Routing files that could not be served (the last good table was kept)",
+            registry=r,
+        )
+        self.retries = Counter(
+            "pdserve_proxy_retries",
+            "Attempts repeated on another slot, by failed role and reason",
+            ["role", "reason"],
+            registry=r,
+        )
+        self.ejections = Counter(
+            "pdserve_proxy_ejections",
+            "Slots ejected for a cool-down after a failure",
+            ["role", "slot"],
+            registry=r,
+        )
+        self.handoff_failures = Counter(
+            "pdserve_proxy_handoff_failures",
+            "Prefill answers whose kv_transfer_params a decode could not use (decode not sent)",
+            ["slot"],
+            registry=r,
+        )
+        self.deadline_expiries = Counter(
+            "pdserve_proxy_deadline_expiries",
+            "Upstream deadlines that expired (prefill_ttfb, decode_ttfb, stream_idle); upstream cancelled",
+            ["role", "deadline"],
+            registry=r,
+        )
+        self.stream_errors = Counter(
+            "pdserve_proxy_stream_errors",
+            "Streams ended with an error event after the first byte had reached the client",
+            ["reason"],
+            registry=r,
+        )
+        self.background_prefill_failures = Counter(
+            "pdserve_proxy_background_prefill_failures",
+            "MoRIIO WRITE prefills that failed after their decode had started streaming",
+            ["slot"],
+            registry=r,
+        )
+
+    def render(self) -> tuple[bytes, str]:
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST

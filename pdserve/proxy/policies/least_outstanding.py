@@ -1,0 +1,30 @@
+"""Fewest in-flight requests per slot; ties broken in interleaved order.
+
+The tie-break starts where a rotating counter points, so an idle proxy (every slot at 0)
+still spreads requests over all slots exactly like flat-interleaved instead of piling them
+onto the first slot.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import ClassVar
+
+from pdserve.proxy.health import SlotBook
+from pdserve.proxy.policies.base import healthy_first, rotation
+from pdserve.routing import Role, Slot
+
+
+class LeastOutstanding:
+    name: ClassVar[str] = "least-outstanding"
+
+    def __init__(self) -> None:
+        self._counters = {role: 0 for role in Role}
+
+    def candidates(self, role: Role, slots: Sequence[Slot], book: SlotBook) -> list[Slot]:
+        start = self._counters[role]
+        self._counters[role] = start + 1
+        ordered = rotation(slots, start)
+        # sorted() is stable, so equal in-flight counts keep the interleaved rotation order.
+        by_load = sorted(ordered, key=lambda s: book.in_flight(role, s.key))
+        return healthy_first(role, by_load, book)

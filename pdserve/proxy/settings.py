@@ -1,0 +1,37 @@
+"""Everything the proxy is configured with, in one typed value (built by the CLI or by tests)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from pdserve.proxy.policies import DEFAULT_POLICY
+
+# Defaults suit real models: a long prompt's prefill or a busy decode's first token can take
+# minutes, so deadlines only catch what is truly stuck.
+DEFAULT_PREFILL_TTFB_S = 600.0
+DEFAULT_DECODE_TTFB_S = 600.0
+DEFAULT_STREAM_IDLE_S = 120.0
+DEFAULT_MAX_BODY_BYTES = 32 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class ProxySettings:
+    routing_file: Path
+    host: str = "0.0.0.0"
+    port: int = 8000
+    policy: str = DEFAULT_POLICY
+    backlog: int = 4096
+    max_retries: int = 2
+    eject_seconds: float = 10.0
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    api_key: str | None = None
+    backend_api_key: str | None = None
+    prefill_ttfb_timeout: float = DEFAULT_PREFILL_TTFB_S
+    decode_ttfb_timeout: float = DEFAULT_DECODE_TTFB_S
+    stream_idle_timeout: float = DEFAULT_STREAM_IDLE_S
+    connect_timeout: float = 5.0
+    keep_alive_seconds: float = 300.0
+    grace_seconds: float = 30.0
+    reload_interval: float = 0.2
+    log_level: str = "info"

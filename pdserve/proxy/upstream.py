@@ -1,0 +1,141 @@
+"""The one pooled HTTP client of the proxy process, and how upstream failures are classified.
+
+A session per request (what vLLM's toy proxies do) pays a TCP handshake per leg and caps
+throughput; one session with an unbounded connection pool keeps connections to every
+instance alive across requests and carries thousands of concurrent streams.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+import aiohttp
+
+# Idle pooled connections are kept this long; vLLM's server keeps them for 5 s by default,
+# but a closed pooled connection only costs a retry inside aiohttp, never a failed request.
+POOL_KEEPALIVE_SECONDS = 30.0
+
+
+class LegError(Exception):
+    """A leg that failed in a way another slot may not: retry elsewhere, eject this slot.
+
+    ``outcome`` is the metrics label: connect_error, http_5xx, dropped, timeout or bad_handoff.
+    """
+
+    def __init__(self, outcome: str, detail: str, problems: tuple[str, ...] = ()) -> None:
+        super().__init__(detail)
+        self.outcome = outcome
+        self.detail = detail
+        self.problems = problems
+
+
+@dataclass(frozen=True)
+class BackendRefusal(Exception):
+    """A 4xx from a backend: the client's mistake (bad params, DP rank out of range), passed back."""
+
+    status: int
+    body: bytes
+    content_type: str
+
+
+@dataclass(frozen=True)
+class Answer:
+    status: int
+    body: bytes
+    content_type: str
+
+
+@dataclass
+class OpenStream:
+    """A decode response whose first chunk has arrived; the rest is read by the relay."""
+
+    response: aiohttp.ClientResponse
+    first_chunk: bytes
+
+
+class Upstream:
+    def __init__(self, connect_timeout: float) -> None:
+        self.connect_timeout = connect_timeout
+        self._session: aiohttp.ClientSession | None = None
+
+    async def start(self) -> None:
+        connector = aiohttp.TCPConnector(
+            limit=0,  # no pool cap: the client's concurrency is the only bound
+            limit_per_host=0,
+            keepalive_timeout=POOL_KEEPALIVE_SECONDS,
+            ttl_dns_cache=60,
+        )
+        self._session = aiohttp.ClientSession(
+            connector=connector,
+            timeout=aiohttp.ClientTimeout(total=None, sock_connect=self.connect_timeout),
+            auto_decompress=False,
+        )
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    @property
+    def session(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            raise RuntimeError("Upstream.start() was not awaited")
+        return self._session
+
+    async def post(self, url: str, payload: bytes, headers: dict[str, str], deadline: float) -> Answer:
+        """One buffered request; the deadline covers the whole answer."""
+        try:
+            async with asyncio.timeout(deadline):
+                async with self.session.post(url, data=payload, headers=headers) as resp:
+                    body = await resp.read()
+                    return _checked(Answer(resp.status, body, resp.content_type))
+        except TimeoutError:
+            raise LegError("timeout", f"no answer within {deadline:g} s") from None
+        except aiohttp.ClientError as exc:
+            raise classify(exc) from exc
+
+    async def open_stream(
+        self, url: str, payload: bytes, headers: dict[str, str], deadline: float
+    ) -> OpenStream:
+        """Send a streaming request and wait for its first chunk; the deadline covers both."""
+        resp: aiohttp.ClientResponse | None = None
+        try:
+            async with asyncio.timeout(deadline):
+                resp = await self.session.post(url, data=payload, headers=headers)
+                if resp.status >= 400:
+                    body = await resp.read()
+                    _checked(Answer(resp.status, body, resp.content_type))
+                first = await resp.content.readany()
+            if not first:
+                raise LegError("dropped", "the stream ended before its first byte")
+            return OpenStream(resp, first)
+        except BaseException as exc:
+            if resp is not None:
+                resp.close()  # closes the connection: the backend sees the cancel and frees its KV
+            if isinstance(exc, TimeoutError):
+                raise LegError("timeout", f"no first byte within {deadline:g} s") from None
+            if isinstance(exc, aiohttp.ClientError):
+                raise classify(exc) from exc
+            raise
+
+
+def _checked(answer: Answer) -> Answer:
+    if answer.status >= 500:
+        raise LegError("http_5xx", f"HTTP {answer.status}: {_snippet(answer.body)}")
+    if answer.status >= 400:
+        raise BackendRefusal(answer.status, answer.body, answer.content_type)
+    return answer
+
+
+def classify(exc: aiohttp.ClientError) -> LegError:
+    if isinstance(exc, aiohttp.ClientConnectorError):
+        return LegError("connect_error", f"cannot connect: {exc.os_error or exc}")
+    if isinstance(exc, aiohttp.ServerDisconnectedError | aiohttp.ClientPayloadError | aiohttp.ClientOSError):
+        return LegError("dropped", f"connection lost: {exc or type(exc).__name__}")
+    return LegError("dropped", f"{type(exc).__name__}: {exc}")
+
+
+def _snippet(body: bytes, limit: int = 200) -> str:
+    text = body.decode("utf-8", errors="replace").strip()
+    return text if len(text) <= limit else text[:limit] + "..."
