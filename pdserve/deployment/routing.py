@@ -1,0 +1,69 @@
+"""Observed instances → the routing table the proxy reads (pdserve.routing's contract).
+
+Shared by the operator (pods: IP, Ready condition, draining mark) and the local mode
+(processes on loopback: their health as ``ready``). Only the generation rule lives here;
+the format is :mod:`pdserve.routing.table`'s, never redefined.
+
+Instances without an address (a pod not yet scheduled or without an IP) are left out: the
+table's ``url`` must be a real address, and such an instance could not be routed to anyway.
+The operator's status counts pods, not table entries, so nothing is lost.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from pdserve.deployment.kvconfig import kv_address
+from pdserve.deployment.spec import ENGINE_PORT, PDDeployment
+from pdserve.routing import Instance, Role, RoutingTable
+
+
+@dataclass(frozen=True)
+class ObservedInstance:
+    role: Role
+    index: int
+    pod_name: str
+    pod_ip: str | None
+    ready: bool
+    draining: bool = False
+    #: The engine's HTTP port; local mode runs many engines on one host, pods all use 8000.
+    port: int = ENGINE_PORT
+
+
+def build_routing_table(
+    pdd: PDDeployment, observed: Sequence[ObservedInstance], previous: RoutingTable | None
+) -> RoutingTable:
+    """The table for what is observed now; ``generation`` moves only when the content changes."""
+    kv = pdd.spec.kv_transfer
+    by_role: dict[Role, list[Instance]] = {Role.PREFILL: [], Role.DECODE: []}
+    for obs in sorted(observed, key=lambda o: (o.role.value, o.index, o.pod_name)):
+        if not obs.pod_ip:
+            continue
+        rs = pdd.spec.role(obs.role)
+        by_role[obs.role].append(
+            Instance(
+                name=obs.pod_name,
+                url=f"http://{_host(obs.pod_ip)}:{obs.port}",
+                dp_size=rs.data_parallel,
+                tp_size=rs.tensor_parallel,
+                ready=obs.ready,
+                draining=obs.draining,
+                kv_address=kv_address(kv, obs.pod_ip),
+            )
+        )
+    table = RoutingTable(
+        deployment=pdd.name,
+        generation=1,
+        connector=kv.routing_connector,
+        prefill=tuple(by_role[Role.PREFILL]),
+        decode=tuple(by_role[Role.DECODE]),
+    )
+    if previous is None:
+        return table
+    generation = previous.generation if table.same_content(previous) else previous.generation + 1
+    return RoutingTable(table.deployment, generation, table.connector, table.prefill, table.decode)
+
+
+def _host(ip: str) -> str:
+    return f"[{ip}]" if ":" in ip else ip

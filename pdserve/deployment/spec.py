@@ -1,0 +1,496 @@
+"""The PDDeployment resource as typed, immutable values, and its one parser.
+
+The operator parses objects it reads from the API server; the local mode and ``pdserve render``
+parse YAML files that no API server has checked. So :func:`parse_spec` applies every default
+and check the CRD schema (``crds/pddeployments.pdserve.io.yaml``) applies, CEL rules included,
+and names the offending field in its error, e.g.
+``spec.prefill.dataParallel: expected an integer >= 1, got "8" (string)``.
+A unit test walks the CRD's defaults and checks they equal the ones here.
+
+Rules the schema cannot express (a node's GPU count, flags that pdserve owns) live in
+:mod:`pdserve.deployment.validate`.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from pdserve.routing import Connector, Role
+
+GROUP = "pdserve.io"
+VERSION = "v1alpha1"
+API_VERSION = f"{GROUP}/{VERSION}"
+KIND = "PDDeployment"
+PLURAL = "pddeployments"
+
+ENGINES = ("vllm", "sim")
+CONNECTORS = ("NixlConnector", "MoRIIOConnector")
+TRANSFER_MODES = ("READ", "WRITE")
+POLICIES = ("flat-interleaved", "least-outstanding")
+SERVICE_TYPES = ("ClusterIP", "NodePort", "LoadBalancer")
+
+#: Every engine (vLLM or the simulator) listens here, in its own pod.
+ENGINE_PORT = 8000
+
+#: Longest PDDeployment name: ``<name>-engines`` must stay a 63-character DNS label.
+MAX_NAME_LENGTH = 52
+_DNS_1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+_DNS_1123 = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+_RESOURCE_NAME = re.compile(r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?/[-._a-zA-Z0-9]+$")
+_ENV_NAME = re.compile(r"^[-._a-zA-Z][-._a-zA-Z0-9]*$")
+
+# Defaults; equal to the CRD schema's (tests/unit/test_deployment_spec.py checks it).
+DEFAULT_ENGINE = "vllm"
+DEFAULT_GPU_RESOURCE = "nvidia.com/gpu"
+DEFAULT_CONNECTOR = "NixlConnector"
+DEFAULT_ROUTER_REPLICAS = 1
+DEFAULT_POLICY = "flat-interleaved"
+DEFAULT_BACKLOG = 4096
+DEFAULT_ROUTER_PORT = 8000
+DEFAULT_SERVICE_TYPE = "ClusterIP"
+DEFAULT_MAX_UNAVAILABLE = 1
+DEFAULT_DRAIN_SECONDS = 30
+
+# Bounds; equal to the CRD schema's.
+MAX_INSTANCES = 1024
+MAX_PARALLEL = 64
+MAX_ROUTER_REPLICAS = 64
+MAX_BACKLOG = 1_000_000
+MAX_DRAIN_SECONDS = 3600
+
+
+class SpecError(ValueError):
+    """A PDDeployment that must not be acted on; the message names the field and the reason."""
+
+    def __init__(self, path: str, reason: str) -> None:
+        self.path = path
+        self.reason = reason
+        super().__init__(f"{path}: {reason}" if path else reason)
+
+
+@dataclass(frozen=True)
+class KVTransferSpec:
+    connector: str  # "NixlConnector" | "MoRIIOConnector"
+    transfer_mode: str | None = None  # "READ" | "WRITE", MoRIIO only
+    extra_config: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def routing_connector(self) -> Connector:
+        """The connector as the routing table (and so the proxy) names it."""
+        kind = "moriio" if self.connector == "MoRIIOConnector" else "nixl"
+        return Connector(kind, self.transfer_mode)
+
+
+@dataclass(frozen=True)
+class RoleSpec:
+    """One role's instances; each instance is one pod running one ``vllm serve`` (DP x TP GPUs)."""
+
+    instances: int = 1
+    data_parallel: int = 1
+    tensor_parallel: int = 1
+    expert_parallel: bool = False
+    args: tuple[str, ...] = ()
+    env: tuple[Mapping[str, Any], ...] = ()
+    resources: Mapping[str, Any] = field(default_factory=dict)
+    node_selector: Mapping[str, str] = field(default_factory=dict)
+    tolerations: tuple[Mapping[str, Any], ...] = ()
+    affinity: Mapping[str, Any] = field(default_factory=dict)
+    #: Reserved for instances spanning nodes (DP or TP across nodes); only 1 is accepted today.
+    nodes_per_instance: int = 1
+
+    @property
+    def gpus_per_instance(self) -> int:
+        return self.data_parallel * self.tensor_parallel
+
+    @property
+    def slots(self) -> int:
+        """Routable (instance, DP rank) pairs when every instance is up."""
+        return self.instances * self.data_parallel
+
+
+@dataclass(frozen=True)
+class RouterSpec:
+    replicas: int = DEFAULT_ROUTER_REPLICAS
+    image: str = ""  # "" means the pdserve image of this version
+    policy: str = DEFAULT_POLICY
+    backlog: int = DEFAULT_BACKLOG
+    port: int = DEFAULT_ROUTER_PORT
+    service_type: str = DEFAULT_SERVICE_TYPE
+
+
+@dataclass(frozen=True)
+class RolloutSpec:
+    max_unavailable: int = DEFAULT_MAX_UNAVAILABLE
+    drain_seconds: int = DEFAULT_DRAIN_SECONDS
+
+
+@dataclass(frozen=True)
+class PDDeploymentSpec:
+    model: str
+    served_model_name: str  # the model name clients send; ``model`` when the spec leaves it out
+    image: str  # "" is allowed only for engine "sim" (the router image is used)
+    engine: str
+    gpu_resource: str
+    kv_transfer: KVTransferSpec
+    prefill: RoleSpec
+    decode: RoleSpec
+    router: RouterSpec = RouterSpec()
+    rollout: RolloutSpec = RolloutSpec()
+
+    def role(self, role: Role) -> RoleSpec:
+        return self.prefill if role is Role.PREFILL else self.decode
+
+
+@dataclass(frozen=True)
+class PDDeployment:
+    name: str
+    namespace: str
+    uid: str  # "" for a file that never went through an API server
+    generation: int
+    spec: PDDeploymentSpec
+    labels: Mapping[str, str] = field(default_factory=dict)
+
+
+# --- entry points ------------------------------------------------------------------------------
+
+
+def load_manifest_file(path: str | Path) -> PDDeployment:
+    """Read a YAML file holding one PDDeployment (blank documents are ignored)."""
+    file = Path(path)
+    try:
+        text = file.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise SpecError(str(file), "no such file") from None
+    except IsADirectoryError:
+        raise SpecError(str(file), "is a directory, not a YAML file") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise SpecError(str(file), f"cannot read: {exc}") from exc
+    return load_manifest(text, source=str(file))
+
+
+def load_manifest(text: str, source: str = "<manifest>") -> PDDeployment:
+    try:
+        docs = [d for d in yaml.safe_load_all(text) if d is not None]
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
+        problem = getattr(exc, "problem", None) or str(exc)
+        raise SpecError(source, f"not valid YAML: {where}{problem}") from exc
+    if len(docs) != 1:
+        raise SpecError(source, f"expected exactly one PDDeployment document, found {len(docs)}")
+    return parse_pddeployment(docs[0])
+
+
+def parse_pddeployment(obj: Mapping[str, Any] | object) -> PDDeployment:
+    """A full Kubernetes object (apiVersion, kind, metadata, spec) with the CRD's defaults applied."""
+    doc = _object(obj, "")
+    api_version = doc.get("apiVersion")
+    if api_version != API_VERSION:
+        raise SpecError("apiVersion", f'expected "{API_VERSION}", got {_show(api_version)}')
+    kind = doc.get("kind")
+    if kind != KIND:
+        raise SpecError("kind", f'expected "{KIND}", got {_show(kind)}')
+    meta = _object(doc.get("metadata"), "metadata")
+    name = meta.get("name")
+    if not isinstance(name, str) or not name:
+        raise SpecError("metadata.name", f"required: a name such as my-model, got {_show(name)}")
+    if len(name) > MAX_NAME_LENGTH or not _DNS_1035.match(name):
+        raise SpecError(
+            "metadata.name",
+            f"must be at most {MAX_NAME_LENGTH} characters of lowercase letters, digits and '-', "
+            f"starting with a letter and ending with a letter or digit, got {_show(name)}",
+        )
+    namespace = meta.get("namespace", "default")
+    if not isinstance(namespace, str) or len(namespace) > 63 or not _DNS_1123.match(namespace):
+        raise SpecError("metadata.namespace", f"expected a namespace name, got {_show(namespace)}")
+    uid = meta.get("uid", "")
+    if not isinstance(uid, str):
+        raise SpecError("metadata.uid", f"expected a string, got {_show(uid)}")
+    generation = meta.get("generation", 0)
+    if isinstance(generation, bool) or not isinstance(generation, int) or generation < 0:
+        raise SpecError("metadata.generation", f"expected an integer >= 0, got {_show(generation)}")
+    labels = _string_map(meta, "labels", "metadata")
+    spec = parse_spec(doc.get("spec"))
+    return PDDeployment(name, namespace, uid, generation, spec, labels)
+
+
+def parse_spec(spec: Mapping[str, Any] | object) -> PDDeploymentSpec:
+    path = "spec"
+    doc = _object(spec, path)
+    _no_unknown(
+        doc,
+        path,
+        (
+            "model",
+            "servedModelName",
+            "image",
+            "engine",
+            "gpuResource",
+            "kvTransfer",
+            "prefill",
+            "decode",
+            "router",
+            "rollout",
+        ),
+    )
+    model = _string(doc, "model", path, required=True)
+    served = _string(doc, "servedModelName", path, default="") or model
+    image = _string(doc, "image", path, default="")
+    engine = _choice(doc, "engine", path, ENGINES, DEFAULT_ENGINE)
+    if engine == "vllm" and not image:
+        raise SpecError(
+            f"{path}.image", "required when engine is vllm (for example vllm/vllm-openai:v0.11.0)"
+        )
+    gpu_resource = _string(doc, "gpuResource", path, default=DEFAULT_GPU_RESOURCE)
+    if not _RESOURCE_NAME.match(gpu_resource):
+        raise SpecError(
+            f"{path}.gpuResource",
+            f"expected an extended resource name such as amd.com/gpu, got {_show(gpu_resource)}",
+        )
+    kv = _parse_kv_transfer(doc.get("kvTransfer", {}), f"{path}.kvTransfer")
+    prefill = _parse_role(doc.get("prefill", {}), f"{path}.prefill")
+    decode = _parse_role(doc.get("decode", {}), f"{path}.decode")
+    router = _parse_router(doc.get("router", {}), f"{path}.router")
+    rollout = _parse_rollout(doc.get("rollout", {}), f"{path}.rollout")
+    return PDDeploymentSpec(model, served, image, engine, gpu_resource, kv, prefill, decode, router, rollout)
+
+
+# --- sections ----------------------------------------------------------------------------------
+
+
+def _parse_kv_transfer(value: object, path: str) -> KVTransferSpec:
+    doc = _object(value, path)
+    _no_unknown(doc, path, ("connector", "transferMode", "extraConfig"))
+    connector = _choice(doc, "connector", path, CONNECTORS, DEFAULT_CONNECTOR)
+    mode: str | None = None
+    extra = _plain(_object(doc.get("extraConfig", {}), f"{path}.extraConfig"), f"{path}.extraConfig")
+    if connector == "MoRIIOConnector":
+        if doc.get("transferMode") is None:
+            raise SpecError(f"{path}.transferMode", "required with connector MoRIIOConnector (READ or WRITE)")
+        mode = _choice(doc, "transferMode", path, TRANSFER_MODES, None)
+        _check_moriio_extra(extra, f"{path}.extraConfig", mode)
+    elif doc.get("transferMode") is not None:
+        raise SpecError(f"{path}.transferMode", f"only valid with connector MoRIIOConnector, not {connector}")
+    return KVTransferSpec(connector, mode, extra)
+
+
+def _check_moriio_extra(extra: Mapping[str, Any], path: str, mode: str) -> None:
+    """The keys pdserve reads back (ports for kvAddress) or derives (read_mode) must agree with it."""
+    for key in ("handshake_port", "notify_port"):
+        if key in extra:
+            value = extra[key]
+            port = int(value) if isinstance(value, str) and value.isdigit() else value
+            if isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536:
+                raise SpecError(f"{path}.{key}", f"expected a port number 1-65535, got {_show(value)}")
+    if "read_mode" in extra:
+        read = str(extra["read_mode"]).lower().strip() in ("true", "1")
+        if read != (mode == "READ"):
+            raise SpecError(
+                f"{path}.read_mode",
+                f"contradicts transferMode {mode}; leave read_mode out, pdserve derives it from transferMode",
+            )
+
+
+_ROLE_FIELDS = (
+    "instances",
+    "dataParallel",
+    "tensorParallel",
+    "expertParallel",
+    "nodesPerInstance",
+    "args",
+    "env",
+    "resources",
+    "nodeSelector",
+    "tolerations",
+    "affinity",
+)
+
+
+def _parse_role(value: object, path: str) -> RoleSpec:
+    doc = _object(value, path)
+    _no_unknown(doc, path, _ROLE_FIELDS)
+    instances = _integer(doc, "instances", path, 1, 0, MAX_INSTANCES)
+    dp = _integer(doc, "dataParallel", path, 1, 1, MAX_PARALLEL)
+    tp = _integer(doc, "tensorParallel", path, 1, 1, MAX_PARALLEL)
+    ep = _boolean(doc, "expertParallel", path, False)
+    if ep and dp * tp == 1:
+        raise SpecError(
+            f"{path}.expertParallel",
+            "needs more than one GPU per instance (dataParallel x tensorParallel > 1)",
+        )
+    nodes = _integer(doc, "nodesPerInstance", path, 1, 1, MAX_INSTANCES)
+    if nodes != 1:
+        raise SpecError(
+            f"{path}.nodesPerInstance", f"multi-node instances are not supported yet, got {nodes}"
+        )
+    args = _string_list(doc, "args", path)
+    env = _env_list(doc, "env", path)
+    resources = _object(doc.get("resources", {}), f"{path}.resources")
+    node_selector = _string_map(doc, "nodeSelector", path)
+    tolerations = _object_list(doc, "tolerations", path)
+    affinity = _object(doc.get("affinity", {}), f"{path}.affinity")
+    return RoleSpec(
+        instances=instances,
+        data_parallel=dp,
+        tensor_parallel=tp,
+        expert_parallel=ep,
+        args=args,
+        env=env,
+        resources=_plain(resources, f"{path}.resources"),
+        node_selector=node_selector,
+        tolerations=tolerations,
+        affinity=_plain(affinity, f"{path}.affinity"),
+        nodes_per_instance=nodes,
+    )
+
+
+def _parse_router(value: object, path: str) -> RouterSpec:
+    doc = _object(value, path)
+    _no_unknown(doc, path, ("replicas", "image", "policy", "backlog", "port", "serviceType"))
+    return RouterSpec(
+        replicas=_integer(doc, "replicas", path, DEFAULT_ROUTER_REPLICAS, 0, MAX_ROUTER_REPLICAS),
+        image=_string(doc, "image", path, default=""),
+        policy=_choice(doc, "policy", path, POLICIES, DEFAULT_POLICY),
+        backlog=_integer(doc, "backlog", path, DEFAULT_BACKLOG, 1, MAX_BACKLOG),
+        port=_integer(doc, "port", path, DEFAULT_ROUTER_PORT, 1, 65535),
+        service_type=_choice(doc, "serviceType", path, SERVICE_TYPES, DEFAULT_SERVICE_TYPE),
+    )
+
+
+def _parse_rollout(value: object, path: str) -> RolloutSpec:
+    doc = _object(value, path)
+    _no_unknown(doc, path, ("maxUnavailable", "drainSeconds"))
+    return RolloutSpec(
+        max_unavailable=_integer(doc, "maxUnavailable", path, DEFAULT_MAX_UNAVAILABLE, 1, MAX_INSTANCES),
+        drain_seconds=_integer(doc, "drainSeconds", path, DEFAULT_DRAIN_SECONDS, 0, MAX_DRAIN_SECONDS),
+    )
+
+
+# --- small typed readers -----------------------------------------------------------------------
+
+
+def _object(value: object, path: str) -> Mapping[str, Any]:
+    if not isinstance(value, Mapping):
+        raise SpecError(path, f"expected an object, got {_show(value)}")
+    for key in value:
+        if not isinstance(key, str):
+            raise SpecError(path, f"keys must be strings, got {_show(key)}")
+    return value
+
+
+def _no_unknown(doc: Mapping[str, Any], path: str, known: Sequence[str]) -> None:
+    for key in doc:
+        if key not in known:
+            hint = next((k for k in known if k.lower() == key.lower()), None)
+            suffix = f' (did you mean "{hint}"?)' if hint else f"; known fields: {', '.join(known)}"
+            raise SpecError(f"{path}.{key}", f"unknown field{suffix}")
+
+
+def _string(doc: Mapping[str, Any], key: str, path: str, default: str = "", required: bool = False) -> str:
+    full = f"{path}.{key}"
+    if key not in doc or doc[key] is None:
+        if required:
+            raise SpecError(full, "required field is missing")
+        return default
+    value = doc[key]
+    if not isinstance(value, str):
+        raise SpecError(full, f"expected a string, got {_show(value)}")
+    if required and not value:
+        raise SpecError(full, "must not be empty")
+    return value
+
+
+def _choice(doc: Mapping[str, Any], key: str, path: str, choices: Sequence[str], default: str | None) -> str:
+    full = f"{path}.{key}"
+    value = doc.get(key, default)
+    if value not in choices:
+        listed = ", ".join(f'"{c}"' for c in choices)
+        raise SpecError(full, f"expected one of {listed}, got {_show(value)}")
+    return str(value)
+
+
+def _integer(doc: Mapping[str, Any], key: str, path: str, default: int, minimum: int, maximum: int) -> int:
+    full = f"{path}.{key}"
+    value = doc.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise SpecError(full, f"expected an integer >= {minimum}, got {_show(value)}")
+    if value > maximum:
+        raise SpecError(full, f"expected an integer <= {maximum}, got {_show(value)}")
+    return value
+
+
+def _boolean(doc: Mapping[str, Any], key: str, path: str, default: bool) -> bool:
+    value = doc.get(key, default)
+    if not isinstance(value, bool):
+        raise SpecError(f"{path}.{key}", f"expected true or false, got {_show(value)}")
+    return value
+
+
+def _list(doc: Mapping[str, Any], key: str, path: str) -> list[Any]:
+    value = doc.get(key, [])
+    if not isinstance(value, list):
+        raise SpecError(f"{path}.{key}", f"expected a list, got {_show(value)}")
+    return value
+
+
+def _string_list(doc: Mapping[str, Any], key: str, path: str) -> tuple[str, ...]:
+    items = _list(doc, key, path)
+    for i, item in enumerate(items):
+        if not isinstance(item, str):
+            raise SpecError(f"{path}.{key}[{i}]", f"expected a string, got {_show(item)}")
+    return tuple(items)
+
+
+def _object_list(doc: Mapping[str, Any], key: str, path: str) -> tuple[Mapping[str, Any], ...]:
+    out = []
+    for i, item in enumerate(_list(doc, key, path)):
+        item_path = f"{path}.{key}[{i}]"
+        out.append(_plain(_object(item, item_path), item_path))
+    return tuple(out)
+
+
+def _env_list(doc: Mapping[str, Any], key: str, path: str) -> tuple[Mapping[str, Any], ...]:
+    env = _object_list(doc, key, path)
+    for i, var in enumerate(env):
+        name = var.get("name")
+        if not isinstance(name, str) or not _ENV_NAME.match(name):
+            raise SpecError(
+                f"{path}.{key}[{i}].name", f"expected an environment variable name, got {_show(name)}"
+            )
+    return env
+
+
+def _string_map(doc: Mapping[str, Any], key: str, path: str) -> dict[str, str]:
+    full = f"{path}.{key}"
+    value = _object(doc.get(key) or {}, full)
+    for k, v in value.items():
+        if not isinstance(v, str):
+            raise SpecError(f"{full}.{k}", f"expected a string, got {_show(v)}")
+    return dict(value)
+
+
+def _plain(value: Any, path: str) -> Any:
+    """A deep copy made of plain dicts and lists, so the typed spec never aliases the caller's data."""
+    try:
+        return json.loads(json.dumps(value))
+    except (TypeError, ValueError) as exc:
+        raise SpecError(path, f"holds a value that is not JSON ({exc}); quote dates and timestamps") from exc
+
+
+def _show(value: object) -> str:
+    names = {str: "string", bool: "boolean", int: "integer", float: "number", list: "list", dict: "object"}
+    kind = (
+        "null"
+        if value is None
+        else names.get(type(value), "object" if isinstance(value, Mapping) else "value")
+    )
+    if isinstance(value, str | int | float | bool):
+        return f"{json.dumps(value)} ({kind})"
+    return kind

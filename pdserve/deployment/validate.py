@@ -1,0 +1,113 @@
+"""Rules the CRD schema cannot express; the operator reports them as ``Degraded`` and renders nothing.
+
+:func:`problems` is pure: the operator passes the allocatable GPU count of ``gpuResource`` on
+each node (or None when it could not list nodes, and that check is skipped). Each message names
+the field and says what to change.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from pdserve.deployment.objects import OWNED_ENV
+from pdserve.deployment.spec import ENGINE_PORT, PDDeployment, PDDeploymentSpec
+from pdserve.routing import Role
+
+#: Flags of ``vllm serve`` that pdserve sets itself; a second copy in ``args`` would silently
+#: win in vLLM's argument parser and desynchronise the routing table (ranks, ports, roles).
+VLLM_OWNED_FLAGS = {
+    "--port": f"engines listen on {ENGINE_PORT}",
+    "--served-model-name": "set spec.servedModelName",
+    "--data-parallel-size": "set dataParallel",
+    "-dp": "set dataParallel",
+    "--tensor-parallel-size": "set tensorParallel",
+    "-tp": "set tensorParallel",
+    "--enable-expert-parallel": "set expertParallel",
+    "--kv-transfer-config": "set spec.kvTransfer",
+    "--model": "set spec.model",
+}
+SIM_OWNED_FLAGS = {
+    "--role": "set by the role",
+    "--dp-size": "set dataParallel",
+    "--tp-size": "set tensorParallel",
+    "--host": "engines listen on every address of their pod",
+    "--port": f"engines listen on {ENGINE_PORT}",
+    "--model": "set spec.servedModelName",
+    "--instance-name": "the pod name is used",
+    "--kv-host": "the pod IP is used",
+}
+
+
+def problems(pdd: PDDeployment, node_gpu_allocatable: Sequence[int] | None) -> list[str]:
+    spec = pdd.spec
+    found: list[str] = []
+    for role in (Role.PREFILL, Role.DECODE):
+        path = f"spec.{role.value}"
+        found += _owned_args(spec, role, path)
+        found += _owned_env(spec, role, path)
+        found += _gpu_resources(spec, role, path)
+        if node_gpu_allocatable is not None:
+            found += _fits_a_node(spec, role, path, node_gpu_allocatable)
+    if (
+        spec.engine == "vllm"
+        and spec.kv_transfer.connector == "MoRIIOConnector"
+        and "amd" not in spec.gpu_resource
+    ):
+        found.append(
+            "spec.kvTransfer.connector: MoRIIOConnector moves KV between AMD GPUs (ROCm), but "
+            f'spec.gpuResource is "{spec.gpu_resource}"; use amd.com/gpu, or NixlConnector on NVIDIA GPUs'
+        )
+    return found
+
+
+def _owned_args(spec: PDDeploymentSpec, role: Role, path: str) -> list[str]:
+    owned = SIM_OWNED_FLAGS if spec.engine == "sim" else VLLM_OWNED_FLAGS
+    out = []
+    for i, arg in enumerate(spec.role(role).args):
+        flag = arg.split("=", 1)[0]
+        if flag in owned:
+            out.append(f"{path}.args[{i}]: {flag} is set by pdserve ({owned[flag]}); remove it from args")
+    return out
+
+
+def _owned_env(spec: PDDeploymentSpec, role: Role, path: str) -> list[str]:
+    out = []
+    for i, var in enumerate(spec.role(role).env):
+        if var.get("name") in OWNED_ENV:
+            out.append(f"{path}.env[{i}]: {var['name']} is set by pdserve to the pod IP; remove it from env")
+    return out
+
+
+def _gpu_resources(spec: PDDeploymentSpec, role: Role, path: str) -> list[str]:
+    if spec.engine == "sim":
+        return []
+    rs = spec.role(role)
+    out = []
+    for section in ("requests", "limits"):
+        values = rs.resources.get(section) or {}
+        if spec.gpu_resource in values and str(values[spec.gpu_resource]) != str(rs.gpus_per_instance):
+            out.append(
+                f"{path}.resources.{section}[{spec.gpu_resource}]: pdserve requests dataParallel x "
+                f"tensorParallel = {rs.gpus_per_instance} GPUs per instance, got "
+                f"{values[spec.gpu_resource]!s}; remove it from resources"
+            )
+    return out
+
+
+def _fits_a_node(spec: PDDeploymentSpec, role: Role, path: str, allocatable: Sequence[int]) -> list[str]:
+    rs = spec.role(role)
+    if spec.engine == "sim" or rs.instances == 0:
+        return []
+    need = rs.gpus_per_instance
+    largest = max(allocatable, default=0)
+    if need <= largest:
+        return []
+    shape = (
+        f"dataParallel {rs.data_parallel} x tensorParallel {rs.tensor_parallel} = {need} {spec.gpu_resource}"
+    )
+    if largest == 0:
+        return [f"{path}: an instance needs {shape}, but no node has allocatable {spec.gpu_resource}"]
+    return [
+        f"{path}: an instance needs {shape} on one node, but the largest node has {largest}; "
+        "lower dataParallel or tensorParallel (multi-node instances are not supported yet)"
+    ]
