@@ -1,0 +1,180 @@
+"""Run a PDDeployment on this machine, without Kubernetes.
+
+Starts one engine process per instance with the instance's data-parallel size (simulated
+by `pdserve sim` by default; real `vllm serve` with --engine vllm), builds the routing
+table from each engine's health with the operator's own code, and serves the router on
+http://127.0.0.1:PORT. The view shows, per slot (instance and DP rank), the requests the
+router sent, those in flight, and errors. Ctrl-C or SIGTERM stops every process.
+
+A manifest the operator would refuse is refused here too, with the field and the reason,
+before anything starts (exit code 2).
+
+Example:
+  pdserve up examples/nixl/2p-dp8ep-3d-dp8ep.yaml
+  curl -s localhost:8000/v1/completions -H 'Content-Type: application/json' \\
+       -d '{"model": "deepseek-r1", "prompt": "Hello", "max_tokens": 8}'
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import errno
+import shutil
+import socket
+import sys
+import tempfile
+from pathlib import Path
+
+from pdserve.deployment.spec import SpecError, load_manifest_file
+from pdserve.deployment.validate import problems
+from pdserve.local.plan import ENGINES, LOOPBACK, PlanError, SimTimings, plan_local_run
+from pdserve.local.runner import LocalRunner, Reporter, describe_table
+from pdserve.local.view import LiveView, SummaryLines
+from pdserve.routing import RoutingTable
+
+EXIT_REFUSED = 2
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("file", metavar="FILE", help="a YAML file holding one PDDeployment")
+    parser.add_argument("--port", type=_port, default=8000, help="router port on 127.0.0.1 (default: 8000)")
+    parser.add_argument(
+        "--engine",
+        choices=ENGINES,
+        default="sim",
+        help="sim: simulated engines, no GPU or model (default); vllm: real `vllm serve` processes "
+        "with the arguments the operator renders (needs vLLM installed and the GPUs)",
+    )
+    parser.add_argument(
+        "--no-view",
+        action="store_true",
+        help="no live view: print events as lines (the default when not a TTY)",
+    )
+    parser.add_argument("--sim-ttft-ms", type=float, default=None, help="simulated time to first token, ms")
+    parser.add_argument("--sim-itl-ms", type=float, default=None, help="simulated inter-token latency, ms")
+    parser.add_argument("--sim-tokens", type=int, default=None, help="simulated tokens per request")
+    parser.add_argument(
+        "--log-dir",
+        type=Path,
+        default=None,
+        help="where the processes' logs and the routing file go (default: a temporary directory, "
+        "removed after a clean stop and kept after a failure)",
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    # Everything that can be refused is checked before the first process starts.
+    try:
+        pdd = load_manifest_file(args.file)
+    except SpecError as exc:
+        return _refuse(f"{args.file}: invalid PDDeployment: {exc}" if exc.path != args.file else str(exc))
+    found = problems(pdd, None)
+    if found:
+        return _refuse(f"{args.file}: invalid PDDeployment: " + "; ".join(found))
+    if args.engine == "vllm" and shutil.which("vllm") is None:
+        return _refuse(
+            "--engine vllm needs the `vllm` command, which is not installed here (pip install vllm); "
+            "or use --engine sim (the default) to run without GPUs"
+        )
+    if not _port_free(args.port):
+        return _refuse(
+            f"port {args.port} on {LOOPBACK} is already in use (another `pdserve up`?); pick one with --port"
+        )
+
+    keep_logs = args.log_dir is not None
+    log_dir = Path(args.log_dir) if keep_logs else Path(tempfile.mkdtemp(prefix=f"pdserve-up-{pdd.name}-"))
+    log_dir.mkdir(parents=True, exist_ok=True)
+    routing_file = log_dir / "routing.json"
+    instances = pdd.spec.prefill.instances + pdd.spec.decode.instances
+    try:
+        plan = plan_local_run(
+            pdd,
+            args.engine,
+            _free_ports(instances, exclude={args.port}),
+            args.port,
+            str(routing_file),
+            SimTimings(args.sim_ttft_ms, args.sim_itl_ms, args.sim_tokens),
+        )
+    except PlanError as exc:
+        if not keep_logs:
+            shutil.rmtree(log_dir, ignore_errors=True)
+        return _refuse(str(exc))
+
+    live = not args.no_view and sys.stdout.isatty()
+    reporter: Reporter = LiveView() if live else SummaryLines() if not args.no_view else Reporter()
+    for note in plan.notes:
+        reporter.event(note)
+
+    def announce(table: RoutingTable) -> None:
+        model = pdd.spec.served_model_name
+        reporter.event(f"{pdd.name} is serving on {plan.router.url} ({describe_table(table)})")
+        if not live:
+            print(
+                f"  try: curl -s {plan.router.url}/v1/completions -H 'Content-Type: application/json' "
+                f'-d \'{{"model": "{model}", "prompt": "Hello", "max_tokens": 8}}\'',
+                flush=True,
+            )
+
+    runner = LocalRunner(plan, routing_file, log_dir, reporter=reporter, on_ready=announce)
+    code = asyncio.run(_run_with_view(runner, reporter))
+    if code == 0 and not keep_logs:
+        shutil.rmtree(log_dir, ignore_errors=True)
+    elif code != 0:
+        print(f"pdserve up: logs kept in {log_dir}", file=sys.stderr)
+    return code
+
+
+async def _run_with_view(runner: LocalRunner, reporter: Reporter) -> int:
+    view_task = None
+    if isinstance(reporter, LiveView | SummaryLines):
+        view_task = asyncio.create_task(reporter.run(runner.plan.router.url, runner.stopping))
+    try:
+        return await runner.run()
+    finally:
+        if view_task is not None:
+            runner.stopping.set()
+            await view_task
+
+
+def _refuse(message: str) -> int:
+    print(f"pdserve up: error: {message}", file=sys.stderr)
+    print("pdserve up: nothing was started", file=sys.stderr)
+    return EXIT_REFUSED
+
+
+def _port(text: str) -> int:
+    value = int(text)
+    if not 1 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"expected a port number 1-65535, got {text}")
+    return value
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((LOOPBACK, port))
+        except OSError as exc:
+            if exc.errno in (errno.EADDRINUSE, errno.EACCES):
+                return False
+            raise
+    return True
+
+
+def _free_ports(count: int, exclude: set[int]) -> list[int]:
+    """Distinct free loopback ports (held open together so the kernel cannot hand one out twice)."""
+    sockets: list[socket.socket] = []
+    try:
+        ports: list[int] = []
+        while len(ports) < count:
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            sockets.append(s)
+            s.bind((LOOPBACK, 0))
+            port = int(s.getsockname()[1])
+            if port not in exclude:
+                ports.append(port)
+        return ports
+    finally:
+        for s in sockets:
+            s.close()

@@ -1,0 +1,189 @@
+"""The live terminal view of `pdserve up`: per-slot requests, in-flight and errors.
+
+It reads the proxy's own ``/debug/routing`` (the counters the router keeps per slot), so
+what you see is what the router did, not a second count. One block per instance, one
+column per DP rank, redrawn in place with plain ANSI codes. When stdout is not a terminal
+(a log file, CI) it prints one summary line now and then instead.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import sys
+import time
+from collections import deque
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, TextIO
+
+import aiohttp
+
+from pdserve.local.runner import Reporter
+from pdserve.routing import Role
+
+REFRESH_SECONDS = 0.5
+SUMMARY_SECONDS = 10.0
+_HOME_AND_CLEAR = "\x1b[H\x1b[J"
+_HIDE_CURSOR, _SHOW_CURSOR = "\x1b[?25l", "\x1b[?25h"
+_BOLD, _DIM, _RED, _RESET = "\x1b[1m", "\x1b[2m", "\x1b[31m", "\x1b[0m"
+
+
+@dataclass(frozen=True)
+class SlotCounters:
+    role: Role
+    instance: str
+    rank: int
+    requests: int
+    in_flight: int
+    errors: int
+
+
+@dataclass(frozen=True)
+class InstanceRow:
+    role: Role
+    name: str
+    url: str
+    state: str  # "ready", "not ready", "draining"
+    slots: tuple[SlotCounters, ...]
+
+
+def slot_counters(debug: Mapping[str, Any]) -> list[SlotCounters]:
+    """The proxy's per-slot counters, from its ``/debug/routing`` document."""
+    out = []
+    slots = debug.get("slots") or {}
+    for role in Role:
+        for row in slots.get(role.value, []):
+            instance, _, rank = str(row["slot"]).rpartition("/")
+            out.append(
+                SlotCounters(
+                    role, instance, int(rank), int(row["requests"]), int(row["in_flight"]), int(row["errors"])
+                )
+            )
+    return out
+
+
+def instance_rows(debug: Mapping[str, Any]) -> list[InstanceRow]:
+    """Every instance of the table, routable or not, with the counters of its slots."""
+    by_instance: dict[tuple[Role, str], list[SlotCounters]] = {}
+    for counters in slot_counters(debug):
+        by_instance.setdefault((counters.role, counters.instance), []).append(counters)
+    table = debug.get("table") or {}
+    rows = []
+    for role in Role:
+        for inst in table.get(role.value, []):
+            state = "draining" if inst.get("draining") else "ready" if inst.get("ready") else "not ready"
+            slots = sorted(by_instance.get((role, inst["name"]), []), key=lambda s: s.rank)
+            rows.append(InstanceRow(role, str(inst["name"]), str(inst["url"]), state, tuple(slots)))
+    return rows
+
+
+def render_frame(debug: Mapping[str, Any], events: Sequence[str], color: bool = True) -> list[str]:
+    """The full screen: a header, one block per instance (a column per DP rank), recent events."""
+
+    def style(code: str, text: str) -> str:
+        return f"{code}{text}{_RESET}" if color else text
+
+    counters = slot_counters(debug)
+    total = sum(c.requests for c in counters if c.role is Role.DECODE)
+    errors = sum(c.errors for c in counters)
+    lines = [
+        style(_BOLD, f"pdserve up — {(debug.get('table') or {}).get('deployment', '?')}")
+        + f"  routing generation {debug.get('generation')}  policy {debug.get('policy')}",
+        f"decode requests {total}   in flight {sum(c.in_flight for c in counters)}   errors {errors}",
+        "",
+    ]
+    for row in instance_rows(debug):
+        state = row.state if row.state == "ready" else style(_RED, row.state)
+        lines.append(f"{style(_BOLD, row.role.value):>8} {row.name}  {style(_DIM, row.url)}  {state}")
+        if row.slots:
+            width = max(4, *(len(str(s.requests)) + 1 for s in row.slots))
+            lines.append("   rank     " + "".join(f"{s.rank:>{width}}" for s in row.slots))
+            lines.append("   requests " + "".join(f"{s.requests:>{width}}" for s in row.slots))
+            lines.append("   in-flight" + "".join(f"{s.in_flight:>{width}}" for s in row.slots))
+            cells = "".join(
+                style(_RED, f"{s.errors:>{width}}") if s.errors else f"{s.errors:>{width}}" for s in row.slots
+            )
+            lines.append("   errors   " + cells)
+    if debug.get("last_reload_error"):
+        lines += ["", style(_RED, f"routing file rejected: {debug['last_reload_error']}")]
+    if events:
+        lines += ["", *events]
+    lines += ["", style(_DIM, "Ctrl-C stops every process.")]
+    return lines
+
+
+def summary_line(debug: Mapping[str, Any]) -> str:
+    """One line for logs: totals and the spread of requests over the decode and prefill slots."""
+    counters = slot_counters(debug)
+    parts = [f"generation {debug.get('generation')}"]
+    for role in Role:
+        mine = [c.requests for c in counters if c.role is role]
+        if mine:
+            parts.append(
+                f"{role.value} {sum(mine)} requests over {len(mine)} slots (min {min(mine)}, max {max(mine)})"
+            )
+        else:
+            parts.append(f"{role.value}: no routable slot")
+    parts.append(f"in flight {sum(c.in_flight for c in counters)}")
+    parts.append(f"errors {sum(c.errors for c in counters)}")
+    return ", ".join(parts)
+
+
+class LiveView(Reporter):
+    """Redraws the frame in place; events are kept and shown under it instead of scrolling it away."""
+
+    def __init__(self, out: TextIO = sys.stdout, keep_events: int = 6) -> None:
+        super().__init__()
+        self.out = out
+        self.events: deque[str] = deque(maxlen=keep_events)
+
+    def event(self, text: str) -> None:
+        self.events.append(f"{time.monotonic() - self._t0:6.1f}s  {text.splitlines()[0] if text else text}")
+        if "\n" in text:  # multi-line errors (a log tail) still reach the terminal whole, after the view
+            super().event(text)
+
+    async def run(self, router_url: str, stop: asyncio.Event) -> None:
+        self.out.write(_HIDE_CURSOR)
+        try:
+            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2)) as session:
+                while not stop.is_set():
+                    debug = await fetch_debug(session, router_url)
+                    frame = render_frame(debug, list(self.events)) if debug else self._waiting()
+                    self.out.write(_HOME_AND_CLEAR + "\n".join(frame) + "\n")
+                    self.out.flush()
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(stop.wait(), REFRESH_SECONDS)
+        finally:
+            self.out.write(_SHOW_CURSOR)
+            self.out.flush()
+
+    def _waiting(self) -> list[str]:
+        return ["pdserve up — waiting for the router ...", "", *self.events]
+
+
+class SummaryLines(Reporter):
+    """For a stdout that is not a terminal: events as lines, plus a summary every few seconds."""
+
+    async def run(self, router_url: str, stop: asyncio.Event) -> None:
+        last = ""
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2)) as session:
+            while not stop.is_set():
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), SUMMARY_SECONDS)
+                debug = await fetch_debug(session, router_url)
+                line = summary_line(debug) if debug else ""
+                if line and line != last:
+                    self.event(line)
+                    last = line
+
+
+async def fetch_debug(session: aiohttp.ClientSession, router_url: str) -> dict[str, Any] | None:
+    try:
+        async with session.get(router_url + "/debug/routing") as resp:
+            if resp.status != 200:
+                return None
+            data = await resp.json()
+            return data if isinstance(data, dict) else None
+    except (aiohttp.ClientError, TimeoutError, OSError, ValueError):
+        return None

@@ -1,0 +1,81 @@
+"""Every example parses with the operator's own parser and is the shape its file name says.
+
+File names spell the RFC's shapes: ``2p-dp8ep-3d-dp8ep`` is two prefill instances of DP8 with
+expert parallelism and three decode instances of the same; TP8 is one engine over 8 GPUs.
+The connector comes from the folder. (Validity against the CRD on a real API server is
+checked in tests/integration/test_chart_install.py.)
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from pdserve.deployment.spec import PDDeployment, RoleSpec, load_manifest_file
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+SHAPES = ("1p-tp8-1d-tp8", "2p-tp8-1d-dp8ep", "2p-tp8-2d-tp8", "2p-dp8ep-3d-dp8ep", "2p-dp8ep-4d-tp8")
+CONNECTORS = {
+    "nixl": ("NixlConnector", None),
+    "moriio-read": ("MoRIIOConnector", "READ"),
+    "moriio-write": ("MoRIIOConnector", "WRITE"),
+}
+SHAPE = re.compile(r"^(\d+)p-(tp8|dp8ep)-(\d+)d-(tp8|dp8ep)$")
+
+ALL_EXAMPLES = sorted(EXAMPLES.rglob("*.yaml"))
+
+
+def _load(path: Path) -> PDDeployment:
+    return load_manifest_file(path)
+
+
+def _check_role(role: RoleSpec, instances: int, kind: str) -> None:
+    assert role.instances == instances
+    if kind == "tp8":
+        assert (role.data_parallel, role.tensor_parallel, role.expert_parallel) == (1, 8, False)
+    else:
+        assert (role.data_parallel, role.tensor_parallel, role.expert_parallel) == (8, 1, True)
+
+
+def test_every_connector_has_the_five_shapes() -> None:
+    for folder in CONNECTORS:
+        names = sorted(p.stem for p in (EXAMPLES / folder).glob("*.yaml"))
+        assert names == sorted(SHAPES), folder
+
+
+@pytest.mark.parametrize("path", ALL_EXAMPLES, ids=lambda p: str(p.relative_to(EXAMPLES)))
+def test_example_parses(path: Path) -> None:
+    pdd = _load(path)
+    assert pdd.spec.prefill.instances >= 1
+    assert pdd.spec.decode.instances >= 1
+
+
+@pytest.mark.parametrize(
+    ("folder", "shape"), [(f, s) for f in CONNECTORS for s in SHAPES], ids=lambda v: str(v)
+)
+def test_example_is_the_shape_its_name_says(folder: str, shape: str) -> None:
+    pdd = _load(EXAMPLES / folder / f"{shape}.yaml")
+    match = SHAPE.match(shape)
+    assert match is not None
+    prefill_count, prefill_kind, decode_count, decode_kind = match.groups()
+    _check_role(pdd.spec.prefill, int(prefill_count), prefill_kind)
+    _check_role(pdd.spec.decode, int(decode_count), decode_kind)
+    connector, mode = CONNECTORS[folder]
+    assert pdd.spec.kv_transfer.connector == connector
+    assert pdd.spec.kv_transfer.transfer_mode == mode
+    assert pdd.spec.engine == "vllm"
+    assert pdd.spec.image, "GPU examples must name a vLLM image"
+
+
+def test_example_names_are_unique() -> None:
+    names = [_load(p).name for p in ALL_EXAMPLES]
+    assert len(names) == len(set(names))
+
+
+def test_quickstart_runs_without_gpus() -> None:
+    pdd = _load(EXAMPLES / "sim" / "quickstart.yaml")
+    assert pdd.spec.engine == "sim"
+    # Small enough for a laptop: a handful of simulator processes.
+    assert pdd.spec.prefill.instances + pdd.spec.decode.instances <= 4
