@@ -1,0 +1,300 @@
+"""`make demo`: pdserve working on this machine in under a minute, with nothing but Python.
+
+It runs `pdserve up` (simulated engines) on the 2P_DP8EP:3D_DP8EP NIXL example: two prefill
+instances of 8 data-parallel ranks and three decode instances of 8, so 16 prefill and 24
+decode slots. It sends a burst of completions through the router, prints how many requests
+each slot got (as the router counted them and as each engine counted them), writes a PNG
+chart of it, and stops everything.
+
+The point it shows: one counter walking the flat (instance, rank) slot list gives every GPU
+group the same share. Exit status 0 only when no request failed, every slot got requests,
+and every engine saw exactly what the router says it sent.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from pdserve.deployment.spec import load_manifest_file
+from pdserve.local.view import slot_counters
+from pdserve.routing import Role, load_routing_table, parse_routing_table
+
+REPO = Path(__file__).resolve().parents[2]
+EXAMPLE = REPO / "examples" / "nixl" / "2p-dp8ep-3d-dp8ep.yaml"
+DEFAULT_OUTPUT = Path("demo-output") / "slots.png"
+STARTUP_TIMEOUT = 90.0
+
+
+@dataclass(frozen=True)
+class SlotResult:
+    role: Role
+    instance: str
+    rank: int
+    router_requests: int
+    router_errors: int
+    engine_requests: int
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m pdserve.local.demo", description=__doc__.split("\n\n")[0]
+    )
+    parser.add_argument(
+        "--file", type=Path, default=EXAMPLE, help="PDDeployment to run (default: %(default)s)"
+    )
+    parser.add_argument("--requests", type=int, default=480, help="requests in the burst (default: 480)")
+    parser.add_argument(
+        "--concurrency", type=int, default=64, help="requests in flight at once (default: 64)"
+    )
+    parser.add_argument(
+        "--output", type=Path, default=DEFAULT_OUTPUT, help="PNG chart (default: %(default)s)"
+    )
+    args = parser.parse_args(argv)
+
+    pdd = load_manifest_file(args.file)
+    port = _free_port()
+    log = Path(tempfile.mkstemp(prefix="pdserve-demo-", suffix=".log")[1])
+    print(
+        f"==> pdserve up {_display(args.file)}  (simulated engines; router on 127.0.0.1:{port})", flush=True
+    )
+    command = [
+        sys.executable,
+        "-m",
+        "pdserve.cli",
+        "up",
+        str(args.file),
+        "--port",
+        str(port),
+        "--no-view",
+        "--sim-ttft-ms",
+        "2",
+        "--sim-itl-ms",
+        "0.5",
+        "--sim-tokens",
+        "8",
+    ]
+    with log.open("wb") as out:
+        up = subprocess.Popen(
+            command, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"}
+        )
+    ok = False
+    try:
+        results, failures, elapsed = asyncio.run(
+            _demo(f"http://127.0.0.1:{port}", pdd.spec.served_model_name, args.requests, args.concurrency, up)
+        )
+        ok = _report(results, failures, args.requests, elapsed, args.output)
+    except DemoError as exc:
+        print(f"demo: error: {exc}", file=sys.stderr)
+    finally:
+        code = _stop(up)
+        if code != 0:
+            ok = False
+            print(f"demo: error: `pdserve up` exited with {code} on SIGTERM", file=sys.stderr)
+        if not ok:
+            print(f"--- pdserve up output ({log}) ---\n{log.read_text(errors='replace')}", file=sys.stderr)
+        else:
+            print("==> stopped `pdserve up`: every engine and the router exited", flush=True)
+            log.unlink(missing_ok=True)
+    return 0 if ok else 1
+
+
+class DemoError(RuntimeError):
+    pass
+
+
+async def _demo(
+    router: str, model: str, count: int, concurrency: int, up: subprocess.Popen[bytes]
+) -> tuple[list[SlotResult], list[str], float]:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session:
+        debug = await _wait_all_slots(session, router, up)
+        slots = slot_counters(debug)
+        print(
+            f"==> ready: {sum(s.role is Role.PREFILL for s in slots)} prefill and "
+            f"{sum(s.role is Role.DECODE for s in slots)} decode slots; sending {count} requests, "
+            f"{concurrency} at a time",
+            flush=True,
+        )
+        failures: list[str] = []
+        limit = asyncio.Semaphore(concurrency)
+
+        async def one(i: int) -> None:
+            async with limit:
+                problem = await _complete(session, router, model, i, stream=i % 2 == 1)
+                if problem:
+                    failures.append(f"request {i}: {problem}")
+
+        start = time.monotonic()
+        await asyncio.gather(*(one(i) for i in range(count)))
+        elapsed = time.monotonic() - start
+        after = await _get_json(session, router + "/debug/routing")
+        engine_counts = await _engine_counts(session, after)
+        results = [
+            SlotResult(
+                c.role, c.instance, c.rank, c.requests, c.errors, engine_counts.get((c.instance, c.rank), 0)
+            )
+            for c in slot_counters(after)
+        ]
+        return results, failures, elapsed
+
+
+async def _wait_all_slots(
+    session: aiohttp.ClientSession, router: str, up: subprocess.Popen[bytes]
+) -> dict[str, Any]:
+    """The router's view once every instance of the table is routable and /ready says so."""
+    deadline = time.monotonic() + STARTUP_TIMEOUT
+    while time.monotonic() < deadline:
+        if up.poll() is not None:
+            raise DemoError(f"`pdserve up` exited with {up.returncode} before the router was ready")
+        with contextlib.suppress(aiohttp.ClientError, TimeoutError, OSError, ValueError):
+            async with session.get(router + "/ready") as ready:
+                if ready.status == 200:
+                    debug = await _get_json(session, router + "/debug/routing")
+                    table = parse_routing_table(debug["table"])
+                    if all(i.routable for i in (*table.prefill, *table.decode)):
+                        return debug
+        await asyncio.sleep(0.2)
+    raise DemoError(f"not every slot was ready after {STARTUP_TIMEOUT:.0f}s")
+
+
+async def _complete(
+    session: aiohttp.ClientSession, router: str, model: str, i: int, stream: bool
+) -> str | None:
+    body = {"model": model, "prompt": f"demo request {i}", "max_tokens": 8, "stream": stream}
+    try:
+        async with session.post(router + "/v1/completions", json=body) as resp:
+            text = await resp.text()
+            if resp.status != 200:
+                return f"HTTP {resp.status}: {text[:200]}"
+            if stream:
+                return None if "data: [DONE]" in text else "stream ended without [DONE]"
+            return None if json.loads(text).get("choices") else "no choices in the answer"
+    except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+        return f"{type(exc).__name__}: {exc}"
+
+
+async def _engine_counts(session: aiohttp.ClientSession, debug: dict[str, Any]) -> dict[tuple[str, int], int]:
+    """Requests per (instance, rank) as each simulated engine counted them (its /sim/stats)."""
+    table = load_routing_table(json.dumps(debug["table"]))
+    counts: dict[tuple[str, int], int] = {}
+    for inst in (*table.prefill, *table.decode):
+        stats = await _get_json(session, inst.url + "/sim/stats")
+        for rank, n in stats["by_rank"].items():
+            counts[(inst.name, int(rank))] = int(n)
+    return counts
+
+
+async def _get_json(session: aiohttp.ClientSession, url: str) -> dict[str, Any]:
+    async with session.get(url) as resp:
+        resp.raise_for_status()
+        data = await resp.json()
+    if not isinstance(data, dict):
+        raise DemoError(f"{url} did not answer a JSON object")
+    return data
+
+
+# --- report ----------------------------------------------------------------------------------------
+
+
+def _report(results: list[SlotResult], failures: list[str], count: int, elapsed: float, output: Path) -> bool:
+    print("\nRequests per slot, in the router's flat interleaved order (router's count, engine's count):")
+    print(f"{'role':<8} {'instance':<34} {'rank':>4} {'router':>7} {'engine':>7} {'errors':>6}")
+    for r in results:
+        print(
+            f"{r.role.value:<8} {r.instance:<34} {r.rank:>4} {r.router_requests:>7} "
+            f"{r.engine_requests:>7} {r.router_errors:>6}"
+        )
+    print()
+    ok = True
+    for role in Role:
+        mine = [r.router_requests for r in results if r.role is role]
+        print(
+            f"{role.value:>8}: {len(mine)} slots, {sum(mine)} requests, "
+            f"min {min(mine)} / max {max(mine)} per slot"
+        )
+        if min(mine) == 0:
+            print(f"demo: FAIL: a {role.value} slot got no request", file=sys.stderr)
+            ok = False
+    print(f"   burst: {count} requests in {elapsed:.2f}s, {len(failures)} failed")
+    for failure in failures[:10]:
+        print(f"demo: FAIL: {failure}", file=sys.stderr)
+    ok = ok and not failures
+    mismatched = [r for r in results if r.engine_requests != r.router_requests]
+    for r in mismatched:
+        print(
+            f"demo: FAIL: {r.instance} rank {r.rank}: "
+            f"router sent {r.router_requests}, engine saw {r.engine_requests}",
+            file=sys.stderr,
+        )
+    ok = ok and not mismatched
+    _chart(results, output)
+    print(f"   chart: {output.resolve()}")
+    verdict = "OK: every slot got its share, no request failed" if ok else "FAILED (see above)"
+    print(f"==> {verdict}")
+    return ok
+
+
+def _chart(results: list[SlotResult], output: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, 1, figsize=(12, 6.5), constrained_layout=True)
+    for ax, role in zip(axes, Role, strict=True):
+        mine = [r for r in results if r.role is role]
+        instances = list(dict.fromkeys(r.instance for r in mine))
+        colors = [f"C{instances.index(r.instance)}" for r in mine]
+        ax.bar(range(len(mine)), [r.router_requests for r in mine], color=colors)
+        ax.set_xticks(range(len(mine)), [f"{instances.index(r.instance)}/{r.rank}" for r in mine], fontsize=7)
+        ax.set_ylabel("requests")
+        ax.set_title(f"{role.value}: requests per slot (instance/rank), one color per instance")
+    fig.suptitle("pdserve: flat interleaved routing over every (instance, DP rank) slot")
+    output.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(output, dpi=110)
+    plt.close(fig)
+
+
+# --- process handling ------------------------------------------------------------------------------
+
+
+def _stop(up: subprocess.Popen[bytes]) -> int:
+    if up.poll() is None:
+        up.send_signal(signal.SIGTERM)
+        try:
+            up.wait(30)
+        except subprocess.TimeoutExpired:
+            up.kill()
+            up.wait(5)
+    return int(up.returncode)
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _display(path: Path) -> str:
+    with contextlib.suppress(ValueError):
+        return str(path.resolve().relative_to(Path.cwd()))
+    return str(path)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
