@@ -48,6 +48,7 @@ class RoleStatus:
     ready_slots: int
     surplus: int  # pods past the wanted count still around
     selector: str
+    template_hash: str
 
     @property
     def converged(self) -> bool:
@@ -67,6 +68,7 @@ class RoleStatus:
             "readySlots": self.ready_slots,
             "summary": f"{self.ready_instances}/{self.wanted}",
             "selector": self.selector,
+            "templateHash": self.template_hash,
         }
 
 
@@ -86,6 +88,7 @@ def role_status(obs: RoleObservation) -> RoleStatus:
         ready_slots=serving * obs.data_parallel,
         surplus=sum(1 for p in live if p.index >= obs.instances),
         selector=obs.selector,
+        template_hash=obs.template_hash,
     )
 
 

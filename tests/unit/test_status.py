@@ -57,6 +57,7 @@ def test_converged_deployment_is_ready_and_counts_slots() -> None:
         "readySlots": 16,
         "summary": "2/2",
         "selector": "pdserve.io/role=prefill",
+        "templateHash": "h",
     }
     assert status["decode"]["readySlots"] == 2
     c = conditions(status)

@@ -1,0 +1,161 @@
+"""The asynchronous shell: turns a stream of triggers into coalesced, serialized reconciles.
+
+Why coalesce: a rollout or a node event produces bursts of pod events (scheduled, IP assigned,
+Ready) for many pods at once. Each trigger only *requests* a reconcile of its PDDeployment; a
+request waits ``debounce`` seconds, and every request arriving meanwhile folds into it. So a
+burst costs one reconcile and at most one ConfigMap write, while a lone readiness change still
+reaches the routing table within tens of milliseconds. Runs for one PDDeployment never overlap
+(a per-key lock), runs for different ones proceed in parallel on a small thread pool (the
+Kubernetes client is synchronous).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
+
+from pdserve.operator import metrics
+from pdserve.operator.reconcile import Outcome, Reconciler
+
+log = logging.getLogger("pdserve.operator")
+
+Key = tuple[str, str]  # (namespace, name)
+Poster = Callable[[Outcome], None]
+
+MAX_ERROR_BACKOFF = 60.0
+
+
+class Coalescer:
+    """Per-key debounced runs that never overlap; ``run`` returns when to run again (or None)."""
+
+    def __init__(self, run: Callable[[Key], Awaitable[float | None]], debounce: float) -> None:
+        self._run = run
+        self._debounce = debounce
+        self._scheduled: dict[Key, asyncio.Task[None]] = {}
+        self._locks: dict[Key, asyncio.Lock] = {}
+        self._rechecks: dict[Key, tuple[float, asyncio.TimerHandle]] = {}
+        self._running: set[asyncio.Task[None]] = set()
+
+    def request(self, key: Key) -> None:
+        if key in self._scheduled:
+            metrics.REQUESTS_COALESCED.inc()
+            return
+        task = asyncio.get_running_loop().create_task(self._after_debounce(key), name=f"reconcile {key}")
+        self._scheduled[key] = task
+        self._running.add(task)
+        task.add_done_callback(self._running.discard)
+
+    def request_later(self, key: Key, delay: float) -> None:
+        """One pending timer per key, the earliest wins."""
+        loop = asyncio.get_running_loop()
+        due = loop.time() + delay
+        current = self._rechecks.get(key)
+        if current is not None:
+            if current[0] <= due:
+                return
+            current[1].cancel()
+        self._rechecks[key] = (due, loop.call_at(due, self._recheck, key))
+
+    def forget(self, key: Key) -> None:
+        if (recheck := self._rechecks.pop(key, None)) is not None:
+            recheck[1].cancel()
+        if (task := self._scheduled.pop(key, None)) is not None:
+            task.cancel()
+        self._locks.pop(key, None)
+
+    async def close(self) -> None:
+        for _, handle in self._rechecks.values():
+            handle.cancel()
+        self._rechecks.clear()
+        for task in list(self._running):
+            task.cancel()
+        for task in list(self._running):
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    def _recheck(self, key: Key) -> None:
+        self._rechecks.pop(key, None)
+        self.request(key)
+
+    async def _after_debounce(self, key: Key) -> None:
+        try:
+            await asyncio.sleep(self._debounce)
+        finally:
+            # From here on, a new request schedules a new run (after this one), so nothing is lost.
+            if self._scheduled.get(key) is asyncio.current_task():
+                del self._scheduled[key]
+        lock = self._locks.setdefault(key, asyncio.Lock())
+        async with lock:
+            try:
+                again = await self._run(key)
+            except Exception:
+                log.exception("reconcile of %s/%s crashed", *key)
+                again = MAX_ERROR_BACKOFF
+        if again is not None:
+            self.request_later(key, again)
+
+
+class Controller:
+    """Owns the reconciler, the coalescer and the set of known PDDeployments (for resyncs)."""
+
+    def __init__(
+        self,
+        reconciler: Reconciler,
+        post: Poster,
+        *,
+        debounce: float = 0.05,
+        workers: int = 8,
+    ) -> None:
+        self._reconciler = reconciler
+        self._post = post
+        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="reconcile")
+        self._coalescer = Coalescer(self._run, debounce)
+        self._known: set[Key] = set()
+        self._failures: dict[Key, int] = {}
+        self._generations: dict[Key, int] = {}
+
+    def deployment_seen(self, key: Key, generation: int) -> None:
+        """A PDDeployment event: reconcile when it is new or its spec changed (not on status writes)."""
+        self._known.add(key)
+        if self._generations.get(key) != generation:
+            self._generations[key] = generation
+            self._coalescer.request(key)
+
+    def deployment_gone(self, key: Key) -> None:
+        self._known.discard(key)
+        self._generations.pop(key, None)
+        self._failures.pop(key, None)
+        self._coalescer.forget(key)
+
+    def request(self, key: Key) -> None:
+        self._coalescer.request(key)
+
+    async def resync_forever(self, interval: float) -> None:
+        """Level-based safety net: every known PDDeployment is reconciled at least this often."""
+        while True:
+            await asyncio.sleep(interval)
+            for key in list(self._known):
+                self._coalescer.request(key)
+
+    async def close(self) -> None:
+        await self._coalescer.close()
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+    async def _run(self, key: Key) -> float | None:
+        loop = asyncio.get_running_loop()
+        outcome: Outcome = await loop.run_in_executor(self._pool, self._reconciler.reconcile, *key)
+        if outcome.result == "gone":
+            self.deployment_gone(key)
+            return None
+        try:
+            self._post(outcome)
+        except Exception:
+            log.exception("cannot post events for %s/%s", *key)
+        if outcome.result == "error":
+            failures = self._failures[key] = self._failures.get(key, 0) + 1
+            return min(MAX_ERROR_BACKOFF, 0.5 * 2.0**failures)
+        self._failures.pop(key, None)
+        return outcome.recheck_after

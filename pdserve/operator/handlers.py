@@ -1,0 +1,108 @@
+"""kopf handlers: each one only tells the controller which PDDeployment to look at.
+
+There are deliberately no ``on.create``/``on.update``/``on.delete`` handlers and no kopf timers:
+those store diff-bases on the object and (timers, deletion handlers) add a finalizer, which
+would block ``kubectl delete`` whenever the operator is down. Watching events is enough for a
+level-based reconciler; deletion is left to the garbage collector through owner references.
+
+Usable as ``pdserve operator`` (see :mod:`pdserve.operator.cli`, which passes the options in
+the memo) or directly as ``kopf run -m pdserve.operator.handlers`` with the defaults.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+from typing import Any, cast
+
+import kopf
+
+from pdserve.deployment.objects import DEPLOYMENT_LABEL
+from pdserve.deployment.spec import GROUP, PLURAL, VERSION
+from pdserve.operator.controller import Controller
+from pdserve.operator.kube import Kube
+from pdserve.operator.reconcile import Outcome, Reconciler
+
+
+@dataclass(frozen=True)
+class OperatorOptions:
+    resync_seconds: float = 30.0
+    debounce_seconds: float = 0.05
+    workers: int = 8
+    kubeconfig: str | None = None
+
+
+@kopf.on.startup()
+async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
+    options: OperatorOptions = memo.get("options") or OperatorOptions()
+    configure_settings(settings)
+    controller = Controller(
+        Reconciler(Kube(options.kubeconfig)),
+        post_events,
+        debounce=options.debounce_seconds,
+        workers=options.workers,
+    )
+    memo["controller"] = controller
+    memo["resync"] = asyncio.create_task(controller.resync_forever(options.resync_seconds), name="resync")
+
+
+def configure_settings(settings: kopf.OperatorSettings) -> None:
+    # No kopf bookkeeping in status (our status schema is structural) and no extra CRDs.
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix="pdserve.io")
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+        prefix="pdserve.io", key="last-handled-configuration"
+    )
+    settings.persistence.finalizer = "pdserve.io/finalizer"
+    settings.peering.standalone = True
+    # Only the namespaces and resources given at start; no need to list CRDs or namespaces.
+    settings.scanning.disabled = True
+    settings.posting.level = logging.INFO
+    settings.posting.reporting_component = "pdserve-operator"
+    # Watches end server-side every few minutes and reconnect; a silent stream is dropped sooner.
+    settings.watching.server_timeout = 300
+    settings.watching.client_timeout = 330
+    settings.watching.connect_timeout = 10
+    # Only our pods reach the operator at all, filtered by the API server.
+    settings.watching.label_selectors["v1", "pods"] = DEPLOYMENT_LABEL
+    settings.networking.request_timeout = 60
+
+
+@kopf.on.cleanup()
+async def cleanup(memo: kopf.Memo, **_: Any) -> None:
+    resync = memo.get("resync")
+    if resync is not None:
+        resync.cancel()
+    controller: Controller | None = memo.get("controller")
+    if controller is not None:
+        await controller.close()
+
+
+@kopf.on.event(GROUP, VERSION, PLURAL)
+async def deployment_event(
+    event: kopf.RawEvent, name: str, namespace: str | None, meta: kopf.Meta, memo: kopf.Memo, **_: Any
+) -> None:
+    controller: Controller = memo["controller"]
+    key = (namespace or "", name)
+    if event.get("type") == "DELETED":
+        controller.deployment_gone(key)
+    else:
+        controller.deployment_seen(key, int(meta.get("generation") or 0))
+
+
+@kopf.on.event("", "v1", "pods", labels={DEPLOYMENT_LABEL: kopf.PRESENT})
+async def pod_event(namespace: str | None, labels: kopf.Labels, memo: kopf.Memo, **_: Any) -> None:
+    controller: Controller = memo["controller"]
+    controller.request((namespace or "", labels[DEPLOYMENT_LABEL]))
+
+
+def post_events(outcome: Outcome) -> None:
+    """Attach the reconcile's Events to the PDDeployment through kopf's event poster."""
+    if outcome.body is None:
+        return
+    body = cast(kopf.Body, outcome.body)  # kopf only reads apiVersion, kind and metadata from it
+    for event in outcome.events:
+        if event.type == "Warning":
+            kopf.warn(body, reason=event.reason, message=event.message)
+        else:
+            kopf.info(body, reason=event.reason, message=event.message)

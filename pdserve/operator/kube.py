@@ -1,0 +1,163 @@
+"""Thin, synchronous access to the Kubernetes API: plain dicts in and out.
+
+The reconciler speaks in manifest dicts (what :mod:`pdserve.deployment.objects` renders), so
+this module sends and returns JSON dicts rather than the client's generated models. It reuses
+the ``kubernetes`` package only for what is tedious to get right: reading a kubeconfig or the
+in-cluster service account, TLS and authentication. It is thread-safe (one urllib3 pool) and
+is called from a worker thread, never from kopf's event loop.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable, Mapping
+from typing import Any
+from urllib.parse import quote
+
+from kubernetes import client, config
+
+from pdserve.deployment.spec import GROUP, PLURAL, VERSION
+
+FIELD_MANAGER = "pdserve-operator"
+REQUEST_TIMEOUT = 30.0
+
+# kind -> (API prefix, plural) for every kind the operator touches.
+_KINDS: dict[str, tuple[str, str]] = {
+    "Pod": ("/api/v1", "pods"),
+    "Service": ("/api/v1", "services"),
+    "ConfigMap": ("/api/v1", "configmaps"),
+    "Event": ("/api/v1", "events"),
+    "Deployment": ("/apis/apps/v1", "deployments"),
+    "PDDeployment": (f"/apis/{GROUP}/{VERSION}", PLURAL),
+}
+
+
+# The kubernetes package is untyped; these are the only entry points used.
+_load_kube_config: Callable[..., None] = config.load_kube_config
+_load_incluster_config: Callable[..., None] = config.load_incluster_config
+
+
+class KubeError(RuntimeError):
+    """A failed API call: ``status`` is the HTTP status (0 when no answer came back)."""
+
+    def __init__(self, method: str, path: str, status: int, message: str) -> None:
+        self.status = status
+        super().__init__(f"{method} {path}: {status} {message}".rstrip())
+
+
+class Kube:
+    def __init__(self, kubeconfig: str | None = None, pool_size: int = 32) -> None:
+        cfg = client.Configuration()
+        path = kubeconfig or os.environ.get("KUBECONFIG")
+        if path or not os.environ.get("KUBERNETES_SERVICE_HOST"):
+            _load_kube_config(config_file=path, client_configuration=cfg)
+        else:
+            _load_incluster_config(client_configuration=cfg)
+        cfg.connection_pool_maxsize = pool_size
+        self._api: Any = client.ApiClient(cfg)
+
+    def close(self) -> None:
+        self._api.close()
+
+    # --- generic verbs -------------------------------------------------------------------------
+
+    def request(
+        self,
+        method: str,
+        path: str,
+        body: Mapping[str, Any] | None = None,
+        query: Mapping[str, str] | None = None,
+        content_type: str = "application/json",
+    ) -> dict[str, Any]:
+        headers = {"Accept": "application/json", "Content-Type": content_type}
+        serialized = self._api.param_serialize(
+            method,
+            path,
+            query_params=list((query or {}).items()),
+            header_params=headers,
+            auth_settings=["BearerToken"],
+        )
+        _, url, headers_out, _, _ = serialized
+        data = None if body is None else json.dumps(body, separators=(",", ":"))
+        try:
+            response = self._api.call_api(method, url, headers_out, data, None, REQUEST_TIMEOUT)
+            raw = response.read()
+        except client.ApiException as exc:
+            raise KubeError(method, path, exc.status or 0, str(exc.reason or "")) from exc
+        except OSError as exc:  # connection refused, reset, timeout
+            raise KubeError(method, path, 0, str(exc)) from exc
+        if response.status >= 400:
+            raise KubeError(method, path, response.status, _message(raw))
+        return json.loads(raw) if raw else {}
+
+    def get(self, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
+        try:
+            return self.request("GET", object_path(kind, namespace, name))
+        except KubeError as exc:
+            if exc.status == 404:
+                return None
+            raise
+
+    def list_objects(self, kind: str, namespace: str, label_selector: str) -> list[dict[str, Any]]:
+        doc = self.request("GET", object_path(kind, namespace), query={"labelSelector": label_selector})
+        return list(doc.get("items") or [])
+
+    def create(self, obj: Mapping[str, Any]) -> dict[str, Any] | None:
+        """POST; None when an object of that name already exists (names are deterministic)."""
+        meta = obj["metadata"]
+        try:
+            return self.request("POST", object_path(obj["kind"], meta["namespace"]), obj)
+        except KubeError as exc:
+            if exc.status == 409:
+                return None
+            raise
+
+    def apply(self, obj: Mapping[str, Any]) -> dict[str, Any]:
+        """Server-side apply as pdserve-operator: fields it dropped from a manifest go away too."""
+        meta = obj["metadata"]
+        return self.request(
+            "PATCH",
+            object_path(obj["kind"], meta["namespace"], meta["name"]),
+            obj,
+            query={"fieldManager": FIELD_MANAGER, "force": "true"},
+            content_type="application/apply-patch+yaml",  # JSON is YAML
+        )
+
+    def merge_patch(
+        self, kind: str, namespace: str, name: str, patch: Mapping[str, Any], subresource: str = ""
+    ) -> dict[str, Any]:
+        path = object_path(kind, namespace, name) + (f"/{subresource}" if subresource else "")
+        return self.request("PATCH", path, patch, content_type="application/merge-patch+json")
+
+    def delete(self, kind: str, namespace: str, name: str, uid: str | None = None) -> bool:
+        """DELETE, only the object with ``uid`` when given; False when it was already gone."""
+        body: dict[str, Any] = {"kind": "DeleteOptions", "apiVersion": "v1"}
+        if uid:
+            body["preconditions"] = {"uid": uid}
+        try:
+            self.request("DELETE", object_path(kind, namespace, name), body)
+        except KubeError as exc:
+            if exc.status in (404, 409):  # gone, or a newer object now holds the name
+                return False
+            raise
+        return True
+
+    def node_allocatable(self) -> list[dict[str, Any]]:
+        """``status.allocatable`` of every node (resourceVersion=0: served from the API cache)."""
+        doc = self.request("GET", "/api/v1/nodes", query={"resourceVersion": "0"})
+        return [dict((n.get("status") or {}).get("allocatable") or {}) for n in doc.get("items") or []]
+
+
+def object_path(kind: str, namespace: str, name: str | None = None) -> str:
+    prefix, plural = _KINDS[kind]
+    path = f"{prefix}/namespaces/{quote(namespace)}/{plural}"
+    return f"{path}/{quote(name)}" if name else path
+
+
+def _message(raw: bytes) -> str:
+    try:
+        doc = json.loads(raw)
+    except ValueError:
+        return raw[:200].decode(errors="replace")
+    return str(doc.get("message", "")) if isinstance(doc, dict) else ""

@@ -1,0 +1,33 @@
+"""Prometheus metrics of the operator, served by ``pdserve operator --metrics-port``."""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Histogram
+
+RECONCILES = Counter(
+    "pdserve_operator_reconciles_total",
+    "Reconciles run, by result (ok, invalid, error).",
+    ["result"],
+)
+RECONCILE_ERRORS = Counter(
+    "pdserve_operator_reconcile_errors_total",
+    "Reconciles that failed with an API or unexpected error.",
+)
+RECONCILE_SECONDS = Histogram(
+    "pdserve_operator_reconcile_duration_seconds",
+    "Wall time of one reconcile of one PDDeployment.",
+    buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
+)
+ROUTING_WRITES = Counter(
+    "pdserve_operator_routing_table_writes_total",
+    "Writes of a routing ConfigMap (only when its content changed).",
+)
+REQUESTS_COALESCED = Counter(
+    "pdserve_operator_requests_coalesced_total",
+    "Reconcile requests folded into one already scheduled for the same PDDeployment.",
+)
+OBJECT_CHANGES = Counter(
+    "pdserve_operator_object_changes_total",
+    "Objects created, updated or deleted by the operator, by kind and action.",
+    ["kind", "action"],
+)
