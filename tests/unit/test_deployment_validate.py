@@ -1,0 +1,117 @@
+"""validate.problems: rules beyond the schema, each message naming the field and what to do."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from pdserve.deployment.spec import PDDeployment, parse_pddeployment
+from pdserve.deployment.validate import problems
+
+
+def pdd_of(**spec: Any) -> PDDeployment:
+    base = {
+        "model": "m",
+        "image": "vllm/vllm-openai:v0.11.0",
+        "prefill": {"instances": 2, "dataParallel": 8, "expertParallel": True},
+        "decode": {"instances": 1, "tensorParallel": 8},
+    }
+    base.update(spec)
+    return parse_pddeployment(
+        {
+            "apiVersion": "pdserve.io/v1alpha1",
+            "kind": "PDDeployment",
+            "metadata": {"name": "r1"},
+            "spec": base,
+        }
+    )
+
+
+def test_a_fitting_deployment_has_no_problems() -> None:
+    assert problems(pdd_of(), [8, 8, 4]) == []
+    assert problems(pdd_of(), None) == []  # nodes unknown: that check is skipped
+
+
+def test_an_instance_larger_than_every_node() -> None:
+    found = problems(pdd_of(decode={"tensorParallel": 16}), [8, 8])
+    assert found == [
+        "spec.decode: an instance needs dataParallel 1 x tensorParallel 16 = 16 nvidia.com/gpu on one node, "
+        "but the largest node has 8; lower dataParallel or tensorParallel (multi-node instances are not "
+        "supported yet)"
+    ]
+
+
+def test_no_node_with_the_gpu_resource() -> None:
+    found = problems(pdd_of(), [0, 0])
+    assert len(found) == 2
+    assert found[0].startswith("spec.prefill: an instance needs dataParallel 8 x tensorParallel 1 = 8")
+    assert found[0].endswith("but no node has allocatable nvidia.com/gpu")
+    assert problems(pdd_of(), []) == found
+
+
+def test_zero_instances_and_sim_need_no_gpus() -> None:
+    assert problems(pdd_of(prefill={"instances": 0, "dataParallel": 8}, decode={"instances": 0}), []) == []
+    assert problems(pdd_of(engine="sim", image=""), []) == []
+
+
+@pytest.mark.parametrize(
+    ("arg", "flag"),
+    [
+        ("--port", "--port"),
+        ("--port=9000", "--port"),
+        ("--data-parallel-size", "--data-parallel-size"),
+        ("-tp", "-tp"),
+        ("--kv-transfer-config", "--kv-transfer-config"),
+        ("--served-model-name=x", "--served-model-name"),
+        ("--enable-expert-parallel", "--enable-expert-parallel"),
+    ],
+)
+def test_flags_pdserve_owns_are_refused(arg: str, flag: str) -> None:
+    found = problems(pdd_of(decode={"args": ["--enforce-eager", arg, "1"]}), None)
+    assert len(found) == 1
+    assert found[0].startswith(f"spec.decode.args[1]: {flag} is set by pdserve (")
+    assert found[0].endswith("remove it from args")
+
+
+def test_sim_owned_flags() -> None:
+    found = problems(
+        pdd_of(engine="sim", image="", prefill={"args": ["--ttft-ms", "5", "--dp-size", "2"]}), None
+    )
+    assert found == [
+        "spec.prefill.args[2]: --dp-size is set by pdserve (set dataParallel); remove it from args"
+    ]
+
+
+def test_other_args_pass() -> None:
+    assert problems(pdd_of(prefill={"args": ["--max-model-len=32768", "--portable"]}), None) == []
+
+
+def test_env_pdserve_owns_is_refused() -> None:
+    found = problems(pdd_of(prefill={"env": [{"name": "VLLM_NIXL_SIDE_CHANNEL_HOST", "value": "x"}]}), None)
+    assert found == [
+        "spec.prefill.env[0]: VLLM_NIXL_SIDE_CHANNEL_HOST is set by pdserve to the pod IP; remove it from env"
+    ]
+
+
+def test_gpu_count_in_resources_must_agree() -> None:
+    found = problems(
+        pdd_of(decode={"tensorParallel": 8, "resources": {"limits": {"nvidia.com/gpu": 4}}}), None
+    )
+    assert found == [
+        "spec.decode.resources.limits[nvidia.com/gpu]: pdserve requests dataParallel x tensorParallel = 8 "
+        "GPUs per instance, got 4; remove it from resources"
+    ]
+    same = pdd_of(decode={"tensorParallel": 8, "resources": {"requests": {"nvidia.com/gpu": "8"}}})
+    assert problems(same, None) == []
+
+
+def test_moriio_needs_amd_gpus_for_vllm() -> None:
+    kv = {"connector": "MoRIIOConnector", "transferMode": "READ"}
+    found = problems(pdd_of(kvTransfer=kv), None)
+    assert found == [
+        "spec.kvTransfer.connector: MoRIIOConnector moves KV between AMD GPUs (ROCm), but spec.gpuResource "
+        'is "nvidia.com/gpu"; use amd.com/gpu, or NixlConnector on NVIDIA GPUs'
+    ]
+    assert problems(pdd_of(kvTransfer=kv, gpuResource="amd.com/gpu"), [8]) == []
+    assert problems(pdd_of(kvTransfer=kv, engine="sim", image=""), None) == []
