@@ -1,0 +1,289 @@
+"""`pdserve up` as users run it: a real subprocess, real engines, the router on loopback.
+
+Each run is checked end to end: completions answered through the router, every slot of the
+manifest served by its engine, and on SIGTERM / Ctrl-C (SIGINT) / SIGKILL no process left
+behind (psutil walks the whole tree before the stop). A bad manifest is refused before
+anything starts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+
+from pdserve.deployment.spec import load_manifest_file
+from pdserve.routing import load_routing_table
+from tests.support.procs import REPO, free_port
+
+EXAMPLES = REPO / "examples"
+SIM_FLAGS = ["--sim-ttft-ms", "1", "--sim-itl-ms", "0", "--sim-tokens", "4"]
+
+
+@dataclass
+class UpProcess:
+    popen: subprocess.Popen[bytes]
+    port: int
+    output: Path
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def log(self) -> str:
+        return self.output.read_text(errors="replace")
+
+    def tree(self) -> list[psutil.Process]:
+        return list(psutil.Process(self.popen.pid).children(recursive=True))
+
+
+def _get(url: str) -> tuple[int, Any]:
+    try:
+        with urllib.request.urlopen(url, timeout=5) as resp:
+            return resp.status, json.loads(resp.read() or b"null")
+    except urllib.error.HTTPError as exc:
+        return exc.code, None
+
+
+def _post(url: str, body: dict[str, Any]) -> tuple[int, bytes]:
+    req = urllib.request.Request(
+        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}, method="POST"
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            return resp.status, resp.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read()
+
+
+def _start(tmp_path: Path, manifest: Path, *extra: str) -> UpProcess:
+    port = free_port()
+    output = tmp_path / "up.log"
+    with output.open("wb") as out:
+        popen = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "pdserve.cli",
+                "up",
+                str(manifest),
+                "--port",
+                str(port),
+                "--no-view",
+                *extra,
+            ],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            cwd=REPO,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
+    return UpProcess(popen, port, output)
+
+
+def _wait_serving(up: UpProcess, timeout: float = 60.0) -> dict[str, Any]:
+    """/debug/routing once the router is ready and every instance of the table is routable."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert up.popen.poll() is None, f"pdserve up exited early with {up.popen.returncode}:\n{up.log()}"
+        try:
+            status, _ = _get(up.url + "/ready")
+            if status == 200:
+                _, debug = _get(up.url + "/debug/routing")
+                table = load_routing_table(json.dumps(debug["table"]))
+                if all(i.routable for i in (*table.prefill, *table.decode)):
+                    return dict(debug)
+        except (urllib.error.URLError, ConnectionError, OSError):
+            pass
+        time.sleep(0.1)
+    raise AssertionError(f"pdserve up did not serve within {timeout}s:\n{up.log()}")
+
+
+def _stop_and_check_tree(up: UpProcess, sig: int) -> None:
+    tree = up.tree()
+    assert tree, "pdserve up has no child processes"
+    up.popen.send_signal(sig)
+    try:
+        code = up.popen.wait(60)
+    except subprocess.TimeoutExpired:
+        up.popen.kill()
+        raise AssertionError(f"pdserve up did not exit on {signal.Signals(sig).name}:\n{up.log()}") from None
+    assert code == 0, f"exit code {code}:\n{up.log()}"
+    _, alive = psutil.wait_procs(tree, timeout=10)
+    assert not alive, f"left behind: {[p.pid for p in alive]}"
+
+
+@pytest.fixture
+def cleanup() -> Iterator[list[UpProcess]]:
+    started: list[UpProcess] = []
+    yield started
+    for up in started:
+        tree = []
+        if up.popen.poll() is None:
+            tree = up.tree()
+            up.popen.kill()
+            up.popen.wait(10)
+        for proc in tree:
+            if proc.is_running():
+                proc.kill()
+
+
+@pytest.mark.parametrize(
+    ("example", "stop_signal"),
+    [
+        ("nixl/2p-dp8ep-4d-tp8.yaml", signal.SIGTERM),
+        ("moriio-read/2p-tp8-1d-dp8ep.yaml", signal.SIGINT),
+    ],
+    ids=["nixl-2p-dp8ep-4d-tp8-sigterm", "moriio-read-2p-tp8-1d-dp8ep-ctrl-c"],
+)
+def test_up_serves_every_slot_and_stops_clean(
+    tmp_path: Path, cleanup: list[UpProcess], example: str, stop_signal: int
+) -> None:
+    manifest = EXAMPLES / example
+    up = _start(tmp_path, manifest, *SIM_FLAGS)
+    cleanup.append(up)
+    debug = _wait_serving(up)
+    table = load_routing_table(json.dumps(debug["table"]))
+    # The table is the manifest's shape: the operator's builder, fed by the engines' health.
+    prefill_slots = sum(i.dp_size for i in table.prefill)
+    decode_slots = sum(i.dp_size for i in table.decode)
+    assert len(debug["slots"]["prefill"]) == prefill_slots
+    assert len(debug["slots"]["decode"]) == decode_slots
+
+    served = load_manifest_file(manifest).spec.served_model_name
+    burst = prefill_slots * decode_slots
+    for i in range(burst):
+        status, body = _post(
+            up.url + "/v1/completions",
+            {"model": served, "prompt": f"hello {i}", "max_tokens": 4, "stream": i % 3 == 0},
+        )
+        assert status == 200, body
+    # Every engine rank answered its share: as the engine itself counted it.
+    for inst in (*table.prefill, *table.decode):
+        _, stats = _get(inst.url + "/sim/stats")
+        assert stats["dp_size"] == inst.dp_size
+        assert all(n > 0 for n in stats["by_rank"].values()), (inst.name, stats["by_rank"])
+
+    _stop_and_check_tree(up, stop_signal)
+    for inst in (*table.prefill, *table.decode):
+        with pytest.raises((urllib.error.URLError, ConnectionError, OSError)):
+            _get(inst.url + "/health")
+
+
+def test_a_crashed_engine_leaves_the_table_and_is_restarted(tmp_path: Path, cleanup: list[UpProcess]) -> None:
+    up = _start(tmp_path, EXAMPLES / "sim" / "quickstart.yaml", *SIM_FLAGS)
+    cleanup.append(up)
+    debug = _wait_serving(up)
+    victim = debug["table"]["decode"][0]
+    port = int(victim["url"].rsplit(":", 1)[1])
+    engine = next(p for p in up.tree() if any(c.laddr.port == port for c in p.net_connections("tcp")))
+    old_pid = engine.pid
+    engine.kill()
+
+    deadline = time.monotonic() + 60
+    seen_unready = False
+    while time.monotonic() < deadline:
+        _, debug = _get(up.url + "/debug/routing")
+        entry = next(i for i in debug["table"]["decode"] if i["name"] == victim["name"])
+        seen_unready = seen_unready or not entry["ready"]
+        if seen_unready and entry["ready"]:
+            break
+        time.sleep(0.1)
+    else:
+        raise AssertionError(f"{victim['name']} did not come back:\n{up.log()}")
+    assert "exited with code" in up.log()
+    pids = {p.pid for p in up.tree()}
+    assert old_pid not in pids
+    status, _ = _post(up.url + "/v1/completions", {"model": "qwen-0.5b", "prompt": "again", "max_tokens": 2})
+    assert status == 200
+    _stop_and_check_tree(up, signal.SIGTERM)
+
+
+def test_sigkill_of_up_takes_its_children_along(tmp_path: Path, cleanup: list[UpProcess]) -> None:
+    if sys.platform != "linux":
+        pytest.skip("parent-death signal is Linux only")
+    up = _start(tmp_path, EXAMPLES / "sim" / "quickstart.yaml", *SIM_FLAGS)
+    cleanup.append(up)
+    _wait_serving(up)
+    tree = up.tree()
+    up.popen.kill()
+    up.popen.wait(10)
+    _, alive = psutil.wait_procs(tree, timeout=15)
+    assert not alive, f"left behind after SIGKILL: {[p.pid for p in alive]}"
+
+
+BAD_MANIFESTS = [
+    ('prefill:\n    dataParallel: "8"', "spec.prefill.dataParallel", "expected an integer >= 1"),
+    ("kvTransfer:\n    connector: MoRIIOConnector", "spec.kvTransfer.transferMode", "required"),
+    ("decode:\n    replicas: 2", "spec.decode.replicas", "unknown field"),
+]
+
+
+@pytest.mark.parametrize(("fragment", "field", "reason"), BAD_MANIFESTS, ids=[b[1] for b in BAD_MANIFESTS])
+def test_bad_manifest_is_refused_before_anything_starts(
+    tmp_path: Path, fragment: str, field: str, reason: str
+) -> None:
+    manifest = tmp_path / "bad.yaml"
+    manifest.write_text(
+        "apiVersion: pdserve.io/v1alpha1\nkind: PDDeployment\nmetadata:\n  name: bad\n"
+        f"spec:\n  model: m\n  engine: sim\n  {fragment}\n"
+    )
+    log_dir = tmp_path / "logs"
+    port = free_port()
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pdserve.cli",
+            "up",
+            str(manifest),
+            "--port",
+            str(port),
+            "--log-dir",
+            str(log_dir),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=60,
+    )
+    assert result.returncode == 2, result.stderr
+    assert field in result.stderr and reason in result.stderr, result.stderr
+    assert "nothing was started" in result.stderr
+    assert not log_dir.exists(), "no process may start (its log directory would exist)"
+
+
+def test_busy_port_is_refused_before_anything_starts() -> None:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        result = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pdserve.cli",
+                "up",
+                str(EXAMPLES / "sim" / "quickstart.yaml"),
+                "--port",
+                str(port),
+            ],
+            capture_output=True,
+            text=True,
+            cwd=REPO,
+            timeout=60,
+        )
+    assert result.returncode == 2
+    assert f"port {port}" in result.stderr and "--port" in result.stderr
