@@ -1,0 +1,206 @@
+"""A P/D stack on loopback for proxy tests: real `pdserve sim` processes, a routing file, a real
+`pdserve proxy`, and small HTTP helpers (stdlib for single calls, aiohttp for concurrency).
+
+Module-scoped stacks keep the suite lean: processes start once per module, tests rewrite the
+routing file (the proxy hot-reloads it) and call POST /sim/reset so counts stay exact.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tests.support.procs import Proc, ProcessGroup, wait_http
+
+# Tiny simulated timings: the proxy's logic is under test, not the model.
+FAST_SIM = ["--ttft-ms", "2", "--itl-ms", "1", "--tokens", "4"]
+
+
+@dataclass
+class HttpAnswer:
+    status: int
+    headers: dict[str, str]
+    body: bytes
+
+    def json(self) -> Any:
+        return json.loads(self.body)
+
+
+def http(
+    method: str,
+    url: str,
+    body: object = None,
+    headers: dict[str, str] | None = None,
+    raw: bytes | None = None,
+    timeout: float = 30.0,
+) -> HttpAnswer:
+    data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
+    req = urllib.request.Request(url, data=data, method=method, headers=headers or {})
+    if data is not None and "Content-Type" not in (headers or {}):
+        req.add_header("Content-Type", "application/json")
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            return HttpAnswer(resp.status, {k.lower(): v for k, v in resp.headers.items()}, resp.read())
+    except urllib.error.HTTPError as exc:
+        return HttpAnswer(exc.code, {k.lower(): v for k, v in exc.headers.items()}, exc.read())
+
+
+@dataclass
+class Sim:
+    name: str
+    role: str
+    dp_size: int
+    tp_size: int
+    proc: Proc
+    kv_address: str
+
+    @property
+    def url(self) -> str:
+        return self.proc.url
+
+    def stats(self) -> dict[str, Any]:
+        return http("GET", self.url + "/sim/stats").json()  # type: ignore[no-any-return]
+
+    def reset(self) -> None:
+        assert http("POST", self.url + "/sim/reset").status == 200
+
+    def faults(self, *specs: str) -> None:
+        answer = http("POST", self.url + "/sim/faults", {"faults": list(specs)})
+        assert answer.status == 200, answer.body
+
+    def instance(self, ready: bool = True, draining: bool = False) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "url": self.url,
+            "dpSize": self.dp_size,
+            "tpSize": self.tp_size,
+            "ready": ready,
+            "draining": draining,
+            "kvAddress": self.kv_address,
+        }
+
+
+@dataclass
+class PDStack:
+    group: ProcessGroup
+    directory: Path
+    sims: dict[str, Sim] = field(default_factory=dict)
+    proxy: Proc | None = None
+    generation: int = 0
+
+    @property
+    def routing_file(self) -> Path:
+        return self.directory / "routing.json"
+
+    @property
+    def url(self) -> str:
+        assert self.proxy is not None
+        return self.proxy.url
+
+    def sim(
+        self,
+        name: str,
+        role: str,
+        dp_size: int = 1,
+        tp_size: int = 1,
+        extra: Sequence[str] = (),
+        wait: bool = True,
+    ) -> Sim:
+        """Start a simulator; with ``wait=False`` call :meth:`wait_sims` later (parallel start-up)."""
+        kv_port = 20000 + len(self.sims)
+        args = ["sim", "--role", role, "--dp-size", str(dp_size), "--tp-size", str(tp_size)]
+        args += ["--instance-name", name, "--kv-port", str(kv_port), *FAST_SIM, *extra]
+        proc = self.group.start(name, args, health="/health" if wait else None)
+        sim = Sim(name, role, dp_size, tp_size, proc, f"127.0.0.1:{kv_port}")
+        self.sims[name] = sim
+        return sim
+
+    def wait_sims(self) -> None:
+        for sim in self.sims.values():
+            wait_http(sim.url + "/health", timeout=60, proc=sim.proc.popen)
+
+    def table(
+        self,
+        prefill: Sequence[Sim | dict[str, Any]],
+        decode: Sequence[Sim | dict[str, Any]],
+        connector: dict[str, Any] | None = None,
+    ) -> dict[str, Any]:
+        self.generation += 1
+        return {
+            "apiVersion": "pdserve.io/v1alpha1",
+            "kind": "RoutingTable",
+            "deployment": "test",
+            "generation": self.generation,
+            "connector": connector or {"type": "nixl"},
+            "prefill": [s.instance() if isinstance(s, Sim) else s for s in prefill],
+            "decode": [s.instance() if isinstance(s, Sim) else s for s in decode],
+        }
+
+    def write(self, doc: dict[str, Any], wait: bool = True) -> None:
+        """Replace the routing file atomically (write + rename) and wait until the proxy serves it."""
+        tmp = self.routing_file.with_suffix(".tmp")
+        tmp.write_text(json.dumps(doc))
+        os.replace(tmp, self.routing_file)
+        if wait and self.proxy is not None:
+            self.wait_generation(doc["generation"])
+
+    def route(
+        self,
+        prefill: Sequence[Sim | dict[str, Any]],
+        decode: Sequence[Sim | dict[str, Any]],
+        connector: dict[str, Any] | None = None,
+    ) -> None:
+        self.write(self.table(prefill, decode, connector))
+        for sim in self.sims.values():
+            sim.faults()
+            sim.reset()
+
+    def start_proxy(self, *extra: str, env: dict[str, str] | None = None) -> Proc:
+        assert self.routing_file.exists(), "write a routing table first"
+        args = ["proxy", "--routing-file", str(self.routing_file), "--host", "127.0.0.1", *extra]
+        self.proxy = self.group.start("proxy", args, env=env)
+        return self.proxy
+
+    def wait_generation(self, generation: int, timeout: float = 10.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.debug().get("generation") == generation:
+                return
+            time.sleep(0.05)
+        raise TimeoutError(f"proxy did not load generation {generation}: {self.debug()}")
+
+    def debug(self, headers: dict[str, str] | None = None) -> dict[str, Any]:
+        return http("GET", self.url + "/debug/routing", headers=headers).json()  # type: ignore[no-any-return]
+
+    def metric(self, name: str, **labels: str) -> float:
+        """Sum of a proxy metric's samples whose labels include ``labels``."""
+        text = http("GET", self.url + "/metrics").body.decode()
+        total = 0.0
+        for line in text.splitlines():
+            if line.startswith("#") or not line.startswith(name):
+                continue
+            head, _, value = line.rpartition(" ")
+            metric_name, _, label_text = head.partition("{")
+            if metric_name != name:
+                continue
+            if all(f'{k}="{v}"' in label_text for k, v in labels.items()):
+                total += float(value)
+        return total
+
+    def complete(
+        self, stream: bool = False, headers: dict[str, str] | None = None, **body: Any
+    ) -> HttpAnswer:
+        payload = {"prompt": "hello", "max_tokens": 3, "stream": stream, **body}
+        return http("POST", self.url + "/v1/completions", payload, headers=headers)
+
+
+def sse_events(body: bytes) -> list[str]:
+    """The data payloads of an SSE body, in order."""
+    return [line[len("data: ") :] for line in body.decode().split("\n") if line.startswith("data: ")]
