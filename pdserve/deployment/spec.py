@@ -39,8 +39,8 @@ SERVICE_TYPES = ("ClusterIP", "NodePort", "LoadBalancer")
 #: Every engine (vLLM or the simulator) listens here, in its own pod.
 ENGINE_PORT = 8000
 
-#: Longest PDDeployment name: ``<name>-engines`` must stay a 63-character DNS label.
-MAX_NAME_LENGTH = 52
+#: Longest PDDeployment name: a pod hostname ``<name>-prefill-1023`` must be a 63-character DNS label.
+MAX_NAME_LENGTH = 50
 _DNS_1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 _DNS_1123 = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 _RESOURCE_NAME = re.compile(r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?/[-._a-zA-Z0-9]+$")

@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +30,7 @@ from pdserve.deployment.objects import (
     template_hash,
 )
 from pdserve.deployment.routing import ObservedInstance, build_routing_table
-from pdserve.deployment.spec import PDDeployment, parse_pddeployment
+from pdserve.deployment.spec import MAX_NAME_LENGTH, PDDeployment, parse_pddeployment
 from pdserve.routing import Role, build_slot_table, load_routing_table
 
 GOLDEN = Path(__file__).resolve().parents[1] / "golden" / "render"
@@ -421,3 +422,13 @@ def test_objects_are_fresh_copies() -> None:
     second = copy.deepcopy(first)
     first[2]["spec"]["replicas"] = 99
     assert render_all(pdd) == second
+
+
+def test_longest_name_and_highest_index_give_valid_hostnames() -> None:
+    doc = shape_manifest("1P_TP8-1D_TP8", "nixl", prefill={"instances": 1024, **TP8})
+    doc["metadata"]["name"] = "a" * MAX_NAME_LENGTH
+    pdd = parse_pddeployment(doc)
+    for role in Role:
+        spec = instance_pod(pdd, role, 1023)["spec"]
+        assert len(spec["hostname"]) <= 63 and len(spec["subdomain"]) <= 63
+        assert re.fullmatch(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?", spec["hostname"])

@@ -259,7 +259,7 @@ def test_missing_model_is_named() -> None:
         ({"metadata": {}}, "metadata.name", "required"),
         ({"metadata": {"name": "R1"}}, "metadata.name", "lowercase letters"),
         ({"metadata": {"name": "1st"}}, "metadata.name", "starting with a letter"),
-        ({"metadata": {"name": "a" * 53}}, "metadata.name", "at most 52 characters"),
+        ({"metadata": {"name": "a" * 51}}, "metadata.name", "at most 50 characters"),
         ({"metadata": {"name": "r1", "namespace": "Bad_NS"}}, "metadata.namespace", "expected a namespace"),
         ({"metadata": {"name": "r1", "labels": {"a": 1}}}, "metadata.labels.a", "expected a string"),
         ({"spec": None}, "spec", "expected an object, got null"),

@@ -1,0 +1,272 @@
+"""The PDDeployment CRD on a real API server: defaults, CEL rules, enums and bounds, explain, scale, columns.
+
+Each refused manifest is also refused by the Python parser (what ``pdserve up`` and
+``pdserve render`` use), so a file means the same inside and outside a cluster.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from pdserve.deployment.spec import SpecError, parse_pddeployment
+from tests.support.kube import KubeCluster, eventually
+
+pytestmark = pytest.mark.cluster
+
+CRD_PATH = Path(__file__).resolve().parents[2] / "crds" / "pddeployments.pdserve.io.yaml"
+CRD_NAME = "pddeployments.pdserve.io"
+
+
+@pytest.fixture(scope="session")
+def crd(kube_cluster: KubeCluster) -> KubeCluster:
+    """The CRD applied (idempotent: server-side apply of the same file) and served."""
+    kube_cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", CRD_PATH)
+    kube_cluster.kubectl("wait", "--for=condition=Established", f"crd/{CRD_NAME}", "--timeout=60s")
+    eventually(
+        lambda: kube_cluster.kubectl("get", "pdd", "-A", check=False).returncode == 0,
+        timeout=60,
+        message="the pdd resource in discovery",
+    )
+    return kube_cluster
+
+
+def manifest(name: str = "r1", **spec: Any) -> dict[str, Any]:
+    body: dict[str, Any] = {"model": "deepseek-ai/DeepSeek-R1", "image": "vllm/vllm-openai:v0.11.0"}
+    body.update(spec)
+    return {
+        "apiVersion": "pdserve.io/v1alpha1",
+        "kind": "PDDeployment",
+        "metadata": {"name": name},
+        "spec": body,
+    }
+
+
+def create(cluster: KubeCluster, namespace: str, obj: dict[str, Any], check: bool = True) -> Any:
+    return cluster.kubectl("create", "-n", namespace, "-f", "-", input=json.dumps(obj), check=check)
+
+
+def get(cluster: KubeCluster, namespace: str, name: str) -> dict[str, Any]:
+    out = cluster.kubectl("get", "pdd", name, "-n", namespace, "-o", "json")
+    doc: dict[str, Any] = json.loads(out.stdout)
+    return doc
+
+
+def test_valid_manifest_is_accepted_and_defaulted_like_the_parser(
+    crd: KubeCluster, kube_namespace: str
+) -> None:
+    obj = manifest(
+        kvTransfer={"connector": "MoRIIOConnector", "transferMode": "WRITE"}, gpuResource="amd.com/gpu"
+    )
+    create(crd, kube_namespace, obj)
+    stored = get(crd, kube_namespace, "r1")
+    spec = stored["spec"]
+    assert spec["engine"] == "vllm"
+    assert spec["kvTransfer"] == {"connector": "MoRIIOConnector", "transferMode": "WRITE", "extraConfig": {}}
+    assert spec["prefill"] == {
+        "instances": 1,
+        "dataParallel": 1,
+        "tensorParallel": 1,
+        "expertParallel": False,
+        "nodesPerInstance": 1,
+        "args": [],
+        "env": [],
+        "resources": {},
+        "nodeSelector": {},
+        "tolerations": [],
+        "affinity": {},
+    }
+    assert spec["decode"] == spec["prefill"]
+    assert spec["router"] == {
+        "replicas": 1,
+        "image": "",
+        "policy": "flat-interleaved",
+        "backlog": 4096,
+        "port": 8000,
+        "serviceType": "ClusterIP",
+    }
+    assert spec["rollout"] == {"maxUnavailable": 1, "drainSeconds": 30}
+    # The operator's view of the stored object equals the file's view without an API server.
+    from_server = parse_pddeployment(stored)
+    assert from_server.spec == parse_pddeployment(obj).spec
+    assert from_server.uid == stored["metadata"]["uid"] != ""
+    assert from_server.namespace == kube_namespace
+
+
+def test_preserved_fields_keep_their_content(crd: KubeCluster, kube_namespace: str) -> None:
+    obj = manifest(
+        kvTransfer={"connector": "NixlConnector", "extraConfig": {"backends": ["UCX"], "nested": {"a": 1}}},
+        prefill={
+            "env": [{"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf", "key": "token"}}}],
+            "resources": {"limits": {"memory": "200Gi"}},
+            "tolerations": [{"key": "gpu", "operator": "Exists"}],
+            "affinity": {"podAntiAffinity": {}},
+        },
+    )
+    create(crd, kube_namespace, obj)
+    stored = get(crd, kube_namespace, "r1")["spec"]
+    assert stored["kvTransfer"]["extraConfig"] == {"backends": ["UCX"], "nested": {"a": 1}}
+    assert stored["prefill"]["env"] == obj["spec"]["prefill"]["env"]
+    assert stored["prefill"]["resources"] == {"limits": {"memory": "200Gi"}}
+    assert stored["prefill"]["tolerations"] == [{"key": "gpu", "operator": "Exists"}]
+
+
+REFUSED = [
+    pytest.param(
+        {"kvTransfer": {"connector": "MoRIIOConnector"}},
+        "transferMode (READ or WRITE) is required with connector MoRIIOConnector",
+        id="cel-moriio-needs-transfer-mode",
+    ),
+    pytest.param(
+        {"kvTransfer": {"connector": "NixlConnector", "transferMode": "READ"}},
+        "transferMode is only valid with connector MoRIIOConnector",
+        id="cel-transfer-mode-only-moriio",
+    ),
+    pytest.param(
+        {"prefill": {"expertParallel": True}},
+        "expertParallel needs more than one GPU per instance",
+        id="cel-expert-parallel",
+    ),
+    pytest.param(
+        {"decode": {"nodesPerInstance": 2}},
+        "multi-node instances are not supported yet",
+        id="cel-multi-node",
+    ),
+    pytest.param({"image": ""}, "image is required when engine is vllm", id="cel-image"),
+    pytest.param({"engine": "trtllm"}, 'Unsupported value: "trtllm"', id="enum-engine"),
+    pytest.param({"router": {"policy": "random"}}, 'Unsupported value: "random"', id="enum-policy"),
+    pytest.param(
+        {"kvTransfer": {"connector": "LMCache"}}, 'Unsupported value: "LMCache"', id="enum-connector"
+    ),
+    pytest.param(
+        {"router": {"serviceType": "ExternalName"}},
+        'Unsupported value: "ExternalName"',
+        id="enum-service-type",
+    ),
+    pytest.param({"router": {"port": 0}}, "should be greater than or equal to 1", id="bound-port"),
+    pytest.param(
+        {"rollout": {"maxUnavailable": 0}}, "should be greater than or equal to 1", id="bound-max-unavail"
+    ),
+    pytest.param({"prefill": {"tensorParallel": 65}}, "should be less than or equal to 64", id="bound-tp"),
+    pytest.param({"decode": {"instances": -1}}, "should be greater than or equal to 0", id="bound-instances"),
+    pytest.param({"prefill": {"dataParallel": "8"}}, "must be of type integer", id="type-dp"),
+    pytest.param({"gpuResource": "gpu"}, "should match", id="pattern-gpu-resource"),
+    pytest.param({"model": ""}, "should be at least 1 chars long", id="min-length-model"),
+]
+
+
+@pytest.mark.parametrize(("spec", "message"), REFUSED)
+def test_invalid_manifest_is_refused_with_the_rules_message(
+    crd: KubeCluster, kube_namespace: str, spec: dict[str, Any], message: str
+) -> None:
+    obj = manifest(**spec)
+    proc = create(crd, kube_namespace, obj, check=False)
+    assert proc.returncode != 0, f"accepted: {spec}"
+    assert message in proc.stderr, proc.stderr
+    with pytest.raises(SpecError):
+        parse_pddeployment(obj)
+
+
+def test_name_rule(crd: KubeCluster, kube_namespace: str) -> None:
+    obj = manifest(name="a" * 51)
+    proc = create(crd, kube_namespace, obj, check=False)
+    assert proc.returncode != 0
+    assert "metadata.name must be at most 50 characters" in proc.stderr, proc.stderr
+    with pytest.raises(SpecError):
+        parse_pddeployment(obj)
+    create(crd, kube_namespace, manifest(name="a" * 50))
+
+
+def test_kubectl_explain_reads_well(crd: KubeCluster) -> None:
+    def explain() -> str | None:
+        out = crd.kubectl("explain", "pdd.spec.prefill", check=False)
+        return out.stdout if out.returncode == 0 and "dataParallel" in out.stdout else None
+
+    text = eventually(explain, timeout=60, message="kubectl explain pdd.spec.prefill")
+    assert "Each instance is one pod running one vLLM server" in text
+    for field in ("instances", "dataParallel", "tensorParallel", "expertParallel", "nodesPerInstance", "env"):
+        assert field in text
+    detail = crd.kubectl("explain", "pdd.spec.kvTransfer.transferMode").stdout
+    assert "MoRIIOConnector only" in detail
+    assert "READ" in detail and "WRITE" in detail
+
+
+def test_kubectl_scale_sets_decode_instances(crd: KubeCluster, kube_namespace: str) -> None:
+    create(crd, kube_namespace, manifest(decode={"instances": 1}))
+    crd.kubectl("scale", "pdd", "r1", "-n", kube_namespace, "--replicas", "3")
+    stored = get(crd, kube_namespace, "r1")
+    assert stored["spec"]["decode"]["instances"] == 3
+    assert stored["spec"]["prefill"]["instances"] == 1
+    scale = json.loads(
+        crd.kubectl(
+            "get", "--raw", f"/apis/pdserve.io/v1alpha1/namespaces/{kube_namespace}/pddeployments/r1/scale"
+        ).stdout
+    )
+    assert scale["spec"]["replicas"] == 3
+
+
+def test_printer_columns_and_category(crd: KubeCluster, kube_namespace: str) -> None:
+    create(crd, kube_namespace, manifest())
+    status = {
+        "observedGeneration": 1,
+        "routingGeneration": 4,
+        "prefill": {"instances": 2, "readyInstances": 2, "slots": 16, "readySlots": 16, "summary": "2/2"},
+        "decode": {"instances": 4, "readyInstances": 3, "slots": 4, "readySlots": 3, "summary": "3/4"},
+        "conditions": [
+            {
+                "type": "Ready",
+                "status": "True",
+                "reason": "Serving",
+                "message": "every role has a routable instance",
+                "lastTransitionTime": "2026-01-01T00:00:00Z",
+            }
+        ],
+    }
+    crd.kubectl(
+        "patch", "pdd", "r1", "-n", kube_namespace, "--subresource=status", "--type=merge",
+        "-p", json.dumps({"status": status}),
+    )  # fmt: skip
+    out = crd.kubectl("get", "pdd", "-n", kube_namespace).stdout.splitlines()
+    assert out[0].split() == ["NAME", "READY", "PREFILL", "DECODE", "P-SLOTS", "D-SLOTS", "AGE"]
+    assert out[1].split()[:6] == ["r1", "True", "2/2", "3/4", "16", "3"]
+    wide = crd.kubectl("get", "pdd", "-n", kube_namespace, "-o", "wide").stdout.splitlines()
+    assert "MODEL" in wide[0].split() and "CONNECTOR" in wide[0].split()
+    assert (
+        "pddeployment.pdserve.io/r1"
+        in crd.kubectl("get", "pdserve", "-n", kube_namespace, "-o", "name").stdout
+    )
+
+
+def test_status_schema_refuses_a_bad_condition(crd: KubeCluster, kube_namespace: str) -> None:
+    create(crd, kube_namespace, manifest())
+    bad = {"status": {"conditions": [{"type": "Ready", "status": "Maybe"}]}}
+    proc = crd.kubectl(
+        "patch", "pdd", "r1", "-n", kube_namespace, "--subresource=status", "--type=merge",
+        "-p", json.dumps(bad), check=False,
+    )  # fmt: skip
+    assert proc.returncode != 0
+    assert 'Unsupported value: "Maybe"' in proc.stderr
+
+
+def test_spec_update_bumps_generation_but_status_does_not(crd: KubeCluster, kube_namespace: str) -> None:
+    create(crd, kube_namespace, manifest())
+    first = get(crd, kube_namespace, "r1")["metadata"]["generation"]
+    crd.kubectl(
+        "patch", "pdd", "r1", "-n", kube_namespace, "--subresource=status", "--type=merge",
+        "-p", json.dumps({"status": {"observedGeneration": first}}),
+    )  # fmt: skip
+    assert get(crd, kube_namespace, "r1")["metadata"]["generation"] == first
+    crd.kubectl(
+        "patch",
+        "pdd",
+        "r1",
+        "-n",
+        kube_namespace,
+        "--type=merge",
+        "-p",
+        '{"spec":{"prefill":{"instances":2}}}',
+    )
+    assert get(crd, kube_namespace, "r1")["metadata"]["generation"] == first + 1
