@@ -25,7 +25,10 @@ slow-first-byte:MS, drop-mid-stream, reset. Examples: --fault http-500:0.5
 from __future__ import annotations
 
 import argparse
+import asyncio
 import sys
+from collections.abc import Coroutine
+from typing import Any
 
 from pdserve.sim.faults import FaultSpecError, parse_faults
 from pdserve.sim.payloads import Identity
@@ -133,17 +136,20 @@ def run(args: argparse.Namespace) -> int:
     )
     simulator = Simulator(config)
     try:
-        import uvloop
-
-        uvloop.run(serve(simulator, args.host, args.port, args.backlog))
-    except ImportError:  # pragma: no cover - uvloop is a dependency except on Windows
-        import asyncio
-
-        asyncio.run(serve(simulator, args.host, args.port, args.backlog))
+        _run_event_loop(serve(simulator, args.host, args.port, args.backlog))
     except OSError as exc:
         print(f"pdserve sim: error: cannot listen on {args.host}:{args.port}: {exc}", file=sys.stderr)
         return 1
     return 0
+
+
+def _run_event_loop(main: Coroutine[Any, Any, None]) -> None:
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover - uvloop is a dependency except on Windows
+        asyncio.run(main)
+    else:
+        uvloop.run(main)
 
 
 def _positive_int(text: str) -> int:

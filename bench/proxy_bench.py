@@ -1,0 +1,348 @@
+"""Proxy benchmark (`make bench`): pdserve proxy vs vllm-router vs no proxy, on the same simulators.
+
+One run starts one prefill and one decode `pdserve sim` (DP2 each, NIXL semantics) and measures,
+one system after the other on those same backends:
+
+  * ``pdserve``: `pdserve proxy` with a routing file naming the two simulators;
+  * ``vllm-router``: the PyPI router in P/D mode (--vllm-pd-disaggregation --kv-connector nixl);
+  * ``direct``: the client talking to the decode simulator itself, the floor no proxy can beat.
+
+Loads, each from a separate client process (bench/load_client.py): streaming completions at
+concurrency 64, and a burst of 2048 requests on 2048 new connections started at once.
+Results: a table on stdout, bench/results/<timestamp>.json, <timestamp>.png, latest.md,
+latest.png. This is a benchmark, not a test: it prints figures side by side and asserts nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from bench.report import Summary, chart, markdown, ratios, summarize, table
+from pdserve.routing.table import Connector, Instance, RoutingTable
+
+REPO = Path(__file__).resolve().parents[1]
+RESULTS = REPO / "bench" / "results"
+SYSTEMS = ("direct", "pdserve", "vllm-router")
+
+
+def log(message: str) -> None:
+    print(f"[bench {time.strftime('%H:%M:%S')}] {message}", flush=True)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class Server:
+    name: str
+    port: int
+    popen: subprocess.Popen[bytes]
+    log_path: Path
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def cpu_seconds(self) -> float:
+        """CPU time of the server and its children: the cost per request on a shared machine."""
+        import psutil
+
+        try:
+            proc = psutil.Process(self.popen.pid)
+            total = 0.0
+            for p in [proc, *proc.children(recursive=True)]:
+                times = p.cpu_times()
+                total += times.user + times.system
+            return total
+        except psutil.Error:
+            return 0.0
+
+    def stop(self) -> None:
+        if self.popen.poll() is None:
+            self.popen.terminate()
+            try:
+                self.popen.wait(10)
+            except subprocess.TimeoutExpired:
+                self.popen.kill()
+                self.popen.wait(5)
+
+
+def start(
+    name: str, argv: Sequence[str], port: int, ready_path: str, logs: Path, timeout: float = 60
+) -> Server:
+    log_path = logs / f"{name}.log"
+    with log_path.open("wb") as out:
+        popen = subprocess.Popen(list(argv), stdout=out, stderr=subprocess.STDOUT, cwd=REPO)
+    server = Server(name, port, popen, log_path)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if popen.poll() is not None:
+            raise RuntimeError(
+                f"{name} exited with {popen.returncode}:\n{log_path.read_text(errors='replace')}"
+            )
+        try:
+            with urllib.request.urlopen(server.url + ready_path, timeout=2) as resp:
+                if resp.status == 200:
+                    return server
+        except (urllib.error.URLError, OSError):
+            pass
+        time.sleep(0.1)
+    server.stop()
+    raise RuntimeError(
+        f"{name} not ready at {ready_path} within {timeout}s:\n{log_path.read_text(errors='replace')}"
+    )
+
+
+def http_json(url: str, method: str = "GET") -> Any:
+    request = urllib.request.Request(url, method=method, data=b"{}" if method == "POST" else None)
+    with urllib.request.urlopen(request, timeout=10) as resp:
+        return json.loads(resp.read())
+
+
+def run_load(
+    url: str, mode: str, requests: int, concurrency: int, tokens: int, timeout_s: float
+) -> dict[str, Any]:
+    spec = {
+        "url": url,
+        "mode": mode,
+        "requests": requests,
+        "concurrency": concurrency,
+        "tokens": tokens,
+        "timeout_s": timeout_s,
+    }
+    done = subprocess.run(
+        [sys.executable, "-m", "bench.load_client", json.dumps(spec)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=timeout_s + 60,
+        check=False,
+    )
+    if done.returncode != 0:
+        raise RuntimeError(f"load client failed ({done.returncode}): {done.stderr[-2000:]}")
+    result: dict[str, Any] = json.loads(done.stdout)
+    return result
+
+
+def routing_file(prefill: Server, decode: Server, dp_size: int, path: Path) -> Path:
+    table = RoutingTable(
+        deployment="bench",
+        generation=1,
+        connector=Connector("nixl"),
+        prefill=(Instance("bench-prefill-0", prefill.url, dp_size=dp_size, ready=True),),
+        decode=(Instance("bench-decode-0", decode.url, dp_size=dp_size, ready=True),),
+    )
+    path.write_text(table.to_json())
+    return path
+
+
+def start_system(system: str, prefill: Server, decode: Server, dp_size: int, logs: Path) -> Server | None:
+    """The proxy under test, or None for ``direct``."""
+    if system == "direct":
+        return None
+    port = free_port()
+    if system == "pdserve":
+        table = routing_file(prefill, decode, dp_size, logs / "routing.json")
+        argv = [sys.executable, "-m", "pdserve.cli", "proxy", "--routing-file", str(table)]
+        return start("pdserve", [*argv, "--host", "127.0.0.1", "--port", str(port)], port, "/ready", logs)
+    router = shutil.which("vllm-router", path=str(Path(sys.executable).parent)) or "vllm-router"
+    argv = [
+        router,
+        "--vllm-pd-disaggregation",
+        "--prefill", prefill.url,
+        "--decode", decode.url,
+        "--kv-connector", "nixl",
+        "--policy", "round_robin",
+        "--log-level", "warning",
+        "--host", "127.0.0.1",
+        "--port", str(port),
+    ]  # fmt: skip
+    return start("vllm-router", argv, port, "/health", logs)
+
+
+def bench_system(
+    system: str, prefill: Server, decode: Server, args: argparse.Namespace, logs: Path
+) -> tuple[list[Summary], list[str]]:
+    notes: list[str] = []
+    proxy = start_system(system, prefill, decode, args.dp_size, logs)
+    url = proxy.url if proxy is not None else decode.url
+    summaries = []
+    try:
+        warm = run_load(url, "stream", 200, 16, args.tokens, 60)
+        if warm["failures"]:
+            notes.append(f"{system}: warm-up failures {warm['failures']}")
+        for mode, requests in (("stream", args.requests), ("burst", args.burst)):
+            for sim in (prefill, decode):
+                http_json(sim.url + "/sim/reset", "POST")
+            cpu_before = proxy.cpu_seconds() if proxy is not None else 0.0
+            log(
+                f"{system}: {mode} load, {requests} requests"
+                + (f" at concurrency {args.concurrency}" if mode == "stream" else " at once")
+            )
+            result = run_load(url, mode, requests, args.concurrency, args.tokens, args.timeout)
+            summary = summarize(system, mode, result)
+            summaries.append(summary)
+            pstats = http_json(prefill.url + "/sim/stats")
+            dstats = http_json(decode.url + "/sim/stats")
+            if proxy is not None:
+                cpu = proxy.cpu_seconds() - cpu_before
+                notes.append(
+                    f"{system} {mode}: proxy CPU {cpu * 1000 / max(1, summary.ok):.2f} ms per request; "
+                    f"prefill legs {pstats['requests']} (by rank {pstats['by_rank']}), "
+                    f"decode legs {dstats['by_leg']['decode']} (by rank {dstats['by_rank']})"
+                )
+            log(
+                f"{system}: {mode}: {summary.ok} ok, {summary.failed} failed, {summary.rps:.0f} req/s, "
+                f"p50 {summary.p50_ms:.1f} ms, p99 {summary.p99_ms:.1f} ms"
+            )
+    finally:
+        if proxy is not None:
+            proxy.stop()
+    return summaries, notes
+
+
+def pdserve_proxy_available() -> bool:
+    done = subprocess.run(
+        [sys.executable, "-c", "import pdserve.proxy.cli"], cwd=REPO, capture_output=True, check=False
+    )
+    return done.returncode == 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.proxy_bench", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    parser.add_argument(
+        "--systems", nargs="+", choices=SYSTEMS, default=list(SYSTEMS), help="systems to measure"
+    )
+    parser.add_argument(
+        "--requests", type=int, default=2000, help="streaming requests per system (default 2000)"
+    )
+    parser.add_argument("--concurrency", type=int, default=64, help="streaming concurrency (default 64)")
+    parser.add_argument(
+        "--burst", type=int, default=2048, help="simultaneous connections of the burst (default 2048)"
+    )
+    parser.add_argument("--tokens", type=int, default=8, help="tokens per answer (default 8)")
+    parser.add_argument("--dp-size", type=int, default=2, help="DP size of each simulator (default 2)")
+    parser.add_argument(
+        "--ttft-ms", type=float, default=2.0, help="simulated time to first token (default 2)"
+    )
+    parser.add_argument("--itl-ms", type=float, default=1.0, help="simulated inter-token latency (default 1)")
+    parser.add_argument(
+        "--timeout", type=float, default=120.0, help="client timeout per load in s (default 120)"
+    )
+    parser.add_argument("--no-write", action="store_true", help="print only; write nothing to bench/results")
+    args = parser.parse_args(argv)
+
+    # Children inherit the limit: a burst needs a socket per connection in every process.
+    _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    systems = list(args.systems)
+    notes: list[str] = []
+    if "pdserve" in systems and not pdserve_proxy_available():
+        systems.remove("pdserve")
+        notes.append("pdserve proxy not available (pdserve.proxy.cli does not import): not measured")
+        log(notes[-1])
+
+    started = time.monotonic()
+    summaries: list[Summary] = []
+    with tempfile.TemporaryDirectory(prefix="pdserve-bench-") as tmp:
+        logs = Path(tmp)
+        sim_args = [
+            "--dp-size",
+            str(args.dp_size),
+            "--ttft-ms",
+            str(args.ttft_ms),
+            "--itl-ms",
+            str(args.itl_ms),
+        ]
+        sim = [sys.executable, "-m", "pdserve.cli", "sim", *sim_args, "--tokens", str(args.tokens)]
+        pport, dport = free_port(), free_port()
+        log(f"starting simulators: prefill :{pport}, decode :{dport} (DP{args.dp_size} each)")
+        prefill = start(
+            "sim-prefill",
+            [*sim, "--role", "prefill", "--instance-name", "bench-prefill-0", "--port", str(pport)],
+            pport, "/health", logs,
+        )  # fmt: skip
+        decode = start(
+            "sim-decode",
+            [*sim, "--role", "decode", "--instance-name", "bench-decode-0", "--port", str(dport)],
+            dport, "/health", logs,
+        )  # fmt: skip
+        try:
+            for system in systems:
+                try:
+                    got, system_notes = bench_system(system, prefill, decode, args, logs)
+                except (RuntimeError, subprocess.TimeoutExpired) as exc:
+                    notes.append(f"{system}: not measured: {str(exc).splitlines()[0]}")
+                    log(notes[-1])
+                    continue
+                summaries += got
+                notes += system_notes
+        finally:
+            prefill.stop()
+            decode.stop()
+
+    print()
+    print(table(summaries))
+    print()
+    ratio_pairs = {("pdserve", "vllm-router"): ratios(summaries, "pdserve", "vllm-router")}
+    for (num, den), per_load in ratio_pairs.items():
+        for load, r in per_load.items():
+            print(f"{num}/{den} {load}: req/s x{r['rps']}  p50 x{r['p50']}  p99 x{r['p99']}")
+    for note in notes:
+        print(f"note: {note}")
+    log(f"done in {time.monotonic() - started:.0f}s")
+    if args.no_write or not summaries:
+        return 0
+
+    stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
+    meta = {
+        "timestamp": stamp,
+        "cpus": os.cpu_count(),
+        "backends": (
+            f"1 prefill + 1 decode `pdserve sim`, DP{args.dp_size} each, ttft {args.ttft_ms} ms, "
+            f"itl {args.itl_ms} ms, {args.tokens} tokens per answer"
+        ),
+        "loads": (
+            f"stream: {args.requests} streaming completions at concurrency {args.concurrency}; "
+            f"burst: {args.burst} requests on new connections started at once"
+        ),
+        "ratios": ratio_pairs,
+        "notes": notes,
+    }
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    chart(summaries, RESULTS / f"{stamp}.png")
+    shutil.copyfile(RESULTS / f"{stamp}.png", RESULTS / "latest.png")
+    document = {
+        **{k: v for k, v in meta.items() if k != "ratios"},
+        "ratios": {f"{n}/{d}": r for (n, d), r in ratio_pairs.items()},
+        "args": vars(args),
+        "results": [s.to_dict() for s in summaries],
+    }
+    (RESULTS / f"{stamp}.json").write_text(json.dumps(document, indent=2) + "\n")
+    (RESULTS / "latest.md").write_text(markdown(summaries, meta, "latest.png"))
+    log(f"wrote bench/results/{stamp}.json, {stamp}.png, latest.md, latest.png")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

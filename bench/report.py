@@ -1,0 +1,156 @@
+"""Summaries, the printed table, latest.md and the PNG chart of the proxy benchmark."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Summary:
+    system: str
+    load: str  # "stream" | "burst"
+    requests: int
+    ok: int
+    failed: int
+    failures: dict[str, int] = field(default_factory=dict)
+    wall_s: float = 0.0
+    rps: float = 0.0
+    p50_ms: float = 0.0
+    p99_ms: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """Nearest-rank percentile (q in [0, 100]); 0 for no values."""
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    rank = max(1, math.ceil(q / 100 * len(ordered)))
+    return ordered[rank - 1]
+
+
+def summarize(system: str, load: str, result: Mapping[str, Any]) -> Summary:
+    latencies = list(result["latencies_s"])
+    failures = dict(result["failures"])
+    wall = float(result["wall_s"])
+    return Summary(
+        system=system,
+        load=load,
+        requests=int(result["requests"]),
+        ok=len(latencies),
+        failed=sum(failures.values()),
+        failures=failures,
+        wall_s=round(wall, 3),
+        rps=round(len(latencies) / wall, 1) if wall > 0 else 0.0,
+        p50_ms=round(percentile(latencies, 50) * 1000, 2),
+        p99_ms=round(percentile(latencies, 99) * 1000, 2),
+    )
+
+
+def ratios(summaries: Sequence[Summary], numerator: str, denominator: str) -> dict[str, dict[str, float]]:
+    """Per load: numerator/denominator of requests/s, p50 and p99.
+
+    rps above 1 and latencies below 1 favour the numerator.
+    """
+    out: dict[str, dict[str, float]] = {}
+    by_key = {(s.system, s.load): s for s in summaries}
+    for load in sorted({s.load for s in summaries}):
+        a, b = by_key.get((numerator, load)), by_key.get((denominator, load))
+        if a is None or b is None:
+            continue
+        out[load] = {
+            "rps": round(a.rps / b.rps, 2) if b.rps else 0.0,
+            "p50": round(a.p50_ms / b.p50_ms, 2) if b.p50_ms else 0.0,
+            "p99": round(a.p99_ms / b.p99_ms, 2) if b.p99_ms else 0.0,
+        }
+    return out
+
+
+COLUMNS = (("system", 12), ("load", 6), ("ok", 5), ("failed", 6), ("req/s", 8), ("p50 ms", 8), ("p99 ms", 8))
+
+
+def table(summaries: Sequence[Summary]) -> str:
+    def row(cells: Sequence[str]) -> str:
+        return (
+            "| "
+            + " | ".join(
+                c.ljust(w) if i < 2 else c.rjust(w)
+                for i, (c, (_, w)) in enumerate(zip(cells, COLUMNS, strict=True))
+            )
+            + " |"
+        )
+
+    lines = [row([title for title, _ in COLUMNS]), "|" + "|".join("-" * (w + 2) for _, w in COLUMNS) + "|"]
+    for s in summaries:
+        cells = [
+            s.system,
+            s.load,
+            str(s.ok),
+            str(s.failed),
+            f"{s.rps:.1f}",
+            f"{s.p50_ms:.2f}",
+            f"{s.p99_ms:.2f}",
+        ]
+        lines.append(row(cells))
+    return "\n".join(lines)
+
+
+def markdown(summaries: Sequence[Summary], meta: Mapping[str, Any], chart_name: str) -> str:
+    lines = [
+        "# Proxy benchmark: latest run",
+        "",
+        f"Run {meta['timestamp']} on {meta['cpus']} CPU(s); `make bench` (`python -m bench.proxy_bench`).",
+        f"Backends: {meta['backends']}.",
+        f"Loads: {meta['loads']}.",
+        "`direct` is the floor: clients talking to the decode simulator without any proxy.",
+        "",
+        table(summaries),
+        "",
+    ]
+    for (num, den), per_load in meta.get("ratios", {}).items():
+        for load, r in per_load.items():
+            lines.append(f"- {num}/{den}, {load}: req/s x{r['rps']}, p50 x{r['p50']}, p99 x{r['p99']}")
+    failures = [s for s in summaries if s.failed]
+    for s in failures:
+        lines.append(f"- failures of {s.system} ({s.load}): {s.failures}")
+    if meta.get("notes"):
+        lines += ["", *[f"- {note}" for note in meta["notes"]]]
+    lines += ["", f"![requests/s and latency per system]({chart_name})", ""]
+    return "\n".join(lines)
+
+
+def chart(summaries: Sequence[Summary], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    loads = sorted({s.load for s in summaries}, reverse=True)
+    systems = list(dict.fromkeys(s.system for s in summaries))
+    by_key = {(s.system, s.load): s for s in summaries}
+    fig, axes = plt.subplots(len(loads), 2, figsize=(10, 3.6 * len(loads)), squeeze=False)
+    width = 0.8 / max(1, len(systems))
+    for row, load in enumerate(loads):
+        rps_ax, lat_ax = axes[row]
+        for i, system in enumerate(systems):
+            s = by_key.get((system, load))
+            if s is None:
+                continue
+            rps_ax.bar(i, s.rps, color=f"C{i}", label=system)
+            lat_ax.bar(
+                [0 + i * width, 1 + i * width], [s.p50_ms, s.p99_ms], width, color=f"C{i}", label=system
+            )
+        rps_ax.set_xticks(range(len(systems)), systems)
+        rps_ax.set_title(f"{load}: requests/s (higher is better)")
+        lat_ax.set_xticks([0.4 - width / 2, 1.4 - width / 2], ["p50", "p99"])
+        lat_ax.set_title(f"{load}: latency ms (lower is better)")
+        lat_ax.legend(fontsize="small")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
