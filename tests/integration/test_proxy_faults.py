@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.pdstack import PDStack, Sim, http, sse_events
+from tests.support.pdstack import PDStack, Sim, sse_events
 from tests.support.procs import ProcessGroup
 
 EJECT_S = 0.5
