@@ -79,7 +79,7 @@ def error_of(body: bytes) -> dict[str, str]:
 
 def all_cancelled(sim: Sim) -> bool:
     s = sim.stats()
-    return s["in_flight"] == 0 and s["cancelled"] == s["requests"] >= 1
+    return bool(s["in_flight"] == 0 and s["cancelled"] == s["requests"] >= 1)
 
 
 def test_malformed_kv_params_is_retried_and_never_reaches_a_decode(stack: PDStack) -> None:
