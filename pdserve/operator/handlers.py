@@ -65,6 +65,7 @@ def configure_settings(settings: kopf.OperatorSettings) -> None:
     settings.watching.connect_timeout = 10
     # Only our pods reach the operator at all, filtered by the API server.
     settings.watching.label_selectors["v1", "pods"] = DEPLOYMENT_LABEL
+    settings.watching.label_selectors["apps", "deployments"] = DEPLOYMENT_LABEL
     settings.networking.request_timeout = 60
 
 
@@ -92,6 +93,13 @@ async def deployment_event(
 
 @kopf.on.event("", "v1", "pods", labels={DEPLOYMENT_LABEL: kopf.PRESENT})
 async def pod_event(namespace: str | None, labels: kopf.Labels, memo: kopf.Memo, **_: Any) -> None:
+    controller: Controller = memo["controller"]
+    controller.request((namespace or "", labels[DEPLOYMENT_LABEL]))
+
+
+@kopf.on.event("apps", "v1", "deployments", labels={DEPLOYMENT_LABEL: kopf.PRESENT})
+async def router_event(namespace: str | None, labels: kopf.Labels, memo: kopf.Memo, **_: Any) -> None:
+    """The router's availability is part of Ready, and the Deployment controller reports it late."""
     controller: Controller = memo["controller"]
     controller.request((namespace or "", labels[DEPLOYMENT_LABEL]))
 
