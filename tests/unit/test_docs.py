@@ -1,0 +1,93 @@
+"""The docs say what the code does: generated reference, quoted errors, metric names, links."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from pdserve.deployment import docgen
+
+REPO = Path(__file__).resolve().parents[2]
+DOCS = REPO / "docs"
+PAGES = [REPO / "README.md", *sorted(DOCS.glob("*.md"))]
+
+
+def _source_text() -> str:
+    files = [*REPO.joinpath("pdserve").rglob("*.py"), *REPO.joinpath("crds").glob("*.yaml")]
+    return "\n".join(f.read_text(encoding="utf-8") for f in files)
+
+
+def test_reference_is_generated_from_the_current_crd() -> None:
+    assert (DOCS / "reference.md").read_text(encoding="utf-8") == docgen.generate(), (
+        "docs/reference.md is stale: run hack/gen-reference"
+    )
+
+
+def test_reference_lists_every_spec_field_of_the_crd() -> None:
+    import yaml
+
+    crd = yaml.safe_load(docgen.CRD_FILE.read_text(encoding="utf-8"))
+    spec_schema = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
+    page = (DOCS / "reference.md").read_text(encoding="utf-8")
+    for field in docgen.walk(spec_schema, "spec"):
+        assert f"| `{field.path}` |" in page, field.path
+
+
+def test_docgen_check_mode_detects_a_stale_page(tmp_path: Path) -> None:
+    stale = tmp_path / "reference.md"
+    stale.write_text("# old\n", encoding="utf-8")
+    assert docgen.main(["--output", str(stale), "--check"]) == 1
+    assert docgen.main(["--output", str(stale)]) == 0
+    assert docgen.main(["--output", str(stale), "--check"]) == 0
+
+
+def test_readme_keeps_the_commands_ci_and_users_rely_on() -> None:
+    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    for command in ("make test", "make lint", "make demo", "helm install", "pdserve up"):
+        assert command in readme, command
+    for verb in ("kubectl get pdd", "kubectl describe pdd", "kubectl scale pdd", "kubectl edit pdd"):
+        assert verb in readme, verb
+    assert readme.index("make demo") < readme.index("helm install"), "the quickstart comes first"
+
+
+@pytest.mark.parametrize("page", ["README.md", "docs/architecture.md"])
+def test_architecture_diagram_is_mermaid(page: str) -> None:
+    assert "```mermaid\nflowchart" in (REPO / page).read_text(encoding="utf-8")
+
+
+def _slug(heading: str) -> str:
+    text = re.sub(r"[^\w\- ]", "", heading.strip().lower())
+    return text.replace(" ", "-")
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
+def test_relative_links_resolve(page: Path) -> None:
+    text = re.sub(r"`[^`\n]*`", "", page.read_text(encoding="utf-8"))  # code spans hold no links
+    for target in re.findall(r"\]\(([^)\s]+)\)", text):
+        if re.match(r"^[a-z]+://", target):
+            continue
+        path, _, anchor = target.partition("#")
+        resolved = (page.parent / path).resolve() if path else page
+        assert resolved.exists(), f"{page.name}: broken link {target}"
+        if anchor:
+            headings = re.findall(r"^#+ (.+)$", resolved.read_text(encoding="utf-8"), re.MULTILINE)
+            assert anchor in {_slug(h) for h in headings}, f"{page.name}: no heading #{anchor} in {path}"
+
+
+def test_troubleshooting_quotes_messages_pdserve_really_prints() -> None:
+    source = _source_text()
+    page = (DOCS / "troubleshooting.md").read_text(encoding="utf-8")
+    quoted = re.findall(r"^### `([^`]+)`(.*)$", page, re.MULTILINE)
+    ours = [message for message, rest in quoted if "(kubectl)" not in rest and "(helm)" not in rest]
+    assert len(ours) >= 10
+    for message in ours:
+        assert message in source, f"troubleshooting.md quotes {message!r}, which pdserve no longer prints"
+
+
+def test_metrics_named_in_the_docs_exist() -> None:
+    source = _source_text()
+    for page in PAGES:
+        for metric in set(re.findall(r"`(pdserve_[a-z_]+)`", page.read_text(encoding="utf-8"))):
+            assert f'"{metric}"' in source, f"{page.name} names metric {metric}, which does not exist"
