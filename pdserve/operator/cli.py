@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 
 from pdserve.operator.handlers import OperatorOptions
 
@@ -57,6 +58,8 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit("pdserve operator: give --namespace NS (repeatable) or --all-namespaces")
     if args.workers < 1:
         raise SystemExit("pdserve operator: --workers must be at least 1")
+    if args.kubeconfig:
+        os.environ["KUBECONFIG"] = args.kubeconfig  # kopf's own login reads it too
     kopf.configure(
         verbose=args.verbose,
         log_format=kopf.LogFormat.JSON if args.log_format == "json" else kopf.LogFormat.FULL,
