@@ -94,6 +94,7 @@ class PDStack:
     sims: dict[str, Sim] = field(default_factory=dict)
     proxy: Proc | None = None
     generation: int = 0
+    admin_headers: dict[str, str] = field(default_factory=dict)  # e.g. the proxy's --api-key
 
     @property
     def routing_file(self) -> Path:
@@ -177,7 +178,7 @@ class PDStack:
         raise TimeoutError(f"proxy did not load generation {generation}: {self.debug()}")
 
     def debug(self, headers: dict[str, str] | None = None) -> dict[str, Any]:
-        return http("GET", self.url + "/debug/routing", headers=headers).json()  # type: ignore[no-any-return]
+        return http("GET", self.url + "/debug/routing", headers=headers or self.admin_headers).json()  # type: ignore[no-any-return]
 
     def metric(self, name: str, **labels: str) -> float:
         """Sum of a proxy metric's samples whose labels include ``labels``."""
