@@ -148,7 +148,8 @@ def chart(summaries: Sequence[Summary], path: Path) -> None:
             )
         rps_ax.set_xticks(range(len(systems)), systems)
         rps_ax.set_title(f"{load}: requests/s (higher is better)")
-        lat_ax.set_xticks([0.4 - width / 2, 1.4 - width / 2], ["p50", "p99"])
+        centre = (len(systems) - 1) * width / 2
+        lat_ax.set_xticks([centre, 1 + centre], ["p50", "p99"])
         lat_ax.set_title(f"{load}: latency ms (lower is better)")
         lat_ax.legend(fontsize="small")
     fig.tight_layout()
