@@ -1,0 +1,255 @@
+"""The proxy under change and damage: hot reload under load (ConfigMap ..data swap and plain
+rewrite), killed backends, client disconnects, graceful SIGTERM."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+
+from tests.support.pdstack import PDStack, Sim, http, sse_events
+from tests.support.procs import Proc, ProcessGroup
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PDStack]:
+    group = ProcessGroup(Path(tmp_path_factory.mktemp("pd-resilience")))
+    pd = PDStack(group, group.log_dir)
+    try:
+        for name, role in (("p0", "prefill"), ("p1", "prefill"), ("d0", "decode"), ("d1", "decode")):
+            pd.sim(name, role, wait=False)
+        pd.sim("dlong", "decode", extra=["--itl-ms", "100", "--tokens", "30"], wait=False)  # a 3 s stream
+        pd.wait_sims()
+        pd.write(pd.table([pd.sims["p0"]], [pd.sims["d0"]]), wait=False)
+        pd.start_proxy()
+        yield pd
+    finally:
+        group.stop_all()
+
+
+def eventually(check: Callable[[], bool], timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not reached in time")
+        time.sleep(0.05)
+
+
+def proxy_debug(proxy: Proc) -> dict[str, Any]:
+    return http("GET", proxy.url + "/debug/routing").json()  # type: ignore[no-any-return]
+
+
+def wait_generation(proxy: Proc, generation: int) -> None:
+    eventually(lambda: proxy_debug(proxy)["generation"] == generation, timeout=5)
+
+
+# --- hot reload under load ----------------------------------------------------------------------
+
+
+async def run_load(url: str, stop: asyncio.Event, concurrency: int = 8) -> list[tuple[int, bool, bytes]]:
+    results: list[tuple[int, bool, bytes]] = []
+    async with aiohttp.ClientSession() as session:
+
+        async def worker(n: int) -> None:
+            while not stop.is_set():
+                n += 1
+                stream = n % 2 == 0
+                body = {"prompt": "hi", "max_tokens": 3, "stream": stream}
+                async with session.post(url + "/v1/completions", json=body) as resp:
+                    results.append((resp.status, stream, await resp.read()))
+
+        await asyncio.gather(*(worker(i) for i in range(concurrency)))
+    return results
+
+
+def assert_all_complete(results: list[tuple[int, bool, bytes]]) -> None:
+    assert len(results) >= 40
+    for status, stream, body in results:
+        assert status == 200, body
+        if stream:
+            events = sse_events(body)
+            assert events[-1] == "[DONE]" and all("error" not in json.loads(e) for e in events[:-1])
+        else:
+            assert json.loads(body)["choices"][0]["text"] == " tok0 tok1 tok2"
+
+
+def publish_configmap(mount: Path, version: int, doc: dict[str, Any]) -> None:
+    """What the kubelet does: a new timestamped directory, then an atomic swap of ``..data``."""
+    target = mount / f"..2026_12_02_00_00_{version:02d}.000000001"
+    target.mkdir()
+    (target / "routing.json").write_text(json.dumps(doc))
+    tmp_link = mount / "..data_tmp"
+    tmp_link.symlink_to(target.name)
+    os.replace(tmp_link, mount / "..data")
+    if not (mount / "routing.json").is_symlink():
+        (mount / "routing.json").symlink_to("..data/routing.json")
+
+
+def only_new_slots_serve(stack: PDStack, proxy: Proc, prefill: list[Sim], decode: list[Sim]) -> None:
+    for sim in stack.sims.values():
+        sim.reset()
+    n = 2 * len(prefill) * len(decode)
+    for _ in range(n):
+        assert http("POST", proxy.url + "/v1/completions", {"prompt": "x", "max_tokens": 2}).status == 200
+    for name, sim in stack.sims.items():
+        expected = n // len(prefill) if sim in prefill else n // len(decode) if sim in decode else 0
+        assert sim.stats()["requests"] == expected, name
+
+
+async def test_hot_reload_configmap_swap_under_load(stack: PDStack, tmp_path: Path) -> None:
+    s = stack.sims
+    mount = tmp_path / "routing"
+    mount.mkdir()
+    publish_configmap(mount, 1, stack.table([s["p0"]], [s["d0"]]))
+    proxy = stack.group.start("proxy-configmap", ["proxy", "--routing-file", str(mount / "routing.json")])
+    stop = asyncio.Event()
+    load = asyncio.create_task(run_load(proxy.url, stop))
+    shapes = [
+        ([s["p0"], s["p1"]], [s["d0"], s["d1"]]),
+        ([s["p1"]], [s["d1"]]),
+        ([s["p0"]], [s["d0"], s["d1"]]),
+    ]
+    for version, (prefill, decode) in enumerate(shapes, start=2):
+        await asyncio.sleep(0.5)
+        doc = stack.table(prefill, decode)
+        publish_configmap(mount, version, doc)
+        await asyncio.to_thread(wait_generation, proxy, doc["generation"])
+    await asyncio.sleep(0.5)
+    stop.set()
+    assert_all_complete(await load)
+    metrics = http("GET", proxy.url + "/metrics").body.decode()
+    assert "pdserve_proxy_routing_reloads_total 4.0" in metrics
+    assert "pdserve_proxy_routing_reload_errors_total 0.0" in metrics
+    only_new_slots_serve(stack, proxy, [s["p0"]], [s["d0"], s["d1"]])
+
+
+async def test_hot_reload_plain_rewrite_under_load_keeps_the_last_good_table(
+    stack: PDStack, tmp_path: Path
+) -> None:
+    s = stack.sims
+    path = tmp_path / "routing.json"
+    path.write_text(json.dumps(stack.table([s["p0"]], [s["d0"]])))
+    proxy = stack.group.start("proxy-rewrite", ["proxy", "--routing-file", str(path)])
+    stop = asyncio.Event()
+    load = asyncio.create_task(run_load(proxy.url, stop))
+    await asyncio.sleep(0.5)
+    doc = stack.table([s["p0"], s["p1"]], [s["d1"]])
+    path.write_text(json.dumps(doc))  # in place: truncate, then write
+    await asyncio.to_thread(wait_generation, proxy, doc["generation"])
+    await asyncio.sleep(0.3)
+    path.write_text('{"apiVersion": "pdserve.io/v1alpha1", "kind": "RoutingTable"')  # broken
+    await asyncio.sleep(1.0)
+    view = await asyncio.to_thread(proxy_debug, proxy)
+    assert view["generation"] == doc["generation"] and "not valid JSON" in view["last_reload_error"]
+    await asyncio.sleep(0.3)
+    stop.set()
+    assert_all_complete(await load)
+    metrics = http("GET", proxy.url + "/metrics").body.decode()
+    assert "pdserve_proxy_routing_reload_errors_total 1.0" in metrics
+    only_new_slots_serve(stack, proxy, [s["p0"], s["p1"]], [s["d1"]])
+
+
+# --- damage -------------------------------------------------------------------------------------
+
+
+def test_killed_backends_are_retried_and_ejected(stack: PDStack) -> None:
+    s = stack.sims
+    victim_p = stack.sim("victim-p", "prefill")
+    victim_d = stack.sim("victim-d", "decode")
+    stack.route([s["p0"], victim_p], [s["d0"], victim_d])
+    for _ in range(4):
+        assert stack.complete().status == 200
+    victim_p.proc.kill()
+    victim_d.proc.kill()
+    for i in range(12):
+        answer = stack.complete(stream=i % 2 == 1)
+        assert answer.status == 200, answer.body
+        if i % 2:
+            assert sse_events(answer.body)[-1] == "[DONE]"
+    assert stack.metric("pdserve_proxy_ejections_total", role="prefill", slot="victim-p/0") == 1
+    assert stack.metric("pdserve_proxy_ejections_total", role="decode", slot="victim-d/0") == 1
+    assert stack.metric("pdserve_proxy_retries_total", role="prefill") >= 1
+    assert stack.metric("pdserve_proxy_retries_total", role="decode") >= 1
+    rows = {row["slot"]: row for row in stack.debug()["slots"]["prefill"]}
+    assert rows["victim-p/0"]["ejected_for_seconds"] > 0 and rows["p0/0"]["ejected_for_seconds"] == 0
+    del stack.sims["victim-p"], stack.sims["victim-d"]
+    stack.route([s["p0"]], [s["d0"]])
+
+
+def raw_request(port: int, body: dict[str, Any]) -> socket.socket:
+    data = json.dumps(body).encode()
+    sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+    head = (
+        "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(data)}\r\n\r\n"
+    )
+    sock.sendall(head.encode() + data)
+    return sock
+
+
+def test_client_disconnect_mid_stream_cancels_the_decode(stack: PDStack) -> None:
+    dlong = stack.sims["dlong"]
+    stack.route([stack.sims["p0"]], [dlong])
+    assert stack.proxy is not None
+    sock = raw_request(stack.proxy.port, {"prompt": "x", "max_tokens": 30, "stream": True})
+    received = b""
+    while b"data: " not in received:
+        received += sock.recv(4096)
+    sock.close()
+    eventually(lambda: dlong.stats()["cancelled"] == 1 and dlong.stats()["in_flight"] == 0)
+    assert dlong.stats()["completed"] == 0
+    eventually(lambda: stack.metric("pdserve_proxy_in_flight") == 0)
+    assert stack.debug()["slots"]["decode"][0]["in_flight"] == 0
+    assert stack.metric("pdserve_proxy_requests_total", outcome="cancelled") >= 1
+
+
+def test_client_disconnect_during_prefill_cancels_it_and_sends_no_decode(stack: PDStack) -> None:
+    p0, dlong = stack.sims["p0"], stack.sims["dlong"]
+    stack.route([p0], [dlong])
+    p0.faults("hang")
+    assert stack.proxy is not None
+    sock = raw_request(stack.proxy.port, {"prompt": "x", "max_tokens": 3})
+    eventually(lambda: p0.stats()["in_flight"] == 1)
+    sock.close()
+    eventually(lambda: p0.stats()["cancelled"] == 1 and p0.stats()["in_flight"] == 0)
+    assert dlong.stats()["requests"] == 0
+    p0.faults()
+    eventually(lambda: stack.metric("pdserve_proxy_in_flight") == 0)
+
+
+def test_sigterm_lets_in_flight_streams_finish(stack: PDStack, tmp_path: Path) -> None:
+    dlong = stack.sims["dlong"]
+    stack.route([stack.sims["p0"]], [dlong])
+    proxy = stack.group.start(
+        "proxy-sigterm", ["proxy", "--routing-file", str(stack.routing_file), "--grace-seconds", "20"]
+    )
+    result: dict[str, Any] = {}
+
+    def stream() -> None:
+        answer = http(
+            "POST", proxy.url + "/v1/completions", {"prompt": "x", "max_tokens": 20, "stream": True}
+        )
+        result["answer"] = answer
+
+    client = threading.Thread(target=stream)
+    client.start()
+    eventually(lambda: dlong.stats()["in_flight"] == 1)
+    proxy.popen.send_signal(signal.SIGTERM)
+    client.join(30)
+    answer = result["answer"]
+    assert answer.status == 200
+    events = sse_events(answer.body)
+    assert events[-1] == "[DONE]" and len(events) == 21  # every token, then [DONE]
+    assert proxy.popen.wait(20) == 0
+    with pytest.raises(OSError):
+        socket.create_connection(("127.0.0.1", proxy.port), timeout=2).close()
