@@ -1,0 +1,274 @@
+"""The Helm chart: lint, golden renders, schema refusals, and agreement with its sources.
+
+The chart copies two single sources it cannot reference from outside its folder: the CRD
+(``crds/``) and the operator's RBAC (``deploy/rbac/``, whose rules the templates read).
+``hack/sync-chart`` refreshes both; these tests fail when a copy drifts or the rendered rules
+differ from the source. Helm comes from the test cluster's build (hack/cluster/build); without
+it these tests skip locally and FAIL under CI.
+
+Regenerate the golden files with ``PDSERVE_UPDATE_GOLDEN=1 pytest tests/unit/test_chart.py``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from pdserve import __version__
+from pdserve.operator.cli import configure as configure_operator_cli
+
+REPO = Path(__file__).resolve().parents[2]
+CHART = REPO / "charts" / "pdserve"
+GOLDEN = REPO / "tests" / "golden" / "chart"
+RELEASE, NAMESPACE = "pdserve", "pdserve-system"
+
+CASES: dict[str, list[str]] = {
+    "default": [],
+    "namespaced": ["--set", "operator.scope=namespaced", "--set", "operator.namespaces={team-a,team-b}"],
+    "monitoring": [
+        "--set",
+        "metrics.serviceMonitor.enabled=true",
+        "--set",
+        "metrics.serviceMonitor.labels.release=prometheus",
+        "--set",
+        "operator.logLevel=debug",
+        "--set",
+        "image.tag=0.1.0-rc1",
+        "--set",
+        "serviceAccount.annotations.owner=platform",
+    ],
+}
+
+
+def find_helm() -> str | None:
+    """helm from the test cluster's build cache, else from PATH."""
+    if os.environ.get("PDSERVE_HELM"):
+        return os.environ["PDSERVE_HELM"]
+    build = REPO / "hack" / "cluster" / "build"
+    if build.exists():
+        result = subprocess.run([str(build), "--print-bin"], capture_output=True, text=True, timeout=60)
+        candidate = Path(result.stdout.strip()) / "helm"
+        if result.returncode == 0 and candidate.exists():
+            return str(candidate)
+    return shutil.which("helm")
+
+
+_HELM_ENV: dict[str, str] = {}
+
+
+@pytest.fixture(scope="module")
+def helm(tmp_path_factory: pytest.TempPathFactory) -> str:
+    binary = find_helm()
+    if binary is None:
+        message = "helm not built: run hack/cluster/build (make cluster-build)"
+        if os.environ.get("CI") == "true":
+            pytest.fail(message)
+        pytest.skip(message)
+    home = tmp_path_factory.mktemp("helm-home")
+    # No repositories, plugins or kube context of the user's: only the chart on disk.
+    _HELM_ENV.update(
+        HELM_CACHE_HOME=str(home / "cache"),
+        HELM_CONFIG_HOME=str(home / "config"),
+        HELM_DATA_HOME=str(home / "data"),
+    )
+    return binary
+
+
+def run_helm(helm: str, *args: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, **_HELM_ENV}
+    return subprocess.run([helm, *args], capture_output=True, text=True, timeout=120, env=env)
+
+
+def render(helm: str, extra: Sequence[str] = ()) -> str:
+    result = run_helm(helm, "template", RELEASE, str(CHART), "--namespace", NAMESPACE, *extra)
+    assert result.returncode == 0, result.stderr
+    return result.stdout
+
+
+def objects(text: str) -> list[dict[str, Any]]:
+    return [d for d in yaml.safe_load_all(text) if d]
+
+
+def by_kind(docs: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
+    return [d for d in docs if d["kind"] == kind]
+
+
+def source_docs(name: str) -> list[dict[str, Any]]:
+    return [d for d in yaml.safe_load_all((REPO / "deploy" / "rbac" / name).read_text()) if d]
+
+
+# --- copies of the single sources (no helm needed) -------------------------------------------------
+
+
+def test_chart_crds_are_exact_copies_of_crds_dir() -> None:
+    source = sorted(p.name for p in (REPO / "crds").glob("*.yaml"))
+    copied = sorted(p.name for p in (CHART / "crds").glob("*.yaml"))
+    assert copied == source, "run hack/sync-chart"
+    for name in source:
+        assert (CHART / "crds" / name).read_bytes() == (REPO / "crds" / name).read_bytes(), (
+            f"charts/pdserve/crds/{name} drifted from crds/{name}: run hack/sync-chart"
+        )
+
+
+def test_chart_rbac_sources_are_exact_copies_of_deploy_rbac() -> None:
+    for name in ("cluster.yaml", "namespaced.yaml"):
+        assert (CHART / "files" / "rbac" / name).read_bytes() == (
+            REPO / "deploy" / "rbac" / name
+        ).read_bytes(), (
+            f"charts/pdserve/files/rbac/{name} drifted from deploy/rbac/{name}: run hack/sync-chart"
+        )
+
+
+def test_chart_versions_follow_the_package() -> None:
+    chart = yaml.safe_load((CHART / "Chart.yaml").read_text())
+    assert chart["appVersion"] == __version__
+    assert chart["version"] == __version__
+
+
+# --- helm ------------------------------------------------------------------------------------------
+
+
+def test_helm_lint_is_clean(helm: str) -> None:
+    for extra in CASES.values():
+        result = run_helm(helm, "lint", "--strict", str(CHART), *extra)
+        assert result.returncode == 0, result.stdout + result.stderr
+        assert "0 chart(s) failed" in result.stdout
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_helm_template_matches_golden(helm: str, case: str) -> None:
+    text = render(helm, CASES[case])
+    golden = GOLDEN / f"{case}.yaml"
+    if os.environ.get("PDSERVE_UPDATE_GOLDEN") == "1":
+        golden.parent.mkdir(parents=True, exist_ok=True)
+        golden.write_text(text)
+    assert golden.exists(), f"{golden} missing: run with PDSERVE_UPDATE_GOLDEN=1"
+    assert text == golden.read_text(), (
+        f"helm template differs from {golden}; if intended, PDSERVE_UPDATE_GOLDEN=1"
+    )
+
+
+def _rules(doc: dict[str, Any]) -> list[dict[str, Any]]:
+    return list(doc["rules"])
+
+
+def test_cluster_scope_rbac_equals_deploy_rbac(helm: str) -> None:
+    docs = objects(render(helm))
+    (source_role,) = by_kind(source_docs("cluster.yaml"), "ClusterRole")
+    (role,) = by_kind(docs, "ClusterRole")
+    assert _rules(role) == _rules(source_role)
+    assert not by_kind(docs, "Role")
+    (binding,) = by_kind(docs, "ClusterRoleBinding")
+    (sa,) = by_kind(docs, "ServiceAccount")
+    (deployment,) = by_kind(docs, "Deployment")
+    assert binding["roleRef"]["name"] == role["metadata"]["name"]
+    assert binding["subjects"] == [
+        {"kind": "ServiceAccount", "name": sa["metadata"]["name"], "namespace": NAMESPACE}
+    ]
+    assert deployment["spec"]["template"]["spec"]["serviceAccountName"] == sa["metadata"]["name"]
+
+
+def test_namespaced_scope_rbac_equals_deploy_rbac_in_every_namespace(helm: str) -> None:
+    docs = objects(render(helm, CASES["namespaced"]))
+    source = source_docs("namespaced.yaml")
+    (source_role,) = by_kind(source, "Role")
+    roles = by_kind(docs, "Role")
+    assert sorted(r["metadata"]["namespace"] for r in roles) == ["team-a", "team-b"]
+    for role in roles:
+        assert _rules(role) == _rules(source_role)
+    bindings = by_kind(docs, "RoleBinding")
+    assert sorted(b["metadata"]["namespace"] for b in bindings) == ["team-a", "team-b"]
+    # Cluster-scoped reads (nodes, for the GPU fit check) stay a ClusterRole, with nothing more.
+    assert [_rules(r) for r in by_kind(docs, "ClusterRole")] == [
+        _rules(r) for r in by_kind(source, "ClusterRole")
+    ]
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_operator_args_are_accepted_by_the_operator_cli(helm: str, case: str) -> None:
+    docs = objects(render(helm, CASES[case]))
+    (deployment,) = by_kind(docs, "Deployment")
+    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    assert (
+        container["image"]
+        == f"ghcr.io/pdserve/pdserve:{'0.1.0-rc1' if case == 'monitoring' else __version__}"
+    )
+    args = container["args"]
+    assert args[0] == "operator"
+    parser = argparse.ArgumentParser(exit_on_error=False)
+    configure_operator_cli(parser)
+    parsed = parser.parse_args(args[1:])
+    if case == "namespaced":
+        assert parsed.namespace == ["team-a", "team-b"] and not parsed.all_namespaces
+    else:
+        assert parsed.all_namespaces and not parsed.namespace
+    assert parsed.verbose is (case == "monitoring")
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert ports == {"metrics": parsed.metrics_port, "liveness": parsed.liveness_port}
+    assert container["livenessProbe"]["httpGet"]["path"] == "/healthz"
+
+
+def test_metrics_service_and_service_monitor_select_the_operator(helm: str) -> None:
+    docs = objects(render(helm, CASES["monitoring"]))
+    (deployment,) = by_kind(docs, "Deployment")
+    pod_labels = deployment["spec"]["template"]["metadata"]["labels"]
+    (service,) = by_kind(docs, "Service")
+    assert service["spec"]["selector"].items() <= pod_labels.items()
+    (monitor,) = by_kind(docs, "ServiceMonitor")
+    assert monitor["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
+    assert monitor["metadata"]["labels"]["release"] == "prometheus"
+    assert monitor["spec"]["endpoints"][0]["port"] == service["spec"]["ports"][0]["name"]
+    assert not by_kind(objects(render(helm)), "ServiceMonitor"), "ServiceMonitor is opt-in"
+
+
+BAD_VALUES = [
+    (["--set", "operator.scope=everywhere"], "operator.scope"),
+    (["--set", "operator.metricsPort=http"], "operator.metricsPort"),
+    (["--set", "operator.livenessPort=70000"], "operator.livenessPort"),
+    (["--set", "operator.logLevel=trace"], "operator.logLevel"),
+    (["--set", "operatr.scope=namespaced"], "operatr"),
+    (["--set", "operator.namespaces={team-a}"], "operator.namespaces"),
+    (["--set", "operator.namespaces={Team_A}", "--set", "operator.scope=namespaced"], "operator.namespaces"),
+    (["--set", "rbac.create=maybe"], "rbac.create"),
+    (["--set", "metrics.serviceMonitor.interval=often"], "metrics.serviceMonitor.interval"),
+]
+
+
+@pytest.mark.parametrize(("values", "field"), BAD_VALUES, ids=[v[1] for v in BAD_VALUES])
+def test_schema_rejects_bad_values_naming_the_field(helm: str, values: list[str], field: str) -> None:
+    result = run_helm(helm, "template", RELEASE, str(CHART), "--namespace", NAMESPACE, *values)
+    assert result.returncode != 0, f"accepted {values}"
+    assert "values don't meet the specifications of the schema" in result.stderr, result.stderr
+    assert field.replace(".", "/") in result.stderr or field in result.stderr, result.stderr
+
+
+def test_service_monitor_without_service_is_refused(helm: str) -> None:
+    result = run_helm(
+        helm,
+        "template",
+        RELEASE,
+        str(CHART),
+        "--set",
+        "metrics.serviceMonitor.enabled=true",
+        "--set",
+        "metrics.service.enabled=false",
+    )
+    assert result.returncode != 0
+    assert "metrics.service.enabled=true" in result.stderr
+
+
+def test_notes_say_what_to_do_next(helm: str) -> None:
+    result = run_helm(helm, "install", RELEASE, str(CHART), "--namespace", NAMESPACE, "--dry-run=client")
+    assert result.returncode == 0, result.stderr
+    notes = result.stdout.split("NOTES:", 1)[1]
+    assert f"kubectl -n {NAMESPACE} rollout status deployment/{RELEASE}" in notes
+    assert "kubectl apply -f examples/sim/quickstart.yaml" in notes
+    assert "watches PDDeployments in every namespace" in notes
