@@ -111,7 +111,7 @@ class Simulator:
         return web.json_response({"version": "pdserve-sim"})
 
     async def server_info(self, request: web.Request) -> web.Response:
-        """Some routers ask for it; vLLM answers with its configuration."""
+        """The configuration, for routers and tools that ask (vllm-router reads DP ranks from /metrics)."""
         c = self.config
         return web.json_response(
             {
