@@ -95,7 +95,7 @@ def render_frame(debug: Mapping[str, Any], events: Sequence[str], color: bool = 
     ]
     for row in instance_rows(debug):
         state = row.state if row.state == "ready" else style(_RED, row.state)
-        lines.append(f"{style(_BOLD, row.role.value):>8} {row.name}  {style(_DIM, row.url)}  {state}")
+        lines.append(f"{style(_BOLD, f'{row.role.value:>8}')} {row.name}  {style(_DIM, row.url)}  {state}")
         if row.slots:
             width = max(4, *(len(str(s.requests)) + 1 for s in row.slots))
             lines.append("   rank     " + "".join(f"{s.rank:>{width}}" for s in row.slots))

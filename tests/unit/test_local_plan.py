@@ -1,0 +1,182 @@
+"""Local mode's pure core: the processes it would start, and the view it draws."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from pdserve.deployment.objects import instance_pod, router_deployment
+from pdserve.deployment.spec import PDDeployment, load_manifest_file
+from pdserve.local.plan import LOOPBACK, PlanError, SimTimings, plan_local_run
+from pdserve.local.view import instance_rows, render_frame, summary_line
+from pdserve.routing import Role
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+PYTHON = "/usr/bin/python3"
+
+
+def _example(name: str) -> PDDeployment:
+    return load_manifest_file(EXAMPLES / name)
+
+
+def _plan(pdd: PDDeployment, engine: str = "sim", sim: SimTimings | None = None) -> Any:
+    sim = sim or SimTimings()
+    count = pdd.spec.prefill.instances + pdd.spec.decode.instances
+    return plan_local_run(
+        pdd, engine, list(range(9001, 9001 + count)), 8000, "/run/routing.json", sim, PYTHON
+    )
+
+
+def _flag(argv: tuple[str, ...], flag: str) -> str:
+    return argv[argv.index(flag) + 1]
+
+
+def test_one_sim_process_per_instance_with_its_dp_size() -> None:
+    pdd = _example("nixl/2p-dp8ep-4d-tp8.yaml")
+    plan = _plan(pdd, sim=SimTimings(ttft_ms=1.5, itl_ms=0.0, tokens=4))
+    assert [(e.role, e.index) for e in plan.engines] == [(Role.PREFILL, 0), (Role.PREFILL, 1)] + [
+        (Role.DECODE, i) for i in range(4)
+    ]
+    assert len({e.port for e in plan.engines}) == 6
+    for engine in plan.engines:
+        argv = engine.argv
+        assert argv[:4] == (PYTHON, "-m", "pdserve.cli", "sim")
+        assert _flag(argv, "--role") == engine.role.value
+        assert _flag(argv, "--dp-size") == ("8" if engine.role is Role.PREFILL else "1")
+        assert _flag(argv, "--host") == LOOPBACK
+        assert _flag(argv, "--port") == str(engine.port)
+        assert (
+            _flag(argv, "--instance-name") == engine.name == f"{pdd.name}-{engine.role.value}-{engine.index}"
+        )
+        assert _flag(argv, "--kv-host") == LOOPBACK, "$(POD_IP) is expanded to loopback"
+        assert _flag(argv, "--model") == pdd.spec.served_model_name
+        assert argv[-6:] == ("--ttft-ms", "1.5", "--itl-ms", "0", "--tokens", "4")
+        assert engine.env["POD_IP"] == LOOPBACK
+    assert plan.deployment.spec.engine == "sim"
+
+
+def test_engine_args_are_the_operators_but_for_address_and_port() -> None:
+    pdd = _example("nixl/2p-tp8-1d-dp8ep.yaml")
+    sim_pdd = dataclasses.replace(pdd, spec=dataclasses.replace(pdd.spec, engine="sim"))
+    plan = _plan(pdd)
+    for engine in plan.engines:
+        rendered = instance_pod(sim_pdd, engine.role, engine.index)["spec"]["containers"][0]["args"]
+        local = list(engine.argv[4:])
+        differing = {rendered[i - 1] for i, (a, b) in enumerate(zip(rendered, local, strict=False)) if a != b}
+        assert differing == {"--host", "--port", "--kv-host"}
+
+
+def test_router_runs_the_operators_proxy_command_on_loopback() -> None:
+    pdd = _example("moriio-read/2p-dp8ep-3d-dp8ep.yaml")
+    plan = _plan(pdd)
+    rendered = router_deployment(pdd)["spec"]["template"]["spec"]["containers"][0]["args"]
+    argv = plan.router.argv
+    assert argv[:4] == (PYTHON, "-m", "pdserve.cli", "proxy")
+    assert _flag(argv, "--routing-file") == "/run/routing.json"
+    assert _flag(argv, "--host") == LOOPBACK
+    assert _flag(argv, "--port") == "8000"
+    assert _flag(argv, "--policy") == rendered[rendered.index("--policy") + 1]
+    assert plan.router.url == "http://127.0.0.1:8000"
+
+
+def test_vllm_engine_gets_the_rendered_vllm_serve_command() -> None:
+    pdd = _example("nixl/2p-tp8-1d-dp8ep.yaml")
+    plan = _plan(pdd, engine="vllm")
+    for engine in plan.engines:
+        rendered = instance_pod(pdd, engine.role, engine.index)["spec"]["containers"][0]
+        assert list(engine.argv[:2]) == rendered["command"] == ["vllm", "serve"]
+        assert _flag(engine.argv, "--port") == str(engine.port)
+        assert (
+            _flag(engine.argv, "--kv-transfer-config")
+            == rendered["args"][rendered["args"].index("--kv-transfer-config") + 1]
+        )
+        assert engine.env["VLLM_NIXL_SIDE_CHANNEL_HOST"] == LOOPBACK
+    # Disjoint GPUs and NIXL side-channel ports per instance on the one machine.
+    gpus = [g for e in plan.engines for g in e.env["CUDA_VISIBLE_DEVICES"].split(",")]
+    assert len(gpus) == len(set(gpus)) == 2 * 8 + 1 * 8
+    assert len({e.env["VLLM_NIXL_SIDE_CHANNEL_PORT"] for e in plan.engines}) == 3
+
+
+def test_vllm_with_moriio_is_refused_with_the_reason() -> None:
+    with pytest.raises(PlanError, match="fixed handshake/notify ports"):
+        _plan(_example("moriio-write/1p-tp8-1d-tp8.yaml"), engine="vllm")
+
+
+def test_vllm_args_are_dropped_for_simulated_engines_and_said_so() -> None:
+    pdd = _example("nixl/1p-tp8-1d-tp8.yaml")
+    pdd = dataclasses.replace(
+        pdd,
+        spec=dataclasses.replace(
+            pdd.spec, decode=dataclasses.replace(pdd.spec.decode, args=("--max-model-len=4096",))
+        ),
+    )
+    plan = _plan(pdd)
+    assert all("--max-model-len=4096" not in e.argv for e in plan.engines)
+    assert any("ignoring the vLLM args of decode" in note for note in plan.notes)
+
+
+def test_a_role_without_instances_is_refused() -> None:
+    pdd = _example("sim/quickstart.yaml")
+    pdd = dataclasses.replace(
+        pdd, spec=dataclasses.replace(pdd.spec, decode=dataclasses.replace(pdd.spec.decode, instances=0))
+    )
+    with pytest.raises(PlanError, match="at least one prefill and one decode"):
+        plan_local_run(pdd, "sim", [9001], 8000, "/r.json")
+
+
+# --- the view ----------------------------------------------------------------------------------
+
+
+def _debug() -> dict[str, Any]:
+    def inst(name: str, dp: int, ready: bool = True, draining: bool = False) -> dict[str, Any]:
+        return {
+            "name": name,
+            "url": f"http://127.0.0.1:1/{name}",
+            "dpSize": dp,
+            "ready": ready,
+            "draining": draining,
+        }
+
+    def slot(key: str, requests: int, in_flight: int = 0, errors: int = 0) -> dict[str, Any]:
+        return {"slot": key, "requests": requests, "in_flight": in_flight, "errors": errors}
+
+    return {
+        "generation": 4,
+        "policy": "flat-interleaved",
+        "last_reload_error": None,
+        "table": {
+            "deployment": "demo",
+            "prefill": [inst("p-0", 2), inst("p-1", 2, draining=True)],
+            "decode": [inst("d-0", 1), inst("d-1", 1, ready=False)],
+        },
+        "slots": {"prefill": [slot("p-0/0", 5, 1), slot("p-0/1", 4)], "decode": [slot("d-0/0", 9, 0, 2)]},
+    }
+
+
+def test_view_shows_every_instance_with_per_rank_counters() -> None:
+    rows = instance_rows(_debug())
+    assert [(r.role, r.name, r.state) for r in rows] == [
+        (Role.PREFILL, "p-0", "ready"),
+        (Role.PREFILL, "p-1", "draining"),
+        (Role.DECODE, "d-0", "ready"),
+        (Role.DECODE, "d-1", "not ready"),
+    ]
+    assert [(s.rank, s.requests, s.in_flight) for s in rows[0].slots] == [(0, 5, 1), (1, 4, 0)]
+    frame = "\n".join(render_frame(_debug(), ["1.0s  something happened"], color=False))
+    assert "routing generation 4" in frame
+    assert "   requests    5   4" in frame
+    assert "   in-flight   1   0" in frame
+    assert "   errors      2" in frame
+    assert "draining" in frame and "not ready" in frame
+    assert "something happened" in frame
+    assert "\x1b[" not in frame
+
+
+def test_summary_line_gives_totals_and_spread() -> None:
+    line = summary_line(_debug())
+    assert "prefill 9 requests over 2 slots (min 4, max 5)" in line
+    assert "decode 9 requests over 1 slots" in line
+    assert "in flight 1" in line and "errors 2" in line
