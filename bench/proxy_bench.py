@@ -199,15 +199,14 @@ def bench_system(
                 + (f" at concurrency {args.concurrency}" if mode == "stream" else " at once")
             )
             result = run_load(url, mode, requests, args.concurrency, args.tokens, args.timeout)
-            summary = summarize(system, mode, result)
+            cpu = proxy.cpu_seconds() - cpu_before if proxy is not None else None
+            summary = summarize(system, mode, result, cpu)
             summaries.append(summary)
             pstats = http_json(prefill.url + "/sim/stats")
             dstats = http_json(decode.url + "/sim/stats")
             if proxy is not None:
-                cpu = proxy.cpu_seconds() - cpu_before
                 notes.append(
-                    f"{system} {mode}: proxy CPU {cpu * 1000 / max(1, summary.ok):.2f} ms per request; "
-                    f"prefill legs {pstats['requests']} (by rank {pstats['by_rank']}), "
+                    f"{system} {mode}: prefill legs {pstats['requests']} (by rank {pstats['by_rank']}), "
                     f"decode legs {dstats['by_leg']['decode']} (by rank {dstats['by_rank']})"
                 )
             log(
@@ -263,6 +262,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         log(notes[-1])
 
     started = time.monotonic()
+    load_before = os.getloadavg()[0]
     summaries: list[Summary] = []
     with tempfile.TemporaryDirectory(prefix="pdserve-bench-") as tmp:
         logs = Path(tmp)
@@ -307,7 +307,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     ratio_pairs = {("pdserve", "vllm-router"): ratios(summaries, "pdserve", "vllm-router")}
     for (num, den), per_load in ratio_pairs.items():
         for load, r in per_load.items():
-            print(f"{num}/{den} {load}: req/s x{r['rps']}  p50 x{r['p50']}  p99 x{r['p99']}")
+            print(
+                f"{num}/{den} {load}: req/s x{r['rps']}  p50 x{r['p50']}  p99 x{r['p99']}  "
+                f"proxy CPU x{r['cpu']}"
+            )
     for note in notes:
         print(f"note: {note}")
     log(f"done in {time.monotonic() - started:.0f}s")
@@ -318,6 +321,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     meta = {
         "timestamp": stamp,
         "cpus": os.cpu_count(),
+        "load_average": [round(load_before, 2), round(os.getloadavg()[0], 2)],
         "backends": (
             f"1 prefill + 1 decode `pdserve sim`, DP{args.dp_size} each, ttft {args.ttft_ms} ms, "
             f"itl {args.itl_ms} ms, {args.tokens} tokens per answer"

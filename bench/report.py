@@ -21,6 +21,9 @@ class Summary:
     rps: float = 0.0
     p50_ms: float = 0.0
     p99_ms: float = 0.0
+    #: CPU time of the proxy process(es) per successful request; None for ``direct``. Steadier than
+    #: req/s on a machine shared with other work.
+    proxy_cpu_ms: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -35,7 +38,7 @@ def percentile(values: Sequence[float], q: float) -> float:
     return ordered[rank - 1]
 
 
-def summarize(system: str, load: str, result: Mapping[str, Any]) -> Summary:
+def summarize(system: str, load: str, result: Mapping[str, Any], proxy_cpu_s: float | None = None) -> Summary:
     latencies = list(result["latencies_s"])
     failures = dict(result["failures"])
     wall = float(result["wall_s"])
@@ -50,6 +53,7 @@ def summarize(system: str, load: str, result: Mapping[str, Any]) -> Summary:
         rps=round(len(latencies) / wall, 1) if wall > 0 else 0.0,
         p50_ms=round(percentile(latencies, 50) * 1000, 2),
         p99_ms=round(percentile(latencies, 99) * 1000, 2),
+        proxy_cpu_ms=None if proxy_cpu_s is None else round(proxy_cpu_s * 1000 / max(1, len(latencies)), 2),
     )
 
 
@@ -68,11 +72,21 @@ def ratios(summaries: Sequence[Summary], numerator: str, denominator: str) -> di
             "rps": round(a.rps / b.rps, 2) if b.rps else 0.0,
             "p50": round(a.p50_ms / b.p50_ms, 2) if b.p50_ms else 0.0,
             "p99": round(a.p99_ms / b.p99_ms, 2) if b.p99_ms else 0.0,
+            "cpu": round(a.proxy_cpu_ms / b.proxy_cpu_ms, 2) if a.proxy_cpu_ms and b.proxy_cpu_ms else 0.0,
         }
     return out
 
 
-COLUMNS = (("system", 12), ("load", 6), ("ok", 5), ("failed", 6), ("req/s", 8), ("p50 ms", 8), ("p99 ms", 8))
+COLUMNS = (
+    ("system", 12),
+    ("load", 6),
+    ("ok", 5),
+    ("failed", 6),
+    ("req/s", 8),
+    ("p50 ms", 8),
+    ("p99 ms", 8),
+    ("proxy CPU ms/req", 16),
+)
 
 
 def table(summaries: Sequence[Summary]) -> str:
@@ -96,6 +110,7 @@ def table(summaries: Sequence[Summary]) -> str:
             f"{s.rps:.1f}",
             f"{s.p50_ms:.2f}",
             f"{s.p99_ms:.2f}",
+            "-" if s.proxy_cpu_ms is None else f"{s.proxy_cpu_ms:.2f}",
         ]
         lines.append(row(cells))
     return "\n".join(lines)
@@ -105,7 +120,9 @@ def markdown(summaries: Sequence[Summary], meta: Mapping[str, Any], chart_name: 
     lines = [
         "# Proxy benchmark: latest run",
         "",
-        f"Run {meta['timestamp']} on {meta['cpus']} CPU(s); `make bench` (`python -m bench.proxy_bench`).",
+        f"Run {meta['timestamp']} on {meta['cpus']} CPU(s), 1-minute load average {meta['load_average'][0]} "
+        f"before and {meta['load_average'][1]} after (other work shares the machine; req/s move with it, "
+        "proxy CPU per request much less); `make bench` (`python -m bench.proxy_bench`).",
         f"Backends: {meta['backends']}.",
         f"Loads: {meta['loads']}.",
         "`direct` is the floor: clients talking to the decode simulator without any proxy.",
@@ -115,7 +132,10 @@ def markdown(summaries: Sequence[Summary], meta: Mapping[str, Any], chart_name: 
     ]
     for (num, den), per_load in meta.get("ratios", {}).items():
         for load, r in per_load.items():
-            lines.append(f"- {num}/{den}, {load}: req/s x{r['rps']}, p50 x{r['p50']}, p99 x{r['p99']}")
+            lines.append(
+                f"- {num}/{den}, {load}: req/s x{r['rps']}, p50 x{r['p50']}, p99 x{r['p99']}, "
+                f"proxy CPU per request x{r['cpu']}"
+            )
     failures = [s for s in summaries if s.failed]
     for s in failures:
         lines.append(f"- failures of {s.system} ({s.load}): {s.failures}")
