@@ -265,10 +265,39 @@ def test_service_monitor_without_service_is_refused(helm: str) -> None:
     assert "metrics.service.enabled=true" in result.stderr
 
 
-def test_notes_say_what_to_do_next(helm: str) -> None:
-    result = run_helm(helm, "install", RELEASE, str(CHART), "--namespace", NAMESPACE, "--dry-run=client")
+def render_notes(helm: str, tmp_path: Path, extra: Sequence[str] = ()) -> str:
+    """NOTES.txt through Helm's engine, without a cluster (`helm install --dry-run` needs one).
+
+    A copy of the chart gets a template that holds NOTES.txt as a YAML block scalar.
+    """
+    chart = tmp_path / "pdserve"
+    shutil.copytree(CHART, chart)
+    notes = (CHART / "templates" / "NOTES.txt").read_text()
+    wrapper = "notes: |\n" + "".join(f"  {line}\n" for line in notes.splitlines())
+    (chart / "templates" / "zz-notes.yaml").write_text(wrapper)
+    result = run_helm(
+        helm,
+        "template",
+        RELEASE,
+        str(chart),
+        "--namespace",
+        NAMESPACE,
+        "--show-only",
+        "templates/zz-notes.yaml",
+        *extra,
+    )
     assert result.returncode == 0, result.stderr
-    notes = result.stdout.split("NOTES:", 1)[1]
+    return str(yaml.safe_load(result.stdout)["notes"])
+
+
+def test_notes_say_what_to_do_next(helm: str, tmp_path: Path) -> None:
+    notes = render_notes(helm, tmp_path)
     assert f"kubectl -n {NAMESPACE} rollout status deployment/{RELEASE}" in notes
     assert "kubectl apply -f examples/sim/quickstart.yaml" in notes
     assert "watches PDDeployments in every namespace" in notes
+    assert f"service/{RELEASE}-metrics port 9090" in notes
+
+
+def test_notes_name_the_watched_namespaces(helm: str, tmp_path: Path) -> None:
+    notes = render_notes(helm, tmp_path, CASES["namespaced"])
+    assert "watches PDDeployments in: team-a, team-b." in notes
