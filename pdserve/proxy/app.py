@@ -1,7 +1,8 @@
-"""The proxy's HTTP surface (Quart app factory).
+"""The proxy's HTTP surface (app factory).
 
-Generation requests go through :class:`pdserve.proxy.flow.Dispatcher`; everything else here
-is small: probes, metrics, the routing debug view, model listing and profiler fan-out.
+Generation requests are served by :class:`pdserve.proxy.generation.GenerationApp` (plain ASGI,
+the hot path) through :class:`pdserve.proxy.flow.Dispatcher`; everything else is a small Quart
+app: probes, metrics, the routing debug view, model listing and profiler fan-out.
 Every answer carries the request's ``X-Request-Id`` and every error is OpenAI-style JSON.
 """
 
@@ -9,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import json
 import logging
 import uuid
@@ -19,7 +19,8 @@ import aiohttp
 from quart import Quart, Response, g, request
 from werkzeug.exceptions import HTTPException
 
-from pdserve.proxy.flow import Deadlines, Dispatcher, RelayStream, Reply
+from pdserve.proxy.flow import Deadlines, Dispatcher
+from pdserve.proxy.generation import GenerationApp, client_key_problem, request_id_of
 from pdserve.proxy.health import SlotBook
 from pdserve.proxy.metrics import ProxyMetrics
 from pdserve.proxy.policies import make_policy
@@ -28,7 +29,7 @@ from pdserve.proxy.settings import ProxySettings
 from pdserve.proxy.upstream import Upstream
 from pdserve.routing import Instance, Role
 from pdserve.wire.headers import AUTHORIZATION, REQUEST_ID
-from pdserve.wire.openai import Endpoint, RequestError, check_generation_request, error_body
+from pdserve.wire.openai import RequestError, error_body
 
 log = logging.getLogger("pdserve.proxy")
 
@@ -52,7 +53,8 @@ def openai_error(status: int, message: str, type_: str, code: str) -> Response:
     return json_response(error_body(message, type_, code), status)
 
 
-def create_app(settings: ProxySettings) -> Quart:
+def create_app(settings: ProxySettings) -> GenerationApp:
+    """The proxy's ASGI app: the generation endpoints, with a Quart app for everything else."""
     app = Quart("pdserve.proxy")
     app.config.update(
         MAX_CONTENT_LENGTH=settings.max_body_bytes,
@@ -76,7 +78,6 @@ def create_app(settings: ProxySettings) -> Quart:
         settings.max_retries,
         settings.backend_api_key,
     )
-    app.extensions["pdserve"] = dispatcher
     tasks: list[asyncio.Task[None]] = []
 
     @app.before_serving
@@ -95,17 +96,11 @@ def create_app(settings: ProxySettings) -> Quart:
 
     @app.before_request
     async def identify_and_authorize() -> Response | None:
-        g.request_id = request.headers.get(REQUEST_ID) or uuid.uuid4().hex
-        if settings.api_key and request.path not in OPEN_PATHS:
-            presented = request.headers.get(AUTHORIZATION, "")
-            expected = f"Bearer {settings.api_key}"
-            if not hmac.compare_digest(presented.encode(), expected.encode()):
-                return openai_error(
-                    401,
-                    "missing or wrong API key (send 'Authorization: Bearer <key>')",
-                    "authentication_error",
-                    "invalid_api_key",
-                )
+        g.request_id = request_id_of(request.headers.get(REQUEST_ID))
+        if request.path not in OPEN_PATHS:
+            problem = client_key_problem(settings.api_key, request.headers.get(AUTHORIZATION))
+            if problem is not None:
+                return json_response(problem.body(), problem.status)
         return None
 
     @app.after_request
@@ -131,26 +126,6 @@ def create_app(settings: ProxySettings) -> Quart:
     async def crashed(exc: Exception) -> Response:
         log.exception("unexpected error serving %s %s", request.method, request.path)
         return openai_error(500, "internal proxy error", "internal_error", "internal_error")
-
-    async def generation(endpoint: Endpoint) -> Response:
-        raw = await request.get_data()
-        try:
-            body = json.loads(raw)
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise RequestError(400, f"request body is not valid JSON: {exc}") from None
-        checked = check_generation_request(body, endpoint)
-        reply = await dispatcher.generate(
-            request.path, checked, g.request_id, request.headers.get(AUTHORIZATION)
-        )
-        return to_response(reply)
-
-    @app.post("/v1/completions")
-    async def completions() -> Response:
-        return await generation("completions")
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions() -> Response:
-        return await generation("chat")
 
     @app.get("/health")
     async def health() -> Response:
@@ -258,16 +233,7 @@ def create_app(settings: ProxySettings) -> Quart:
     async def stop_profile() -> Response:
         return await fan_out("/stop_profile")
 
-    return app
-
-
-def to_response(reply: Reply) -> Response:
-    if isinstance(reply.body, RelayStream):
-        response = Response(reply.body, status=reply.status, content_type=reply.content_type)
-        response.headers["Cache-Control"] = "no-cache"
-        response.timeout = None
-        return response
-    return Response(reply.body, status=reply.status, content_type=reply.content_type)
+    return GenerationApp(dispatcher, app, settings.api_key, settings.max_body_bytes)
 
 
 def _unique(slots: Any) -> list[Instance]:

@@ -1,0 +1,184 @@
+"""The generation endpoints as a plain ASGI handler in front of the Quart app.
+
+Why not Quart routes: these two endpoints carry all of the traffic, and Quart's per-request
+machinery (request and app contexts, werkzeug routing and header structures, response
+wrappers) cost more CPU than the proxying itself. Everything else (probes, metrics, debug,
+admin) stays in Quart, where speed does not matter. Behaviour is the same either way:
+OpenAI-style errors, the request id on every answer, the API key, the body limit, and a
+client disconnect cancelling the request (and so both upstream legs).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import logging
+import uuid
+from collections.abc import Awaitable, Callable, MutableMapping
+from typing import Any
+
+from pdserve.proxy.flow import Dispatcher, RelayStream, Reply
+from pdserve.wire.openai import Endpoint, RequestError, check_generation_request, error_body
+
+log = logging.getLogger("pdserve.proxy")
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+ASGIApp = Callable[[Any, Any, Any], Awaitable[None]]  # Quart types its ASGI events precisely
+
+ENDPOINTS: dict[str, Endpoint] = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}
+
+
+def client_key_problem(api_key: str | None, authorization: str | None) -> RequestError | None:
+    """401 unless the client presents ``Bearer <api_key>`` (constant-time comparison)."""
+    if not api_key:
+        return None
+    presented = (authorization or "").encode()
+    if hmac.compare_digest(presented, f"Bearer {api_key}".encode()):
+        return None
+    return RequestError(
+        401,
+        "missing or wrong API key (send 'Authorization: Bearer <key>')",
+        "authentication_error",
+        code="invalid_api_key",
+    )
+
+
+def request_id_of(header: str | None) -> str:
+    return header or uuid.uuid4().hex
+
+
+class GenerationApp:
+    """Serves POST /v1/completions and /v1/chat/completions; passes everything else to ``fallback``."""
+
+    def __init__(
+        self, dispatcher: Dispatcher, fallback: ASGIApp, api_key: str | None, max_body_bytes: int
+    ) -> None:
+        self.dispatcher = dispatcher
+        self.fallback = fallback
+        self.api_key = api_key
+        self.max_body_bytes = max_body_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] not in ENDPOINTS:
+            await self.fallback(scope, receive, send)
+            return
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        request_id = request_id_of(headers.get("x-request-id"))
+        problem = self._refusal(scope, headers)
+        if problem is not None:
+            await self._drain(receive)
+            await _send_reply(send, _error_reply(problem), request_id)
+            return
+        body = await self._read_body(receive, headers)
+        if body is None:
+            return  # the client went away while sending
+        if isinstance(body, RequestError):
+            await _send_reply(send, _error_reply(body), request_id)
+            return
+        # Serve in a task and watch for the client's disconnect meanwhile: a disconnect cancels
+        # the task, which closes both upstream legs.
+        serving = asyncio.ensure_future(
+            self._serve(send, ENDPOINTS[scope["path"]], scope["path"], body, request_id, headers)
+        )
+        watching = asyncio.ensure_future(_wait_disconnect(receive))
+        done, _ = await asyncio.wait({serving, watching}, return_when=asyncio.FIRST_COMPLETED)
+        for task in (serving, watching):
+            if not task.done():
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        if serving in done and not serving.cancelled() and serving.exception() is not None:
+            log.error("generation request %s failed", request_id, exc_info=serving.exception())
+
+    def _refusal(self, scope: Scope, headers: dict[str, str]) -> RequestError | None:
+        if scope["method"] != "POST":
+            return RequestError(
+                405, f"method {scope['method']} is not allowed on {scope['path']}", code="method_not_allowed"
+            )
+        length = headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
+            return _too_large(self.max_body_bytes)
+        return client_key_problem(self.api_key, headers.get("authorization"))
+
+    async def _read_body(self, receive: Receive, headers: dict[str, str]) -> bytes | RequestError | None:
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return None
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.max_body_bytes:
+                await self._drain(receive, message)
+                return _too_large(self.max_body_bytes)
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                return b"".join(chunks)
+
+    @staticmethod
+    async def _drain(receive: Receive, last: Message | None = None) -> None:
+        """Read what the client still sends, so the refusal is not a connection reset."""
+        while last is None or (last["type"] == "http.request" and last.get("more_body", False)):
+            last = await receive()
+
+    async def _serve(
+        self, send: Send, endpoint: Endpoint, path: str, raw: bytes, request_id: str, headers: dict[str, str]
+    ) -> None:
+        try:
+            try:
+                body = json.loads(raw)
+            except (ValueError, UnicodeDecodeError) as exc:
+                raise RequestError(400, f"request body is not valid JSON: {exc}") from None
+            checked = check_generation_request(body, endpoint)
+        except RequestError as exc:
+            await _send_reply(send, _error_reply(exc), request_id)
+            return
+        try:
+            reply = await self.dispatcher.generate(path, checked, request_id, headers.get("authorization"))
+        except Exception:
+            log.exception("unexpected error serving request %s", request_id)
+            reply = Reply(
+                500,
+                json.dumps(error_body("internal proxy error", "internal_error", "internal_error")).encode(),
+            )
+        await _send_reply(send, reply, request_id)
+
+
+async def _wait_disconnect(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+def _too_large(limit: int) -> RequestError:
+    return RequestError(413, f"request body is larger than {limit} bytes", code="request_too_large")
+
+
+def _error_reply(exc: RequestError) -> Reply:
+    return Reply(exc.status, json.dumps(exc.body()).encode())
+
+
+async def _send_reply(send: Send, reply: Reply, request_id: str) -> None:
+    headers = [
+        (b"content-type", reply.content_type.encode()),
+        (b"x-request-id", request_id.encode("latin-1")),
+    ]
+    if not isinstance(reply.body, RelayStream):
+        headers.append((b"content-length", str(len(reply.body)).encode()))
+        await send({"type": "http.response.start", "status": reply.status, "headers": headers})
+        await send({"type": "http.response.body", "body": reply.body, "more_body": False})
+        return
+    relay = reply.body
+    try:
+        headers.append((b"cache-control", b"no-cache"))
+        await send({"type": "http.response.start", "status": reply.status, "headers": headers})
+        async for chunk in relay:
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+    finally:
+        await relay.aclose()  # a no-op after a clean end; closes the upstream on a cancel
