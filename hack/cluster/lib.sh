@@ -19,9 +19,10 @@ etcd_peer_port="${PDSERVE_CLUSTER_ETCD_PEER_PORT:-23800}"
 apiserver_port="${PDSERVE_CLUSTER_APISERVER_PORT:-26443}"
 kcm_port="${PDSERVE_CLUSTER_CONTROLLER_MANAGER_PORT:-26257}"
 scheduler_port="${PDSERVE_CLUSTER_SCHEDULER_PORT:-26259}"
-kwok_port="${PDSERVE_CLUSTER_KWOK_PORT:-26280}"
 node_count="${PDSERVE_CLUSTER_NODES:-4}"
 gpus_per_node="${PDSERVE_CLUSTER_GPUS_PER_NODE:-8}"
+pod_cidr="${PDSERVE_CLUSTER_POD_CIDR:-127.128.0.1/16}"
+node_ip="${PDSERVE_CLUSTER_NODE_IP:-127.0.0.2}"
 
 # Start order; down stops them in reverse.
 components=(etcd kube-apiserver kube-controller-manager kube-scheduler kwok)
@@ -31,7 +32,6 @@ declare -A component_port=(
   [kube-apiserver]="$apiserver_port"
   [kube-controller-manager]="$kcm_port"
   [kube-scheduler]="$scheduler_port"
-  [kwok]="$kwok_port"
 )
 declare -A port_env=(
   [etcd]=PDSERVE_CLUSTER_ETCD_PORT
@@ -39,8 +39,20 @@ declare -A port_env=(
   [kube-apiserver]=PDSERVE_CLUSTER_APISERVER_PORT
   [kube-controller-manager]=PDSERVE_CLUSTER_CONTROLLER_MANAGER_PORT
   [kube-scheduler]=PDSERVE_CLUSTER_SCHEDULER_PORT
-  [kwok]=PDSERVE_CLUSTER_KWOK_PORT
 )
+
+# Serialises up/down (several test sessions may share one cluster). Children must not inherit
+# fd 9, or they would hold the lock for their whole life.
+cluster_lock() {
+  [[ -n "${PDSERVE_CLUSTER_LOCKED:-}" ]] && return 0
+  command -v flock >/dev/null 2>&1 || return 0
+  mkdir -p "$cluster_dir"
+  exec 9>"$cluster_dir/.lock"
+  if ! flock -w "${PDSERVE_CLUSTER_LOCK_TIMEOUT:-300}" 9; then
+    die "another hack/cluster/up or down holds $cluster_dir/.lock; wait for it to finish and retry"
+  fi
+  export PDSERVE_CLUSTER_LOCKED=1
+}
 
 die() {
   echo "hack/cluster: error: $*" >&2
@@ -59,8 +71,14 @@ elapsed() {
 }
 
 # Directory of the built binaries; fails with the next step if they are not built.
+# PDSERVE_CLUSTER_BIN overrides it (binaries built elsewhere).
 cluster_bin() {
   local b
+  if [[ -n "${PDSERVE_CLUSTER_BIN:-}" ]]; then
+    [[ -x "$PDSERVE_CLUSTER_BIN/kube-apiserver" ]] || die "PDSERVE_CLUSTER_BIN=$PDSERVE_CLUSTER_BIN has no kube-apiserver"
+    echo "$PDSERVE_CLUSTER_BIN"
+    return
+  fi
   if ! b="$("$cluster_here/build" --print-bin 2>/dev/null)"; then
     die "the cluster binaries are not built; run hack/cluster/build first (or make cluster-build)"
   fi
@@ -78,7 +96,7 @@ component_pid() {
   [[ -f "$f" ]] || return 1
   pid="$(<"$f")"
   [[ "$pid" =~ ^[0-9]+$ ]] || return 1
-  [[ -r "/proc/$pid/cmdline" ]] || return 1
+  process_alive "$pid" || return 1
   # Guard against a recycled PID: the process must run our binary for this component.
   tr '\0' ' ' <"/proc/$pid/cmdline" | grep -q -- "/$name " || return 1
   echo "$pid"
@@ -90,16 +108,25 @@ stop_component() {
   if pid="$(component_pid "$name")"; then
     kill -TERM "$pid" 2>/dev/null || true
     for ((i = 0; i < wait_s * 10; i++)); do
-      [[ -d "/proc/$pid" ]] || break
-      # A zombie child of ours counts as stopped.
-      [[ "$(awk '{print $3}' "/proc/$pid/stat" 2>/dev/null)" == Z ]] && break
+      process_alive "$pid" || break
       sleep 0.1
     done
-    if [[ -d "/proc/$pid" ]]; then
-      echo "hack/cluster: $name (pid $pid) did not stop after ${wait_s}s; sending KILL" >&2
+    if process_alive "$pid"; then
+      echo "$name (pid $pid) still running ${wait_s}s after TERM; sending KILL"
       kill -KILL "$pid" 2>/dev/null || true
+      for ((i = 0; i < 50; i++)); do
+        process_alive "$pid" || break
+        sleep 0.1
+      done
     fi
-    echo "stopped $name (pid $pid)"
+    echo "stopped $name (pid $pid) in $(elapsed)s"
   fi
   rm -f "$pids/$name.pid"
+}
+
+# True if process $1 exists and is not a zombie (an exited process not reaped yet).
+process_alive() {
+  local state
+  state="$(sed -n 's/^State:[[:space:]]*\([A-Z]\).*/\1/p' "/proc/$1/status" 2>/dev/null)" || return 1
+  [[ -n "$state" && "$state" != Z && "$state" != X ]]
 }
