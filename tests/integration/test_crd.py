@@ -12,8 +12,11 @@ from typing import Any
 
 import pytest
 
+from pdserve.deployment.objects import render_all
+from pdserve.deployment.routing import build_routing_table
 from pdserve.deployment.spec import SpecError, parse_pddeployment
 from tests.support.kube import KubeCluster, eventually
+from tests.unit.test_deployment_objects import CONNECTORS, SHAPES, all_ready, shape_manifest
 
 pytestmark = pytest.mark.cluster
 
@@ -270,3 +273,23 @@ def test_spec_update_bumps_generation_but_status_does_not(crd: KubeCluster, kube
         '{"spec":{"prefill":{"instances":2}}}',
     )
     assert get(crd, kube_namespace, "r1")["metadata"]["generation"] == first + 1
+
+
+def test_rendered_manifests_are_valid_kubernetes_objects(crd: KubeCluster, kube_namespace: str) -> None:
+    """Every golden shape with both connectors, and the sim engine, pass the API server's validation."""
+    items: list[dict[str, Any]] = []
+    shapes = [(s, c) for s in SHAPES for c in CONNECTORS]
+    for n, (shape, connector) in enumerate(shapes):
+        doc = shape_manifest(shape, connector)
+        doc["metadata"].update(name=f"s{n}-{connector}", namespace=kube_namespace)
+        pdd = parse_pddeployment(doc)
+        items += render_all(pdd, build_routing_table(pdd, all_ready(pdd), None))
+    sim = manifest("sim", engine="sim", image="", prefill={"instances": 2, "dataParallel": 2})
+    sim["metadata"]["namespace"] = kube_namespace
+    items += render_all(parse_pddeployment(sim))
+    proc = crd.kubectl(
+        "apply", "--dry-run=server", "--server-side", "-n", kube_namespace, "-f", "-",
+        input=json.dumps({"apiVersion": "v1", "kind": "List", "items": items}), check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.count("(server dry run)") == len(items)
