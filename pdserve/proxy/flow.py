@@ -303,13 +303,13 @@ class Dispatcher:
 
     def _leg_started(self, role: Role, slot: Slot) -> None:
         self.book.started(role, slot.key)
-        self.metrics.slot_in_flight.labels(role.value, slot.key).inc()
+        self.metrics.child(self.metrics.slot_in_flight, role.value, slot.key).inc()
 
     def _leg_finished(self, role: Role, slot: Slot, outcome: str) -> None:
         ok = outcome in ("ok", "cancelled") or outcome.startswith("http_4")
         self.book.finished(role, slot.key, ok)
-        self.metrics.slot_in_flight.labels(role.value, slot.key).dec()
-        self.metrics.upstream.labels(role.value, slot.key, outcome).inc()
+        self.metrics.child(self.metrics.slot_in_flight, role.value, slot.key).dec()
+        self.metrics.child(self.metrics.upstream, role.value, slot.key, outcome).inc()
 
     def _eject(self, role: Role, slot: Slot) -> None:
         if self.book.eject(role, slot.key):
@@ -336,10 +336,10 @@ class Dispatcher:
         now = time.monotonic()
         endpoint = "chat" if trace.endpoint.endswith("chat/completions") else "completions"
         self.metrics.in_flight.dec()
-        self.metrics.requests.labels(endpoint, outcome).inc()
-        self.metrics.total.labels(endpoint).observe(now - trace.started)
+        self.metrics.child(self.metrics.requests, endpoint, outcome).inc()
+        self.metrics.child(self.metrics.total, endpoint).observe(now - trace.started)
         if trace.first_byte is not None:
-            self.metrics.ttft.labels(endpoint).observe(trace.first_byte - trace.started)
+            self.metrics.child(self.metrics.ttft, endpoint).observe(trace.first_byte - trace.started)
         ttft_ms = "-" if trace.first_byte is None else f"{(trace.first_byte - trace.started) * 1000:.1f}"
         log.info(
             "request id=%s endpoint=%s stream=%s status=%d outcome=%s prefill=%s decode=%s attempts=%d "
