@@ -34,7 +34,8 @@ from typing import Any, TypeVar
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-CLUSTER_DIR = REPO / ".cluster"
+# hack/cluster/up honours the same variable (a second, separate cluster needs other ports too).
+CLUSTER_DIR = Path(os.environ.get("PDSERVE_CLUSTER_DIR") or REPO / ".cluster")
 LOCAL_KUBECONFIG = CLUSTER_DIR / "kubeconfig"
 LOGS = CLUSTER_DIR / "logs"
 BUILD_TIMEOUT = 3600.0
