@@ -65,6 +65,8 @@ def run(args: argparse.Namespace) -> int:
         log_format=kopf.LogFormat.JSON if args.log_format == "json" else kopf.LogFormat.FULL,
     )
     logging.getLogger("pdserve").setLevel(logging.DEBUG if args.verbose else logging.INFO)
+    if not args.verbose:  # one "Handler ... succeeded" line per watch event is noise
+        logging.getLogger("kopf.objects").setLevel(logging.WARNING)
     if args.metrics_port:
         start_http_server(args.metrics_port, addr=args.bind)
     options = OperatorOptions(

@@ -23,7 +23,6 @@ from pdserve.operator.reconcile import Outcome, Reconciler
 log = logging.getLogger("pdserve.operator")
 
 Key = tuple[str, str]  # (namespace, name)
-Poster = Callable[[Outcome], None]
 
 MAX_ERROR_BACKOFF = 60.0
 
@@ -104,13 +103,11 @@ class Controller:
     def __init__(
         self,
         reconciler: Reconciler,
-        post: Poster,
         *,
         debounce: float = 0.05,
         workers: int = 8,
     ) -> None:
         self._reconciler = reconciler
-        self._post = post
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="reconcile")
         self._coalescer = Coalescer(self._run, debounce)
         self._known: set[Key] = set()
@@ -150,10 +147,6 @@ class Controller:
         if outcome.result == "gone":
             self.deployment_gone(key)
             return None
-        try:
-            self._post(outcome)
-        except Exception:
-            log.exception("cannot post events for %s/%s", *key)
         if outcome.result == "error":
             failures = self._failures[key] = self._failures.get(key, 0) + 1
             return min(MAX_ERROR_BACKOFF, 0.5 * 2.0**failures)

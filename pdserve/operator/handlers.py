@@ -12,9 +12,8 @@ the memo) or directly as ``kopf run -m pdserve.operator.handlers`` with the defa
 from __future__ import annotations
 
 import asyncio
-import logging
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any
 
 import kopf
 
@@ -22,7 +21,7 @@ from pdserve.deployment.objects import DEPLOYMENT_LABEL
 from pdserve.deployment.spec import GROUP, PLURAL, VERSION
 from pdserve.operator.controller import Controller
 from pdserve.operator.kube import Kube
-from pdserve.operator.reconcile import Outcome, Reconciler
+from pdserve.operator.reconcile import Reconciler
 
 
 @dataclass(frozen=True)
@@ -39,7 +38,6 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) ->
     configure_settings(settings)
     controller = Controller(
         Reconciler(Kube(options.kubeconfig)),
-        post_events,
         debounce=options.debounce_seconds,
         workers=options.workers,
     )
@@ -57,8 +55,9 @@ def configure_settings(settings: kopf.OperatorSettings) -> None:
     settings.peering.standalone = True
     # Only the namespaces and resources given at start; no need to list CRDs or namespaces.
     settings.scanning.disabled = True
-    settings.posting.level = logging.INFO
-    settings.posting.reporting_component = "pdserve-operator"
+    # kopf would post each of its per-handler log lines as an Event on every pod; the reconciler
+    # posts the meaningful ones (creates, deletes, drains, errors) on the PDDeployment itself.
+    settings.posting.enabled = False
     # Watches end server-side every few minutes and reconnect; a silent stream is dropped sooner.
     settings.watching.server_timeout = 300
     settings.watching.client_timeout = 330
@@ -102,15 +101,3 @@ async def router_event(namespace: str | None, labels: kopf.Labels, memo: kopf.Me
     """The router's availability is part of Ready, and the Deployment controller reports it late."""
     controller: Controller = memo["controller"]
     controller.request((namespace or "", labels[DEPLOYMENT_LABEL]))
-
-
-def post_events(outcome: Outcome) -> None:
-    """Attach the reconcile's Events to the PDDeployment through kopf's event poster."""
-    if outcome.body is None:
-        return
-    body = cast(kopf.Body, outcome.body)  # kopf only reads apiVersion, kind and metadata from it
-    for event in outcome.events:
-        if event.type == "Warning":
-            kopf.warn(body, reason=event.reason, message=event.message)
-        else:
-            kopf.info(body, reason=event.reason, message=event.message)

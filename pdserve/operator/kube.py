@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 from collections.abc import Callable, Mapping
+from datetime import UTC, datetime
 from typing import Any
 from urllib.parse import quote
 
@@ -21,6 +23,7 @@ from pdserve.deployment.spec import GROUP, PLURAL, VERSION
 
 FIELD_MANAGER = "pdserve-operator"
 REQUEST_TIMEOUT = 30.0
+_HOSTNAME = socket.gethostname()
 
 # kind -> (API prefix, plural) for every kind the operator touches.
 _KINDS: dict[str, tuple[str, str]] = {
@@ -79,9 +82,9 @@ class Kube:
             auth_settings=["BearerToken"],
         )
         _, url, headers_out, _, _ = serialized
-        data = None if body is None else json.dumps(body, separators=(",", ":"))
         try:
-            response = self._api.call_api(method, url, headers_out, data, None, REQUEST_TIMEOUT)
+            # The client serializes dict bodies itself (JSON for both json and yaml content types).
+            response = self._api.call_api(method, url, headers_out, body, None, REQUEST_TIMEOUT)
             raw = response.read()
         except client.ApiException as exc:
             raise KubeError(method, path, exc.status or 0, str(exc.reason or "")) from exc
@@ -142,6 +145,34 @@ class Kube:
                 return False
             raise
         return True
+
+    def post_event(self, involved: Mapping[str, Any], type_: str, reason: str, message: str) -> None:
+        """A core/v1 Event about ``involved`` (shown by ``kubectl describe``), from pdserve-operator."""
+        meta = involved["metadata"]
+        now = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+        event = {
+            "apiVersion": "v1",
+            "kind": "Event",
+            "metadata": {"generateName": f"{meta['name']}.", "namespace": meta["namespace"]},
+            "involvedObject": {
+                "apiVersion": involved.get("apiVersion"),
+                "kind": involved.get("kind"),
+                "name": meta["name"],
+                "namespace": meta["namespace"],
+                "uid": meta.get("uid"),
+                "resourceVersion": meta.get("resourceVersion"),
+            },
+            "type": type_,
+            "reason": reason,
+            "message": message[:1024],
+            "source": {"component": FIELD_MANAGER},
+            "reportingComponent": FIELD_MANAGER,
+            "reportingInstance": _HOSTNAME,
+            "firstTimestamp": now,
+            "lastTimestamp": now,
+            "count": 1,
+        }
+        self.request("POST", object_path("Event", meta["namespace"]), event)
 
     def node_allocatable(self) -> list[dict[str, Any]]:
         """``status.allocatable`` of every node (resourceVersion=0: served from the API cache)."""

@@ -123,7 +123,24 @@ class Reconciler:
         with metrics.RECONCILE_SECONDS.time():
             outcome = self._reconcile(namespace, name)
         metrics.RECONCILES.labels(outcome.result).inc()
+        if outcome.body is not None:
+            self._post_events(outcome.body, outcome.events)
         return outcome
+
+    def _post_events(self, body: Mapping[str, Any], events: Sequence[Event]) -> None:
+        for event in events:
+            log.log(
+                logging.WARNING if event.type == "Warning" else logging.INFO,
+                "%s/%s %s: %s",
+                body["metadata"]["namespace"],
+                body["metadata"]["name"],
+                event.reason,
+                event.message,
+            )
+            try:
+                self._kube.post_event(body, event.type, event.reason, event.message)
+            except KubeError as exc:  # an Event is a courtesy; never fail a reconcile for one
+                log.warning("cannot post an Event: %s", exc)
 
     def _reconcile(self, namespace: str, name: str) -> Outcome:
         try:
@@ -198,7 +215,8 @@ class Reconciler:
         self._write_status(body, obs, outcome)
 
     def _observe_pods(self, pdd: PDDeployment) -> list[PodView]:
-        items = self._kube.list_objects("Pod", pdd.namespace, f"{DEPLOYMENT_LABEL}={pdd.name}")
+        # Instance pods only (the router's pods carry no role label).
+        items = self._kube.list_objects("Pod", pdd.namespace, f"{DEPLOYMENT_LABEL}={pdd.name},{ROLE_LABEL}")
         views = []
         for pod in items:
             view = _pod_view(pdd, pod)

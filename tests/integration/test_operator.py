@@ -170,7 +170,8 @@ class Cluster:
         return json.loads(out.stdout) if out.returncode == 0 else None
 
     def pods(self, name: str) -> list[dict[str, Any]]:
-        out = self.kubectl("get", "pods", "-l", f"pdserve.io/deployment={name}", "-o", "json")
+        """Instance pods (the router's pods have no role label)."""
+        out = self.kubectl("get", "pods", "-l", f"pdserve.io/deployment={name},pdserve.io/role", "-o", "json")
         return list(json.loads(out)["items"])
 
     def table(self, name: str) -> RoutingTable | None:
