@@ -235,7 +235,6 @@ BAD_VALUES = [
     (["--set", "operator.livenessPort=70000"], "operator.livenessPort"),
     (["--set", "operator.logLevel=trace"], "operator.logLevel"),
     (["--set", "operatr.scope=namespaced"], "operatr"),
-    (["--set", "operator.namespaces={team-a}"], "operator.namespaces"),
     (["--set", "operator.namespaces={Team_A}", "--set", "operator.scope=namespaced"], "operator.namespaces"),
     (["--set", "rbac.create=maybe"], "rbac.create"),
     (["--set", "metrics.serviceMonitor.interval=often"], "metrics.serviceMonitor.interval"),
@@ -248,6 +247,12 @@ def test_schema_rejects_bad_values_naming_the_field(helm: str, values: list[str]
     assert result.returncode != 0, f"accepted {values}"
     assert "values don't meet the specifications of the schema" in result.stderr, result.stderr
     assert field.replace(".", "/") in result.stderr or field in result.stderr, result.stderr
+
+
+def test_namespaces_without_namespaced_scope_are_refused(helm: str) -> None:
+    result = run_helm(helm, "template", RELEASE, str(CHART), "--set", "operator.namespaces={team-a}")
+    assert result.returncode != 0
+    assert "operator.namespaces is only used with operator.scope=namespaced" in result.stderr
 
 
 def test_service_monitor_without_service_is_refused(helm: str) -> None:

@@ -15,7 +15,11 @@ PAGES = [REPO / "README.md", *sorted(DOCS.glob("*.md"))]
 
 
 def _source_text() -> str:
-    files = [*REPO.joinpath("pdserve").rglob("*.py"), *REPO.joinpath("crds").glob("*.yaml")]
+    files = [
+        *REPO.joinpath("pdserve").rglob("*.py"),
+        *REPO.joinpath("crds").glob("*.yaml"),
+        *REPO.joinpath("charts", "pdserve", "templates").iterdir(),
+    ]
     return "\n".join(f.read_text(encoding="utf-8") for f in files)
 
 
