@@ -11,6 +11,7 @@ connection is how vLLM learns to free the request's KV blocks).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
@@ -447,4 +448,5 @@ class RelayStream:
 
     def __del__(self) -> None:
         if not self._done:
-            self.close("cancelled")
+            with contextlib.suppress(Exception):  # never raise from a finalizer
+                self.close("cancelled")

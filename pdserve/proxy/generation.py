@@ -71,6 +71,7 @@ class GenerationApp:
         request_id = request_id_of(headers.get("x-request-id"))
         problem = self._refusal(scope, headers)
         if problem is not None:
+            _log_refusal(request_id, scope["path"], problem)
             await self._drain(receive)
             await _send_reply(send, _error_reply(problem), request_id)
             return
@@ -78,6 +79,7 @@ class GenerationApp:
         if body is None:
             return  # the client went away while sending
         if isinstance(body, RequestError):
+            _log_refusal(request_id, scope["path"], body)
             await _send_reply(send, _error_reply(body), request_id)
             return
         # Serve in a task and watch for the client's disconnect meanwhile: a disconnect cancels
@@ -137,6 +139,7 @@ class GenerationApp:
                 raise RequestError(400, f"request body is not valid JSON: {exc}") from None
             checked = check_generation_request(body, endpoint)
         except RequestError as exc:
+            _log_refusal(request_id, path, exc)
             await _send_reply(send, _error_reply(exc), request_id)
             return
         try:
@@ -161,6 +164,17 @@ def _too_large(limit: int) -> RequestError:
 
 def _error_reply(exc: RequestError) -> Reply:
     return Reply(exc.status, json.dumps(exc.body()).encode())
+
+
+def _log_refusal(request_id: str, path: str, exc: RequestError) -> None:
+    """The one log line of a request refused before routing (the dispatcher logs all others)."""
+    log.info(
+        "request id=%s endpoint=%s status=%d outcome=refused reason=%s",
+        request_id,
+        path,
+        exc.status,
+        exc.code,
+    )
 
 
 async def _send_reply(send: Send, reply: Reply, request_id: str) -> None:
