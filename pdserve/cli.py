@@ -28,7 +28,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args_list = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(
         prog="pdserve",
-        description="Prefill/decode disaggregated serving for vLLM. Run `pdserve <command> --help` for details.",
+        description=(
+            "Prefill/decode disaggregated serving for vLLM. Run `pdserve <command> --help` for details."
+        ),
     )
     parser.add_argument("--version", action="version", version=f"pdserve {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")

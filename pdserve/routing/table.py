@@ -153,7 +153,9 @@ def _parse_connector(value: object) -> Connector:
     doc = _object(value, "connector")
     ctype = _required(doc, "type", "connector", str)
     if ctype not in CONNECTOR_TYPES:
-        raise RoutingTableError("connector.type", f"expected one of {_choices(CONNECTOR_TYPES)}, got {_show(ctype)}")
+        raise RoutingTableError(
+            "connector.type", f"expected one of {_choices(CONNECTOR_TYPES)}, got {_show(ctype)}"
+        )
     mode = doc.get("transferMode")
     if ctype == "moriio":
         if mode is None:
@@ -204,7 +206,9 @@ def _parse_instance(value: object, path: str, connector: Connector) -> Instance:
 def _check_url(url: str, path: str) -> None:
     parts = urlsplit(url)
     if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise RoutingTableError(path, f"expected an http(s) URL such as http://10.0.0.5:8000, got {_show(url)}")
+        raise RoutingTableError(
+            path, f"expected an http(s) URL such as http://10.0.0.5:8000, got {_show(url)}"
+        )
     try:
         parts.port  # noqa: B018 - raises on a malformed port
     except ValueError as exc:
@@ -247,7 +251,14 @@ def _choices(values: tuple[str, ...]) -> str:
 
 
 def _show(value: object) -> str:
-    type_name = {str: "string", bool: "boolean", int: "integer", float: "number", list: "list", dict: "object"}
+    type_name = {
+        str: "string",
+        bool: "boolean",
+        int: "integer",
+        float: "number",
+        list: "list",
+        dict: "object",
+    }
     kind = type_name.get(type(value), "null" if value is None else type(value).__name__)
     text = json.dumps(value) if isinstance(value, str | int | float | bool) or value is None else kind
     return text if text == kind else f"{text} ({kind})"

@@ -57,7 +57,9 @@ def nixl_handoff_problems(params: object) -> list[str]:
 # --- MoRIIO -------------------------------------------------------------------------------------
 
 MORIIO_READ_HANDOFF_FIELDS = ("remote_engine_id", "remote_block_ids")
-_MORIIO_ID = re.compile(r"^___prefill_addr_(?P<prefill>.+?)___decode_addr_(?P<decode>.+)_(?P<uid>[0-9a-f]{32})$")
+_MORIIO_ID = re.compile(
+    r"^___prefill_addr_(?P<prefill>.+?)___decode_addr_(?P<decode>.+)_(?P<uid>[0-9a-f]{32})$"
+)
 
 
 @dataclass(frozen=True)

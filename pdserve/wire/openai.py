@@ -28,7 +28,10 @@ class RequestError(Exception):
 
 
 def error_body(
-    message: str, type_: str = "invalid_request_error", code: str | int | None = None, param: str | None = None
+    message: str,
+    type_: str = "invalid_request_error",
+    code: str | int | None = None,
+    param: str | None = None,
 ) -> dict[str, Any]:
     return {"error": {"message": message, "type": type_, "code": code, "param": param}}
 
@@ -49,7 +52,11 @@ def check_generation_request(body: object, endpoint: Endpoint) -> Mapping[str, A
         messages = body.get("messages")
         if messages is None:
             raise RequestError(400, "'messages' is required for /v1/chat/completions", param="messages")
-        if not isinstance(messages, list) or not messages or not all(isinstance(m, Mapping) for m in messages):
+        if (
+            not isinstance(messages, list)
+            or not messages
+            or not all(isinstance(m, Mapping) for m in messages)
+        ):
             raise RequestError(400, "'messages' must be a non-empty list of objects", param="messages")
     for key in ("max_tokens", "max_completion_tokens"):
         value = body.get(key)
