@@ -7,7 +7,7 @@ hot-reloaded (a mounted ConfigMap or a plain file). One process, one event loop:
 flat-interleaved counter is the process's only counter.
 
 Environment variables give defaults for the main flags (a flag wins): PDSERVE_ROUTING_FILE,
-PDSERVE_PROXY_HOST, PDSERVE_PROXY_PORT, PDSERVE_PROXY_POLICY, PROXY_LISTEN_BACKLOG,
+PDSERVE_PROXY_HOST, PDSERVE_PROXY_PORT, PDSERVE_PROXY_POLICY, PROXY_HTTP_SERVER, PROXY_LISTEN_BACKLOG,
 PDSERVE_PROXY_MAX_RETRIES, PDSERVE_PROXY_API_KEY, PDSERVE_BACKEND_API_KEY,
 PDSERVE_PROXY_LOG_LEVEL. Prefer the environment for keys: command lines are visible to
 every user of the machine.
@@ -24,9 +24,11 @@ from pathlib import Path
 from pdserve.proxy.policies import DEFAULT_POLICY, POLICIES
 from pdserve.proxy.settings import (
     DEFAULT_DECODE_TTFB_S,
+    DEFAULT_HTTP_SERVER,
     DEFAULT_MAX_BODY_BYTES,
     DEFAULT_PREFILL_TTFB_S,
     DEFAULT_STREAM_IDLE_S,
+    HTTP_SERVERS,
     ProxySettings,
 )
 
@@ -62,6 +64,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="slot choice: flat-interleaved gives every slot exactly one request per cycle; "
         "least-outstanding picks the slot with the fewest in-flight requests (default %(default)s) "
         "[env PDSERVE_PROXY_POLICY]",
+    )
+    add(
+        "--http-server",
+        choices=HTTP_SERVERS,
+        default=_env("PROXY_HTTP_SERVER", DEFAULT_HTTP_SERVER),
+        help="ASGI server: hypercorn, or uvicorn with httptools (less CPU per request); both on uvloop "
+        "with the same backlog, keep-alive and grace period (default %(default)s) [env PROXY_HTTP_SERVER]",
     )
     add(
         "--backlog",
@@ -160,6 +169,7 @@ def settings_from_args(args: argparse.Namespace) -> ProxySettings:
         host=args.host,
         port=args.port,
         policy=args.policy,
+        http_server=args.http_server,
         backlog=args.backlog,
         max_retries=max(0, args.max_retries),
         eject_seconds=args.eject_seconds,

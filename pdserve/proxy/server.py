@@ -1,26 +1,35 @@
-"""Serving: Hypercorn on uvloop, sized for bursts and multi-minute streams, graceful on SIGTERM.
+"""Serving: Hypercorn (default) or uvicorn on uvloop, sized for bursts and multi-minute streams,
+graceful on SIGTERM.
 
 Quart's debug server listens with a backlog of 100 and reset about 16% of a 512-connection
-burst in vLLM's MoRIIO proxy; Hypercorn with a deep backlog queues them instead.
+burst in vLLM's MoRIIO proxy; either server here listens with a deep backlog and queues them.
+uvicorn runs with httptools (never h11): its HTTP parsing and framing cost well under
+Hypercorn's per request, and on a shared machine CPU per request is what decides throughput.
+Both get the same app, the same backlog, keep-alive and grace period, and no access log.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import math
 import signal
+from collections.abc import Awaitable, Callable, Iterator
 
-from hypercorn.asyncio import serve
-from hypercorn.config import Config
+import uvicorn
+from hypercorn.asyncio import serve as hypercorn_serve
+from hypercorn.config import Config as HypercornConfig
 
 from pdserve.proxy.app import create_app
+from pdserve.proxy.generation import GenerationApp
 from pdserve.proxy.settings import ProxySettings
 
 log = logging.getLogger("pdserve.proxy")
 
 
-def hypercorn_config(settings: ProxySettings) -> Config:
-    config = Config()
+def hypercorn_config(settings: ProxySettings) -> HypercornConfig:
+    config = HypercornConfig()
     host = f"[{settings.host}]" if ":" in settings.host else settings.host
     config.bind = [f"{host}:{settings.port}"]
     config.backlog = settings.backlog
@@ -33,21 +42,77 @@ def hypercorn_config(settings: ProxySettings) -> Config:
     return config
 
 
+async def _serve_hypercorn(app: GenerationApp, settings: ProxySettings, stop: asyncio.Event) -> None:
+    await hypercorn_serve(app, hypercorn_config(settings), shutdown_trigger=stop.wait)  # type: ignore[arg-type]
+
+
+def uvicorn_config(app: GenerationApp, settings: ProxySettings) -> uvicorn.Config:
+    return uvicorn.Config(
+        app,
+        host=settings.host,
+        port=settings.port,
+        http="httptools",
+        ws="none",
+        loop="none",  # the caller's loop (uvloop) is the one served on
+        lifespan="on",  # Quart's before_serving/after_serving start and stop the upstream client
+        backlog=settings.backlog,
+        timeout_keep_alive=math.ceil(settings.keep_alive_seconds),
+        # uvicorn's shutdown: stop accepting, close idle connections, let in-flight requests
+        # finish within the grace period, then cancel them (Hypercorn's graceful_timeout).
+        timeout_graceful_shutdown=math.ceil(settings.grace_seconds),
+        access_log=False,
+        log_config=None,  # our logging.basicConfig, not uvicorn's handlers
+        proxy_headers=False,
+        server_header=False,
+    )
+
+
+class _UvicornServer(uvicorn.Server):
+    """Signals stay ours: uvicorn's own handlers would re-raise SIGTERM after a clean shutdown
+    (exit status -15 instead of 0)."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+async def _serve_uvicorn(app: GenerationApp, settings: ProxySettings, stop: asyncio.Event) -> None:
+    server = _UvicornServer(uvicorn_config(app, settings))
+
+    async def relay_stop() -> None:
+        await stop.wait()
+        server.should_exit = True
+
+    relay = asyncio.create_task(relay_stop())
+    try:
+        await server.serve()
+    finally:
+        relay.cancel()
+
+
+SERVERS: dict[str, Callable[[GenerationApp, ProxySettings, asyncio.Event], Awaitable[None]]] = {
+    "hypercorn": _serve_hypercorn,
+    "uvicorn": _serve_uvicorn,
+}
+
+
 async def serve_until_signalled(settings: ProxySettings) -> None:
+    serve = SERVERS[settings.http_server]
     app = create_app(settings)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     log.info(
-        "pdserve proxy listening on %s:%d (policy=%s, backlog=%d, routing file %s)",
+        "pdserve proxy listening on %s:%d (http server %s, policy=%s, backlog=%d, routing file %s)",
         settings.host,
         settings.port,
+        settings.http_server,
         settings.policy,
         settings.backlog,
         settings.routing_file,
     )
-    await serve(app, hypercorn_config(settings), shutdown_trigger=stop.wait)  # type: ignore[arg-type]
+    await serve(app, settings, stop)
     log.info("pdserve proxy stopped")
 
 

@@ -13,6 +13,9 @@ DEFAULT_PREFILL_TTFB_S = 600.0
 DEFAULT_DECODE_TTFB_S = 600.0
 DEFAULT_STREAM_IDLE_S = 120.0
 DEFAULT_MAX_BODY_BYTES = 32 * 1024 * 1024
+# The ASGI servers the proxy can run on (pdserve.proxy.server has one function per name).
+HTTP_SERVERS = ("hypercorn", "uvicorn")
+DEFAULT_HTTP_SERVER = "hypercorn"
 
 
 @dataclass(frozen=True)
@@ -21,6 +24,7 @@ class ProxySettings:
     host: str = "0.0.0.0"
     port: int = 8000
     policy: str = DEFAULT_POLICY
+    http_server: str = DEFAULT_HTTP_SERVER
     backlog: int = 4096
     max_retries: int = 2
     eject_seconds: float = 10.0

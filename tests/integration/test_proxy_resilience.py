@@ -17,7 +17,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from tests.support.pdstack import PDStack, Sim, http, sse_events
+from tests.support.pdstack import PDStack, Sim, http, proxy_args, sse_events
 from tests.support.procs import Proc, ProcessGroup
 
 
@@ -111,7 +111,7 @@ async def test_hot_reload_configmap_swap_under_load(stack: PDStack, tmp_path: Pa
     mount = tmp_path / "routing"
     mount.mkdir()
     publish_configmap(mount, 1, stack.table([s["p0"]], [s["d0"]]))
-    proxy = stack.group.start("proxy-configmap", ["proxy", "--routing-file", str(mount / "routing.json")])
+    proxy = stack.group.start("proxy-configmap", proxy_args(mount / "routing.json"))
     stop = asyncio.Event()
     load = asyncio.create_task(run_load(proxy.url, stop))
     shapes = [
@@ -139,7 +139,7 @@ async def test_hot_reload_plain_rewrite_under_load_keeps_the_last_good_table(
     s = stack.sims
     path = tmp_path / "routing.json"
     path.write_text(json.dumps(stack.table([s["p0"]], [s["d0"]])))
-    proxy = stack.group.start("proxy-rewrite", ["proxy", "--routing-file", str(path)])
+    proxy = stack.group.start("proxy-rewrite", proxy_args(path))
     stop = asyncio.Event()
     load = asyncio.create_task(run_load(proxy.url, stop))
     await asyncio.sleep(0.5)
@@ -230,9 +230,7 @@ def test_client_disconnect_during_prefill_cancels_it_and_sends_no_decode(stack: 
 def test_sigterm_lets_in_flight_streams_finish(stack: PDStack, tmp_path: Path) -> None:
     dlong = stack.sims["dlong"]
     stack.route([stack.sims["p0"]], [dlong])
-    proxy = stack.group.start(
-        "proxy-sigterm", ["proxy", "--routing-file", str(stack.routing_file), "--grace-seconds", "20"]
-    )
+    proxy = stack.group.start("proxy-sigterm", proxy_args(stack.routing_file, "--grace-seconds", "20"))
     result: dict[str, Any] = {}
 
     def stream() -> None:

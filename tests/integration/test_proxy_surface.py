@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.pdstack import PDStack, http
+from tests.support.pdstack import TEST_HTTP_SERVER, PDStack, http, proxy_args
 from tests.support.procs import ProcessGroup
 
 CLIENT_KEY = "sk-client-7f3a9c1e-secret"
@@ -35,6 +35,12 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PDStack]:
         yield pd
     finally:
         group.stop_all()
+
+
+def test_proxy_serves_on_the_http_server_under_test(stack: PDStack) -> None:
+    assert stack.proxy is not None
+    assert f"(http server {TEST_HTTP_SERVER}," in stack.proxy.log()
+    assert stack.complete().status == 200
 
 
 def error_of(body: bytes) -> dict[str, str]:
@@ -97,9 +103,7 @@ def test_backend_key_replaces_the_client_key(stack: PDStack) -> None:
 
 
 def test_client_authorization_is_forwarded_without_a_backend_key(stack: PDStack) -> None:
-    proxy = stack.group.start(
-        "proxy-forwarding", ["proxy", "--routing-file", str(stack.routing_file), "--host", "127.0.0.1"]
-    )
+    proxy = stack.group.start("proxy-forwarding", proxy_args(stack.routing_file, "--host", "127.0.0.1"))
     stack.route([stack.sims["p0"]], [stack.sims["d0"]])
     token = "Bearer user-token-123"
     answer = http("POST", proxy.url + "/v1/completions", {"prompt": "x"}, headers={"Authorization": token})

@@ -22,6 +22,14 @@ from tests.support.procs import Proc, ProcessGroup, wait_http
 # Tiny simulated timings: the proxy's logic is under test, not the model.
 FAST_SIM = ["--ttft-ms", "2", "--itl-ms", "1", "--tokens", "4"]
 
+# The proxy suite runs against either HTTP server: PDSERVE_TEST_HTTP_SERVER=uvicorn pytest ...
+TEST_HTTP_SERVER = os.environ.get("PDSERVE_TEST_HTTP_SERVER", "hypercorn")
+
+
+def proxy_args(routing_file: Path, *extra: str) -> list[str]:
+    """``pdserve proxy`` arguments for a test proxy, on the HTTP server the suite was asked for."""
+    return ["proxy", "--routing-file", str(routing_file), "--http-server", TEST_HTTP_SERVER, *extra]
+
 
 @dataclass
 class HttpAnswer:
@@ -165,7 +173,7 @@ class PDStack:
 
     def start_proxy(self, *extra: str, env: dict[str, str] | None = None) -> Proc:
         assert self.routing_file.exists(), "write a routing table first"
-        args = ["proxy", "--routing-file", str(self.routing_file), "--host", "127.0.0.1", *extra]
+        args = proxy_args(self.routing_file, "--host", "127.0.0.1", *extra)
         self.proxy = self.group.start("proxy", args, env=env)
         return self.proxy
 
