@@ -112,6 +112,8 @@ class Controller:
         self._coalescer = Coalescer(self._run, debounce)
         self._known: set[Key] = set()
         self._failures: dict[Key, int] = {}
+        # Keys whose next run re-reads everything (spec change, router change, resync, error).
+        self._full: set[Key] = set()
         self._generations: dict[Key, int] = {}
 
     def deployment_seen(self, key: Key, generation: int) -> None:
@@ -119,23 +121,37 @@ class Controller:
         self._known.add(key)
         if self._generations.get(key) != generation:
             self._generations[key] = generation
-            self._coalescer.request(key)
+            self.request(key, full=True)
 
     def deployment_gone(self, key: Key) -> None:
         self._known.discard(key)
         self._generations.pop(key, None)
         self._failures.pop(key, None)
+        self._full.discard(key)
         self._coalescer.forget(key)
+        self._reconciler.forget(*key)
 
-    def request(self, key: Key) -> None:
+    def request(self, key: Key, full: bool = False) -> None:
+        """``full``: re-read everything, not only the pods (see reconcile.Verified)."""
+        if full:
+            self._full.add(key)
         self._coalescer.request(key)
 
     async def resync_forever(self, interval: float) -> None:
-        """Level-based safety net: every known PDDeployment is reconciled at least this often."""
+        """Level-based safety net: every known PDDeployment gets a full reconcile this often.
+
+        Spread evenly over the interval, so a resync never competes in one burst with the pod
+        events whose readiness must reach the routing table quickly.
+        """
         while True:
-            await asyncio.sleep(interval)
-            for key in list(self._known):
-                self._coalescer.request(key)
+            keys = sorted(self._known)
+            if not keys:
+                await asyncio.sleep(interval)
+                continue
+            for key in keys:
+                await asyncio.sleep(interval / len(keys))
+                if key in self._known:
+                    self.request(key, full=True)
 
     async def close(self) -> None:
         await self._coalescer.close()
@@ -143,11 +159,14 @@ class Controller:
 
     async def _run(self, key: Key) -> float | None:
         loop = asyncio.get_running_loop()
-        outcome: Outcome = await loop.run_in_executor(self._pool, self._reconciler.reconcile, *key)
+        full = key in self._full
+        self._full.discard(key)
+        outcome: Outcome = await loop.run_in_executor(self._pool, self._reconciler.reconcile, *key, full)
         if outcome.result == "gone":
             self.deployment_gone(key)
             return None
         if outcome.result == "error":
+            self._full.add(key)
             failures = self._failures[key] = self._failures.get(key, 0) + 1
             return min(MAX_ERROR_BACKOFF, 0.5 * 2.0**failures)
         self._failures.pop(key, None)

@@ -17,7 +17,7 @@ from typing import Any
 
 import kopf
 
-from pdserve.deployment.objects import DEPLOYMENT_LABEL
+from pdserve.deployment.objects import DEPLOYMENT_LABEL, ROLE_LABEL
 from pdserve.deployment.spec import GROUP, PLURAL, VERSION
 from pdserve.operator.controller import Controller
 from pdserve.operator.kube import Kube
@@ -90,7 +90,7 @@ async def deployment_event(
         controller.deployment_seen(key, int(meta.get("generation") or 0))
 
 
-@kopf.on.event("", "v1", "pods", labels={DEPLOYMENT_LABEL: kopf.PRESENT})
+@kopf.on.event("", "v1", "pods", labels={DEPLOYMENT_LABEL: kopf.PRESENT, ROLE_LABEL: kopf.PRESENT})
 async def pod_event(namespace: str | None, labels: kopf.Labels, memo: kopf.Memo, **_: Any) -> None:
     controller: Controller = memo["controller"]
     controller.request((namespace or "", labels[DEPLOYMENT_LABEL]))
@@ -100,4 +100,4 @@ async def pod_event(namespace: str | None, labels: kopf.Labels, memo: kopf.Memo,
 async def router_event(namespace: str | None, labels: kopf.Labels, memo: kopf.Memo, **_: Any) -> None:
     """The router's availability is part of Ready, and the Deployment controller reports it late."""
     controller: Controller = memo["controller"]
-    controller.request((namespace or "", labels[DEPLOYMENT_LABEL]))
+    controller.request((namespace or "", labels[DEPLOYMENT_LABEL]), full=True)

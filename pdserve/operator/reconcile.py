@@ -111,6 +111,20 @@ class NodeGpus:
         return [_quantity(n.get(resource, 0)) for n in self._nodes]
 
 
+@dataclass
+class Verified:
+    """What the last full reconcile of one PDDeployment read or wrote and found in place.
+
+    A light reconcile (a pod event) trusts it and skips re-reading the Services, the router and
+    the routing ConfigMap: it reads only the PDDeployment and its pods. Every full reconcile
+    (spec change, router event, periodic resync) re-reads everything and repairs drift.
+    """
+
+    table: RoutingTable | None = None
+    applied: dict[tuple[str, str], str] = field(default_factory=dict)  # (kind, name) -> applied hash
+    router_available: int = 0
+
+
 class Reconciler:
     def __init__(
         self, kube: Kube, nodes: NodeGpus | None = None, clock: Callable[[], float] = time.time
@@ -118,8 +132,15 @@ class Reconciler:
         self._kube = kube
         self._nodes = nodes or NodeGpus(kube)
         self._clock = clock
+        self._verified: dict[tuple[str, str], Verified] = {}
 
-    def reconcile(self, namespace: str, name: str) -> Outcome:
+    def forget(self, namespace: str, name: str) -> None:
+        self._verified.pop((namespace, name), None)
+
+    def reconcile(self, namespace: str, name: str, full: bool = True) -> Outcome:
+        """One pass; ``full=False`` (pod events) trusts what the last full pass verified."""
+        if full:
+            self._verified[(namespace, name)] = Verified()
         with metrics.RECONCILE_SECONDS.time():
             outcome = self._reconcile(namespace, name)
         metrics.RECONCILES.labels(outcome.result).inc()
@@ -150,6 +171,7 @@ class Reconciler:
             log.warning("cannot read PDDeployment %s/%s: %s", namespace, name, exc)
             return Outcome("error")
         if body is None or body["metadata"].get("deletionTimestamp"):
+            self.forget(namespace, name)
             return Outcome("gone")  # owner references let the garbage collector remove the rest
         outcome = Outcome("ok", body=body)
         try:
@@ -158,6 +180,7 @@ class Reconciler:
             metrics.RECONCILE_ERRORS.inc()
             log.exception("reconcile of %s/%s failed", namespace, name)
             outcome.result = "error"
+            self.forget(namespace, name)  # the next pass reads everything again
             self._report_error(body, outcome, str(exc))
         return outcome
 
@@ -195,22 +218,22 @@ class Reconciler:
             )
             for role in ROLES
         }
+        verified = self._verified.setdefault((pdd.namespace, pdd.name), Verified())
         pods = self._drain(pdd, pods, plans, now, outcome)
-        table = self._write_routing_table(pdd, pods, outcome)
-        router = self._apply_static(pdd, outcome)
+        table = self._write_routing_table(pdd, pods, verified, outcome)
+        self._apply_static(pdd, verified, outcome)
         pods = self._delete(pdd, pods, plans, outcome)
         pods = self._create(pdd, pods, plans, outcome)
 
         rechecks = [p.recheck_after for p in plans.values() if p.recheck_after is not None]
         outcome.recheck_after = min(rechecks) if rechecks else None
         roles = [self._role_observation(pdd, r, [p.observed for p in pods if p.role is r]) for r in ROLES]
-        router_status = (router or {}).get("status") or {}
         obs = Observation(
             generation,
             table.generation,
             roles,
             router_replicas=pdd.spec.router.replicas,
-            router_available=int(router_status.get("availableReplicas") or 0),
+            router_available=verified.router_available,
         )
         self._write_status(body, obs, outcome)
 
@@ -267,7 +290,7 @@ class Reconciler:
         return out
 
     def _write_routing_table(
-        self, pdd: PDDeployment, pods: Sequence[PodView], outcome: Outcome
+        self, pdd: PDDeployment, pods: Sequence[PodView], verified: Verified, outcome: Outcome
     ) -> RoutingTable:
         observed = [
             ObservedInstance(
@@ -280,13 +303,18 @@ class Reconciler:
             )
             for p in pods
         ]
-        live = self._kube.get("ConfigMap", pdd.namespace, routing_configmap_name(pdd))
-        previous = _stored_table(live)
+        previous = verified.table
+        stripped = False  # someone removed our labels or owner reference: write it again
+        if previous is None:
+            live = self._kube.get("ConfigMap", pdd.namespace, routing_configmap_name(pdd))
+            previous = _stored_table(live)
+            stripped = previous is not None and not _owned_like(live, routing_configmap(pdd, previous))
         table = build_routing_table(pdd, observed, previous)
-        desired = routing_configmap(pdd, table)
-        if previous is not None and table.same_content(previous) and _owned_like(live, desired):
+        if previous is not None and table.same_content(previous) and not stripped:
+            verified.table = previous
             return previous
-        self._kube.apply(desired)
+        self._kube.apply(routing_configmap(pdd, table))
+        verified.table = table
         metrics.ROUTING_WRITES.inc()
         metrics.OBJECT_CHANGES.labels("ConfigMap", "apply").inc()
         outcome.routing_written = True
@@ -300,14 +328,15 @@ class Reconciler:
         )
         return table
 
-    def _apply_static(self, pdd: PDDeployment, outcome: Outcome) -> dict[str, Any] | None:
-        """Services and the router Deployment; returns the live router (for its availability)."""
-        router: dict[str, Any] | None = None
+    def _apply_static(self, pdd: PDDeployment, verified: Verified, outcome: Outcome) -> None:
+        """Services and the router Deployment; records the router's availability."""
         for desired in desired_static_objects(pdd):
             stamped = _with_applied_hash(desired)
             kind, name = desired["kind"], desired["metadata"]["name"]
+            wanted = _annotation(stamped, APPLIED_HASH_ANNOTATION) or ""
+            if verified.applied.get((kind, name)) == wanted:
+                continue
             live = self._kube.get(kind, pdd.namespace, name)
-            wanted = _annotation(stamped, APPLIED_HASH_ANNOTATION)
             if (
                 live is None
                 or _annotation(live, APPLIED_HASH_ANNOTATION) != wanted
@@ -317,9 +346,11 @@ class Reconciler:
                 live = self._kube.apply(stamped)
                 metrics.OBJECT_CHANGES.labels(kind, verb.lower()).inc()
                 outcome.events.append(Event("Normal", verb, f"{verb} {kind} {name}"))
+            verified.applied[(kind, name)] = wanted
             if kind == "Deployment" and name == router_name(pdd):
-                router = live
-        return router
+                verified.router_available = int(
+                    ((live or {}).get("status") or {}).get("availableReplicas") or 0
+                )
 
     def _delete(
         self, pdd: PDDeployment, pods: list[PodView], plans: Mapping[Role, RolePlan], outcome: Outcome
