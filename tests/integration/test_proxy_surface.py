@@ -40,7 +40,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PDStack]:
 def test_proxy_serves_on_the_http_server_under_test(stack: PDStack) -> None:
     assert stack.proxy is not None
     assert f"(http server {TEST_HTTP_SERVER}," in stack.proxy.log()
-    assert stack.complete().status == 200
+    assert stack.complete(headers=AUTH).status == 200
 
 
 def error_of(body: bytes) -> dict[str, str]:
