@@ -46,7 +46,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
         default=50.0,
         help="fold triggers arriving within this window into one reconcile",
     )
-    parser.add_argument("--workers", type=int, default=8, help="reconciles running in parallel")
+    parser.add_argument("--workers", type=int, default=16, help="reconciles running in parallel")
     parser.add_argument("--kubeconfig", default=None, help="kubeconfig file (default: $KUBECONFIG)")
 
 

@@ -105,7 +105,7 @@ class Controller:
         reconciler: Reconciler,
         *,
         debounce: float = 0.05,
-        workers: int = 8,
+        workers: int = 16,
     ) -> None:
         self._reconciler = reconciler
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="reconcile")
@@ -156,6 +156,7 @@ class Controller:
     async def close(self) -> None:
         await self._coalescer.close()
         self._pool.shutdown(wait=True, cancel_futures=True)
+        self._reconciler.close()
 
     async def _run(self, key: Key) -> float | None:
         loop = asyncio.get_running_loop()

@@ -28,7 +28,7 @@ from pdserve.operator.reconcile import Reconciler
 class OperatorOptions:
     resync_seconds: float = 30.0
     debounce_seconds: float = 0.05
-    workers: int = 8
+    workers: int = 16
     kubeconfig: str | None = None
 
 

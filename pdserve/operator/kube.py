@@ -50,7 +50,7 @@ class KubeError(RuntimeError):
 
 
 class Kube:
-    def __init__(self, kubeconfig: str | None = None, pool_size: int = 32) -> None:
+    def __init__(self, kubeconfig: str | None = None, pool_size: int = 48) -> None:
         cfg = client.Configuration()
         path = kubeconfig or os.environ.get("KUBECONFIG")
         if path or not os.environ.get("KUBERNETES_SERVICE_HOST"):

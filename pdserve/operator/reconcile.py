@@ -10,8 +10,8 @@ annotations say it stands.
 Order inside one run, chosen so that the router never sends work to a pod being removed:
 
 1. start and end drains (annotate pods), 2. write the routing table (drained pods are marked
-``draining`` before anything is deleted), 3. apply the Services and the router, 4. delete pods
-whose drain is over, 5. create missing pods, 6. patch the status if it changed.
+``draining`` before anything is deleted), 3. create missing pods, 4. apply the Services and the
+router, 5. delete pods whose drain is over, 6. patch the status if it changed.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import json
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
@@ -133,6 +134,14 @@ class Reconciler:
         self._nodes = nodes or NodeGpus(kube)
         self._clock = clock
         self._verified: dict[tuple[str, str], Verified] = {}
+        # Independent calls of one pass (pod creates, the three static objects) go out together;
+        # Events go out on their own thread, off the path from a readiness change to the table.
+        self._io = ThreadPoolExecutor(max_workers=16, thread_name_prefix="kube-io")
+        self._events = ThreadPoolExecutor(max_workers=1, thread_name_prefix="events")
+
+    def close(self) -> None:
+        self._io.shutdown(wait=True, cancel_futures=True)
+        self._events.shutdown(wait=True)
 
     def forget(self, namespace: str, name: str) -> None:
         self._verified.pop((namespace, name), None)
@@ -144,8 +153,8 @@ class Reconciler:
         with metrics.RECONCILE_SECONDS.time():
             outcome = self._reconcile(namespace, name)
         metrics.RECONCILES.labels(outcome.result).inc()
-        if outcome.body is not None:
-            self._post_events(outcome.body, outcome.events)
+        if outcome.body is not None and outcome.events:
+            self._events.submit(self._post_events, outcome.body, list(outcome.events))
         return outcome
 
     def _post_events(self, body: Mapping[str, Any], events: Sequence[Event]) -> None:
@@ -221,9 +230,9 @@ class Reconciler:
         verified = self._verified.setdefault((pdd.namespace, pdd.name), Verified())
         pods = self._drain(pdd, pods, plans, now, outcome)
         table = self._write_routing_table(pdd, pods, verified, outcome)
+        pods = self._create(pdd, pods, plans, outcome)  # first: scheduling them takes longest
         self._apply_static(pdd, verified, outcome)
         pods = self._delete(pdd, pods, plans, outcome)
-        pods = self._create(pdd, pods, plans, outcome)
 
         rechecks = [p.recheck_after for p in plans.values() if p.recheck_after is not None]
         outcome.recheck_after = min(rechecks) if rechecks else None
@@ -330,20 +339,17 @@ class Reconciler:
 
     def _apply_static(self, pdd: PDDeployment, verified: Verified, outcome: Outcome) -> None:
         """Services and the router Deployment; records the router's availability."""
+        todo = []
         for desired in desired_static_objects(pdd):
             stamped = _with_applied_hash(desired)
             kind, name = desired["kind"], desired["metadata"]["name"]
             wanted = _annotation(stamped, APPLIED_HASH_ANNOTATION) or ""
-            if verified.applied.get((kind, name)) == wanted:
-                continue
-            live = self._kube.get(kind, pdd.namespace, name)
-            if (
-                live is None
-                or _annotation(live, APPLIED_HASH_ANNOTATION) != wanted
-                or not _owned_like(live, desired)
-            ):
-                verb = "Created" if live is None else "Updated"
-                live = self._kube.apply(stamped)
+            if verified.applied.get((kind, name)) != wanted:
+                todo.append((stamped, desired, kind, name, wanted))
+        for (_, _, kind, name, wanted), (live, verb) in zip(
+            todo, self._io.map(lambda t: self._sync_static(pdd, t[0], t[1]), todo), strict=True
+        ):
+            if verb is not None:
                 metrics.OBJECT_CHANGES.labels(kind, verb.lower()).inc()
                 outcome.events.append(Event("Normal", verb, f"{verb} {kind} {name}"))
             verified.applied[(kind, name)] = wanted
@@ -351,6 +357,20 @@ class Reconciler:
                 verified.router_available = int(
                     ((live or {}).get("status") or {}).get("availableReplicas") or 0
                 )
+
+    def _sync_static(
+        self, pdd: PDDeployment, stamped: dict[str, Any], desired: dict[str, Any]
+    ) -> tuple[dict[str, Any] | None, str | None]:
+        """Apply one object unless it is already as wanted; returns it and what was done."""
+        live = self._kube.get(stamped["kind"], pdd.namespace, stamped["metadata"]["name"])
+        if (
+            live is not None
+            and _annotation(live, APPLIED_HASH_ANNOTATION) == _annotation(stamped, APPLIED_HASH_ANNOTATION)
+            and _owned_like(live, desired)
+        ):
+            return live, None
+        verb = "Created" if live is None else "Updated"
+        return self._kube.apply(stamped), verb
 
     def _delete(
         self, pdd: PDDeployment, pods: list[PodView], plans: Mapping[Role, RolePlan], outcome: Outcome
@@ -377,17 +397,18 @@ class Reconciler:
         self, pdd: PDDeployment, pods: list[PodView], plans: Mapping[Role, RolePlan], outcome: Outcome
     ) -> list[PodView]:
         out = list(pods)
-        for role, plan in plans.items():
-            for action in plan.of(ActionKind.CREATE):
-                manifest = instance_pod(pdd, role, action.index)
-                created = self._kube.create(manifest)
-                name = manifest["metadata"]["name"]
-                if created is not None:
-                    metrics.OBJECT_CHANGES.labels("Pod", "create").inc()
-                    outcome.events.append(Event("Normal", "Created", f"Created pod {name} ({action.reason})"))
-                out.append(
-                    PodView(role, ObservedPod(action.index, name, template_hash(pdd, role), False), "", None)
-                )
+        todo = [(role, a) for role, plan in plans.items() for a in plan.of(ActionKind.CREATE)]
+        manifests = [instance_pod(pdd, role, a.index) for role, a in todo]
+        for (role, action), manifest, created in zip(
+            todo, manifests, self._io.map(self._kube.create, manifests), strict=True
+        ):
+            name = manifest["metadata"]["name"]
+            if created is not None:
+                metrics.OBJECT_CHANGES.labels("Pod", "create").inc()
+                outcome.events.append(Event("Normal", "Created", f"Created pod {name} ({action.reason})"))
+            out.append(
+                PodView(role, ObservedPod(action.index, name, template_hash(pdd, role), False), "", None)
+            )
         return out
 
     def _role_observation(
