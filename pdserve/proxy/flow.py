@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import time
 import uuid
@@ -22,6 +21,7 @@ from typing import Any
 
 import aiohttp
 
+from pdserve.proxy import codec
 from pdserve.proxy.connectors import Connector, LegIds, LegPlan
 from pdserve.proxy.health import SlotBook
 from pdserve.proxy.metrics import ProxyMetrics
@@ -77,12 +77,12 @@ class Trace:
 
 
 def error_reply(status: int, message: str, type_: str, code: str) -> Reply:
-    return Reply(status, json.dumps(error_body(message, type_, code)).encode())
+    return Reply(status, codec.dumps(error_body(message, type_, code)))
 
 
 def sse_error_event(message: str, code: str) -> bytes:
-    event = json.dumps(error_body(message, "upstream_error", code))
-    return f"data: {event}\n\ndata: [DONE]\n\n".encode()
+    event = codec.dumps(error_body(message, "upstream_error", code))
+    return b"data: " + event + b"\n\ndata: [DONE]\n\n"
 
 
 class Dispatcher:
@@ -217,7 +217,7 @@ class Dispatcher:
         outcome = "cancelled"
         self._leg_started(Role.PREFILL, slot)
         try:
-            payload = json.dumps(plan.body).encode()
+            payload = codec.dumps(plan.body)
             headers = self._headers(ids, plan, auth)
             try:
                 answer = await self.upstream.post(
@@ -259,7 +259,7 @@ class Dispatcher:
         outcome = "cancelled"
         self._leg_started(Role.DECODE, slot)
         try:
-            payload = json.dumps(plan.body).encode()
+            payload = codec.dumps(plan.body)
             headers = self._headers(ids, plan, auth)
             url = slot.url + path
             try:
@@ -341,6 +341,8 @@ class Dispatcher:
         self.metrics.child(self.metrics.total, endpoint).observe(now - trace.started)
         if trace.first_byte is not None:
             self.metrics.child(self.metrics.ttft, endpoint).observe(trace.first_byte - trace.started)
+        if not log.isEnabledFor(logging.INFO):
+            return
         ttft_ms = "-" if trace.first_byte is None else f"{(trace.first_byte - trace.started) * 1000:.1f}"
         log.info(
             "request id=%s endpoint=%s stream=%s status=%d outcome=%s prefill=%s decode=%s attempts=%d "
@@ -360,11 +362,56 @@ class Dispatcher:
 
 def _kv_transfer_params(answer: Answer) -> Mapping[str, Any] | None:
     try:
-        data = json.loads(answer.body)
+        data = codec.loads(answer.body)
     except (ValueError, UnicodeDecodeError):
         return None
     params = data.get("kv_transfer_params") if isinstance(data, dict) else None
     return params if isinstance(params, Mapping) else None
+
+
+class StreamIdle(Exception):
+    """The decode sent nothing for the whole stream-idle period."""
+
+
+class IdleDeadline:
+    """The stream-idle deadline with one timer per stream instead of one per chunk.
+
+    ``asyncio.timeout`` around every read schedules and cancels a timer per chunk, a visible
+    share of the proxy's CPU. Here a read only stamps the loop's clock; one timer, when it
+    fires, re-arms itself for the latest stamp, or, when the current read has waited the whole
+    period, fails that read by setting :class:`StreamIdle` on the response's stream. Time spent
+    waiting for the client to take a chunk does not count, as before.
+    """
+
+    def __init__(self, stream: aiohttp.StreamReader, seconds: float) -> None:
+        self.seconds = seconds
+        self._stream = stream
+        self._loop = asyncio.get_running_loop()
+        self._since: float | None = None  # when the pending read started; None between reads
+        self._timer: asyncio.TimerHandle | None = None
+
+    def reading(self) -> None:
+        self._since = self._loop.time()
+        if self._timer is None:
+            self._timer = self._loop.call_at(self._since + self.seconds, self._check)
+
+    def waiting_for_client(self) -> None:
+        self._since = None
+
+    def stop(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        self._since = None
+
+    def _check(self) -> None:
+        now = self._loop.time()
+        if self._since is not None and now - self._since >= self.seconds:
+            self._timer = None
+            self._stream.set_exception(StreamIdle(f"no data for {self.seconds:g} s"))
+            return
+        start = self._since if self._since is not None else now
+        self._timer = self._loop.call_at(start + self.seconds, self._check)
 
 
 class RelayStream:
@@ -391,6 +438,7 @@ class RelayStream:
         self._background = background
         self._done = False
         self._ends_event = True
+        self._idle = IdleDeadline(opened.response.content, dispatcher.deadlines.stream_idle)
 
     def __aiter__(self) -> RelayStream:
         return self
@@ -402,18 +450,20 @@ class RelayStream:
             return chunk
         if self._done:
             raise StopAsyncIteration
-        idle = self._d.deadlines.stream_idle
+        self._idle.reading()
         try:
-            async with asyncio.timeout(idle):
-                chunk = await self._response.content.readany()
-        except TimeoutError:
+            chunk = await self._response.content.readany()
+        except StreamIdle:
             self._d.metrics.deadline_expiries.labels("decode", "stream_idle").inc()
-            return self._fail("timeout", "stream_idle_timeout", f"no data from the decode for {idle:g} s")
+            message = f"no data from the decode for {self._idle.seconds:g} s"
+            return self._fail("timeout", "stream_idle_timeout", message)
         except aiohttp.ClientError as exc:
             return self._fail("dropped", "upstream_dropped", f"the decode's stream broke: {exc or type(exc)}")
         except asyncio.CancelledError:
             self.close("cancelled")
             raise
+        finally:
+            self._idle.waiting_for_client()
         if not chunk:
             self.close("ok")
             raise StopAsyncIteration
@@ -435,6 +485,7 @@ class RelayStream:
         if self._done and self._trace.closed:
             return
         self._done = True
+        self._idle.stop()
         if outcome == "ok":
             self._response.release()
         else:

@@ -13,12 +13,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
-import json
 import logging
 import uuid
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
+from pdserve.proxy import codec
 from pdserve.proxy.flow import Dispatcher, RelayStream, Reply
 from pdserve.wire.openai import Endpoint, RequestError, check_generation_request, error_body
 
@@ -134,7 +134,7 @@ class GenerationApp:
     ) -> None:
         try:
             try:
-                body = json.loads(raw)
+                body = codec.loads(raw)
             except (ValueError, UnicodeDecodeError) as exc:
                 raise RequestError(400, f"request body is not valid JSON: {exc}") from None
             checked = check_generation_request(body, endpoint)
@@ -148,7 +148,7 @@ class GenerationApp:
             log.exception("unexpected error serving request %s", request_id)
             reply = Reply(
                 500,
-                json.dumps(error_body("internal proxy error", "internal_error", "internal_error")).encode(),
+                codec.dumps(error_body("internal proxy error", "internal_error", "internal_error")),
             )
         await _send_reply(send, reply, request_id)
 
@@ -163,7 +163,7 @@ def _too_large(limit: int) -> RequestError:
 
 
 def _error_reply(exc: RequestError) -> Reply:
-    return Reply(exc.status, json.dumps(exc.body()).encode())
+    return Reply(exc.status, codec.dumps(exc.body()))
 
 
 def _log_refusal(request_id: str, path: str, exc: RequestError) -> None:

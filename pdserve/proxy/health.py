@@ -31,6 +31,7 @@ class SlotBook:
         self.eject_seconds = eject_seconds
         self._clock = clock
         self._states: dict[tuple[Role, str], SlotState] = {}
+        self._last_cool_down_end = 0.0  # no slot is ejected once the clock has passed it
 
     def state(self, role: Role, key: str) -> SlotState:
         entry = self._states.get((role, key))
@@ -44,6 +45,10 @@ class SlotBook:
     def ejected(self, role: Role, key: str) -> bool:
         return self.state(role, key).ejected_until > self._clock()
 
+    def any_ejected(self) -> bool:
+        """False when no slot of any role is cooling down: one clock read, not one per slot."""
+        return self._last_cool_down_end > self._clock()
+
     def ejected_for(self, role: Role, key: str) -> float:
         """Seconds of cool-down left (0 when the slot is healthy)."""
         return max(0.0, self.state(role, key).ejected_until - self._clock())
@@ -54,6 +59,7 @@ class SlotBook:
         now = self._clock()
         newly = entry.ejected_until <= now
         entry.ejected_until = now + self.eject_seconds
+        self._last_cool_down_end = max(self._last_cool_down_end, entry.ejected_until)
         if newly:
             entry.ejections += 1
         return newly

@@ -70,6 +70,10 @@ class Upstream:
             connector=connector,
             timeout=aiohttp.ClientTimeout(total=None, sock_connect=self.connect_timeout),
             auto_decompress=False,
+            # Bytes are relayed as they come, so the backends must not compress them; and one
+            # client's cookies must never ride on another client's requests.
+            skip_auto_headers=("Accept-Encoding",),
+            cookie_jar=aiohttp.DummyCookieJar(),
         )
 
     async def close(self) -> None:
@@ -90,10 +94,10 @@ class Upstream:
                 async with self.session.post(url, data=payload, headers=headers) as resp:
                     body = await resp.read()
                     return _checked(Answer(resp.status, body, resp.content_type))
+        except aiohttp.ClientError as exc:  # first: aiohttp's connect timeout is a TimeoutError too
+            raise classify(exc) from exc
         except TimeoutError:
             raise LegError("timeout", f"no answer within {deadline:g} s") from None
-        except aiohttp.ClientError as exc:
-            raise classify(exc) from exc
 
     async def open_stream(
         self, url: str, payload: bytes, headers: dict[str, str], deadline: float
@@ -113,10 +117,10 @@ class Upstream:
         except BaseException as exc:
             if resp is not None:
                 resp.close()  # closes the connection: the backend sees the cancel and frees its KV
+            if isinstance(exc, aiohttp.ClientError):  # first: aiohttp's connect timeout is a TimeoutError
+                raise classify(exc) from exc
             if isinstance(exc, TimeoutError):
                 raise LegError("timeout", f"no first byte within {deadline:g} s") from None
-            if isinstance(exc, aiohttp.ClientError):
-                raise classify(exc) from exc
             raise
 
 
@@ -129,6 +133,8 @@ def _checked(answer: Answer) -> Answer:
 
 
 def classify(exc: aiohttp.ClientError) -> LegError:
+    if isinstance(exc, aiohttp.ConnectionTimeoutError):
+        return LegError("connect_error", "cannot connect: connect timed out")
     if isinstance(exc, aiohttp.ClientConnectorError):
         return LegError("connect_error", f"cannot connect: {exc.os_error or exc}")
     if isinstance(exc, aiohttp.ServerDisconnectedError | aiohttp.ClientPayloadError | aiohttp.ClientOSError):

@@ -32,6 +32,8 @@ def rotation(slots: Sequence[Slot], start: int) -> list[Slot]:
 
 def healthy_first(role: Role, ordered: Sequence[Slot], book: SlotBook) -> list[Slot]:
     """Stable partition: healthy slots in their order, then ejected ones in theirs."""
+    if not book.any_ejected():
+        return list(ordered)
     healthy = [s for s in ordered if not book.ejected(role, s.key)]
     ejected = [s for s in ordered if book.ejected(role, s.key)]
     return healthy + ejected
