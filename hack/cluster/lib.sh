@@ -1,4 +1,4 @@
-# shellcheck shell=bash
+# shellcheck shell=bash disable=SC2034  # the settings here are used by the scripts that source it
 # Shared settings of hack/cluster/{up,down,env}. Source it; do not run it.
 #
 # Everything lives under <repo>/.cluster (git-ignored): pki/, etcd/, kubeconfigs/, logs/, pids/,
