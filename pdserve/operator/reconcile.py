@@ -154,7 +154,7 @@ class Reconciler:
             outcome = self._reconcile(namespace, name)
         metrics.RECONCILES.labels(outcome.result).inc()
         if outcome.body is not None and outcome.events:
-            self._events.submit(self._post_events, outcome.body, list(outcome.events))
+            self._events.submit(self._post_events, outcome.body, _merged(outcome.events))
         return outcome
 
     def _post_events(self, body: Mapping[str, Any], events: Sequence[Event]) -> None:
@@ -480,6 +480,14 @@ class Reconciler:
 
 
 # --- pure helpers --------------------------------------------------------------------------------
+
+
+def _merged(events: Sequence[Event]) -> list[Event]:
+    """One Event per (type, reason) and pass: creating a deployment is one Created, not seven."""
+    grouped: dict[tuple[str, str], list[str]] = {}
+    for e in events:
+        grouped.setdefault((e.type, e.reason), []).append(e.message)
+    return [Event(t, r, "; ".join(messages)) for (t, r), messages in grouped.items()]
 
 
 def _pod_view(pdd: PDDeployment, pod: Mapping[str, Any]) -> PodView | None:
