@@ -26,6 +26,7 @@ import random
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.request
@@ -402,7 +403,7 @@ def main(argv: list[str] | None = None) -> int:
     decode_nodes = (2 * count + 7) // 8
     RESULTS.mkdir(parents=True, exist_ok=True)
     stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
-    log_path = RESULTS / f"operator-{stamp}.log"
+    log_path = Path(tempfile.gettempdir()) / f"pdserve-operator-bench-{stamp}.log"
 
     kubectl("apply", "--server-side", "--force-conflicts", "-f", str(REPO / "crds"))
     kubectl("wait", "--for=condition=Established", "crd/pddeployments.pdserve.io", "--timeout=60s")
@@ -510,7 +511,7 @@ def main(argv: list[str] | None = None) -> int:
     out = RESULTS / f"operator-{stamp}.json"
     out.write_text(json.dumps(result, indent=2) + "\n")
     print_table(result)
-    print(f"\nwritten {out.relative_to(REPO)} (operator log: {log_path.relative_to(REPO)})")
+    print(f"\nwritten {out.relative_to(REPO)} (operator log: {log_path})")
     return 0
 
 
