@@ -3,10 +3,14 @@
 One run starts one prefill and one decode `pdserve sim` (DP2 each, NIXL semantics) and measures,
 one system after the other on those same backends:
 
-  * ``pdserve``: `pdserve proxy` with a routing file naming the two simulators;
+  * ``pdserve-hypercorn`` and ``pdserve-uvicorn``: `pdserve proxy` on each of its HTTP servers,
+    with a routing file naming the two simulators;
   * ``vllm-router``: the PyPI router in P/D mode (--vllm-pd-disaggregation --kv-connector nixl);
   * ``direct``: the client talking to the decode simulator itself, the floor no proxy can beat.
 
+Both proxies log at warning (no line per request). The systems run in rounds, each round in the
+reverse order of the previous one (A B C D, D C B A, ...), so a slow drift of the machine's load
+favours none of them; the figures pool all rounds (per-round figures are in the notes).
 Loads, each from a separate client process (bench/load_client.py): streaming completions at
 concurrency 64, and a burst of 2048 requests on 2048 new connections started at once.
 Results: a table on stdout, bench/results/<timestamp>.json, <timestamp>.png, latest.md,
@@ -38,7 +42,9 @@ from pdserve.routing.table import Connector, Instance, RoutingTable
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results"
-SYSTEMS = ("direct", "pdserve", "vllm-router")
+PDSERVE_SYSTEMS = {"pdserve-hypercorn": "hypercorn", "pdserve-uvicorn": "uvicorn"}
+SYSTEMS = ("direct", *PDSERVE_SYSTEMS, "vllm-router")
+LOG_LEVEL = "warning"  # both proxies: no log line per request
 
 
 def log(message: str) -> None:
@@ -160,10 +166,11 @@ def start_system(system: str, prefill: Server, decode: Server, dp_size: int, log
     if system == "direct":
         return None
     port = free_port()
-    if system == "pdserve":
+    if system in PDSERVE_SYSTEMS:
         table = routing_file(prefill, decode, dp_size, logs / "routing.json")
         argv = [sys.executable, "-m", "pdserve.cli", "proxy", "--routing-file", str(table)]
-        return start("pdserve", [*argv, "--host", "127.0.0.1", "--port", str(port)], port, "/ready", logs)
+        argv += ["--http-server", PDSERVE_SYSTEMS[system], "--log-level", LOG_LEVEL]
+        return start(system, [*argv, "--host", "127.0.0.1", "--port", str(port)], port, "/ready", logs)
     router = shutil.which("vllm-router", path=str(Path(sys.executable).parent)) or "vllm-router"
     argv = [
         router,
@@ -172,51 +179,85 @@ def start_system(system: str, prefill: Server, decode: Server, dp_size: int, log
         "--decode", decode.url,
         "--kv-connector", "nixl",
         "--policy", "round_robin",
-        "--log-level", "warning",
+        "--log-level", LOG_LEVEL,
         "--host", "127.0.0.1",
         "--port", str(port),
     ]  # fmt: skip
     return start("vllm-router", argv, port, "/health", logs)
 
 
+@dataclass
+class Measured:
+    """One load on one system in one round: the load client's raw output and the proxy's CPU."""
+
+    system: str
+    load: str
+    round: int
+    result: dict[str, Any]
+    cpu_s: float | None
+    spread: str = ""  # legs per DP rank as the simulators counted them
+
+
 def bench_system(
-    system: str, prefill: Server, decode: Server, args: argparse.Namespace, logs: Path
-) -> tuple[list[Summary], list[str]]:
+    system: str, round_: int, prefill: Server, decode: Server, args: argparse.Namespace, logs: Path
+) -> tuple[list[Measured], list[str]]:
     notes: list[str] = []
     proxy = start_system(system, prefill, decode, args.dp_size, logs)
     url = proxy.url if proxy is not None else decode.url
-    summaries = []
+    measured = []
     try:
         warm = run_load(url, "stream", 200, 16, args.tokens, 60)
         if warm["failures"]:
-            notes.append(f"{system}: warm-up failures {warm['failures']}")
+            notes.append(f"{system} round {round_}: warm-up failures {warm['failures']}")
         for mode, requests in (("stream", args.requests), ("burst", args.burst)):
             for sim in (prefill, decode):
                 http_json(sim.url + "/sim/reset", "POST")
             cpu_before = proxy.cpu_seconds() if proxy is not None else 0.0
             log(
-                f"{system}: {mode} load, {requests} requests"
+                f"round {round_} {system}: {mode} load, {requests} requests"
                 + (f" at concurrency {args.concurrency}" if mode == "stream" else " at once")
             )
             result = run_load(url, mode, requests, args.concurrency, args.tokens, args.timeout)
             cpu = proxy.cpu_seconds() - cpu_before if proxy is not None else None
-            summary = summarize(system, mode, result, cpu)
-            summaries.append(summary)
             pstats = http_json(prefill.url + "/sim/stats")
             dstats = http_json(decode.url + "/sim/stats")
-            if proxy is not None:
-                notes.append(
-                    f"{system} {mode}: prefill legs {pstats['requests']} (by rank {pstats['by_rank']}), "
-                    f"decode legs {dstats['by_leg']['decode']} (by rank {dstats['by_rank']})"
-                )
+            spread = (
+                f"prefill legs {pstats['requests']} (by rank {pstats['by_rank']}), "
+                f"decode legs {dstats['by_leg']['decode']} (by rank {dstats['by_rank']})"
+            )
+            measured.append(Measured(system, mode, round_, result, cpu, spread if proxy else ""))
+            summary = summarize(system, mode, result, cpu)
             log(
-                f"{system}: {mode}: {summary.ok} ok, {summary.failed} failed, {summary.rps:.0f} req/s, "
-                f"p50 {summary.p50_ms:.1f} ms, p99 {summary.p99_ms:.1f} ms"
+                f"round {round_} {system}: {mode}: {summary.ok} ok, {summary.failed} failed, "
+                f"{summary.rps:.0f} req/s, p50 {summary.p50_ms:.1f} ms, p99 {summary.p99_ms:.1f} ms, "
+                f"proxy CPU {summary.proxy_cpu_ms} ms/req"
             )
     finally:
         if proxy is not None:
             proxy.stop()
-    return summaries, notes
+    return measured, notes
+
+
+def pooled(runs: Sequence[Measured]) -> Summary:
+    """One summary of a system's load over every round: latencies pooled, walls and CPU summed."""
+    failures: dict[str, int] = {}
+    for run in runs:
+        for kind, n in run.result["failures"].items():
+            failures[kind] = failures.get(kind, 0) + n
+    result = {
+        "wall_s": sum(r.result["wall_s"] for r in runs),
+        "latencies_s": [x for r in runs for x in r.result["latencies_s"]],
+        "failures": failures,
+        "requests": sum(r.result["requests"] for r in runs),
+    }
+    cpus = [r.cpu_s for r in runs]
+    cpu = None if any(c is None for c in cpus) else sum(c for c in cpus if c is not None)
+    return summarize(runs[0].system, runs[0].load, result, cpu)
+
+
+def round_orders(systems: Sequence[str], rounds: int) -> list[list[str]]:
+    """A B C D, then D C B A, then A B C D again ...: drift of the machine's load evens out."""
+    return [list(systems) if r % 2 == 0 else list(reversed(systems)) for r in range(rounds)]
 
 
 def pdserve_proxy_available() -> bool:
@@ -248,6 +289,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--timeout", type=float, default=120.0, help="client timeout per load in s (default 120)"
     )
+    parser.add_argument(
+        "--rounds", type=int, default=2, help="rounds, each in the reverse order of the last (default 2)"
+    )
     parser.add_argument("--no-write", action="store_true", help="print only; write nothing to bench/results")
     args = parser.parse_args(argv)
 
@@ -256,8 +300,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
     systems = list(args.systems)
     notes: list[str] = []
-    if "pdserve" in systems and not pdserve_proxy_available():
-        systems.remove("pdserve")
+    if any(s in PDSERVE_SYSTEMS for s in systems) and not pdserve_proxy_available():
+        systems = [s for s in systems if s not in PDSERVE_SYSTEMS]
         notes.append("pdserve proxy not available (pdserve.proxy.cli does not import): not measured")
         log(notes[-1])
 
@@ -287,24 +331,44 @@ def main(argv: Sequence[str] | None = None) -> int:
             [*sim, "--role", "decode", "--instance-name", "bench-decode-0", "--port", str(dport)],
             dport, "/health", logs,
         )  # fmt: skip
+        measured: list[Measured] = []
         try:
-            for system in systems:
-                try:
-                    got, system_notes = bench_system(system, prefill, decode, args, logs)
-                except (RuntimeError, subprocess.TimeoutExpired) as exc:
-                    notes.append(f"{system}: not measured: {str(exc).splitlines()[0]}")
-                    log(notes[-1])
-                    continue
-                summaries += got
-                notes += system_notes
+            for round_, order in enumerate(round_orders(systems, args.rounds), start=1):
+                log(f"round {round_}: {' '.join(order)}")
+                for system in order:
+                    try:
+                        got, system_notes = bench_system(system, round_, prefill, decode, args, logs)
+                    except (RuntimeError, subprocess.TimeoutExpired) as exc:
+                        notes.append(f"{system} round {round_}: not measured: {str(exc).splitlines()[0]}")
+                        log(notes[-1])
+                        continue
+                    measured += got
+                    notes += system_notes
         finally:
             prefill.stop()
             decode.stop()
+    for system in systems:
+        for load in ("stream", "burst"):
+            runs = [m for m in measured if m.system == system and m.load == load]
+            if not runs:
+                continue
+            summaries.append(pooled(runs))
+            per_round = [summarize(system, load, r.result, r.cpu_s) for r in runs]
+            cpu = ", ".join("-" if p.proxy_cpu_ms is None else f"{p.proxy_cpu_ms:.2f}" for p in per_round)
+            notes.append(
+                f"{system} {load} per round: req/s {', '.join(f'{p.rps:.0f}' for p in per_round)}; "
+                f"p99 ms {', '.join(f'{p.p99_ms:.0f}' for p in per_round)}; proxy CPU ms/req {cpu}"
+            )
+            notes += [f"{system} {load} round {r.round}: {r.spread}" for r in runs if r.spread]
 
     print()
     print(table(summaries))
     print()
-    ratio_pairs = {("pdserve", "vllm-router"): ratios(summaries, "pdserve", "vllm-router")}
+    ratio_pairs = {
+        (system, "vllm-router"): ratios(summaries, system, "vllm-router")
+        for system in PDSERVE_SYSTEMS
+        if system in systems and "vllm-router" in systems
+    }
     for (num, den), per_load in ratio_pairs.items():
         for load, r in per_load.items():
             print(
@@ -328,7 +392,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         ),
         "loads": (
             f"stream: {args.requests} streaming completions at concurrency {args.concurrency}; "
-            f"burst: {args.burst} requests on new connections started at once"
+            f"burst: {args.burst} requests on new connections started at once; "
+            f"{args.rounds} round(s), alternating order, pooled; both proxies at --log-level {LOG_LEVEL}"
         ),
         "ratios": ratio_pairs,
         "notes": notes,

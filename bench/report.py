@@ -78,7 +78,7 @@ def ratios(summaries: Sequence[Summary], numerator: str, denominator: str) -> di
 
 
 COLUMNS = (
-    ("system", 12),
+    ("system", 17),
     ("load", 6),
     ("ok", 5),
     ("failed", 6),
