@@ -44,6 +44,10 @@ ROLE_LABEL = "pdserve.io/role"
 INSTANCE_LABEL = "pdserve.io/instance"
 TEMPLATE_HASH_LABEL = "pdserve.io/template-hash"
 TIER_LABEL = "pdserve.io/tier"  # "engine" on every engine pod: what the headless Service selects
+# What an instance pod runs, recorded at creation: during a rollout that changes dataParallel the
+# old pods keep serving with their old size, and the routing table must advertise that one.
+DP_SIZE_ANNOTATION = "pdserve.io/dp-size"
+TP_SIZE_ANNOTATION = "pdserve.io/tp-size"
 MANAGER = "pdserve-operator"
 
 # Probes. The startup probe allows 30 minutes of model loading (180 x 10 s) before the
@@ -123,7 +127,42 @@ def instance_pod(pdd: PDDeployment, role: Role, index: int) -> dict[str, Any]:
             TIER_LABEL: "engine",
         }
     )
+    rs = pdd.spec.role(role)
+    meta["annotations"] = {
+        DP_SIZE_ANNOTATION: str(rs.data_parallel),
+        TP_SIZE_ANNOTATION: str(rs.tensor_parallel),
+    }
     return {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": _pod_spec(pdd, role, name)}
+
+
+def pod_parallel_sizes(pod: Mapping[str, Any]) -> tuple[int | None, int | None]:
+    """(dataParallel, tensorParallel) that an instance pod runs; None where it cannot be told.
+
+    The annotations first; for pods created before they existed, the engine's own flags
+    (``--data-parallel-size``/``--tensor-parallel-size`` for vLLM, ``--dp-size``/``--tp-size``
+    for the simulator), which is what the process was started with.
+    """
+    annotations = (pod.get("metadata") or {}).get("annotations") or {}
+    containers = (pod.get("spec") or {}).get("containers") or []
+    engine: Mapping[str, Any] = next((c for c in containers if c.get("name") == "engine"), {})
+    argv = [str(a) for a in engine.get("args") or []]
+
+    def size(annotation: str, flags: tuple[str, ...]) -> int | None:
+        candidates = [annotations.get(annotation)]
+        candidates += [argv[i + 1] for i, a in enumerate(argv[:-1]) if a in flags]
+        for value in candidates:
+            try:
+                number = int(str(value))
+            except ValueError:
+                continue
+            if number >= 1:
+                return number
+        return None
+
+    return (
+        size(DP_SIZE_ANNOTATION, ("--data-parallel-size", "--dp-size")),
+        size(TP_SIZE_ANNOTATION, ("--tensor-parallel-size", "--tp-size")),
+    )
 
 
 def template_hash(pdd: PDDeployment, role: Role) -> str:

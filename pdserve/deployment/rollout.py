@@ -27,7 +27,7 @@ decode):
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import StrEnum
 
 from pdserve.routing.table import Role
@@ -43,6 +43,7 @@ class ObservedPod:
     ready: bool
     draining_since: float | None = None  # epoch seconds from the pdserve.io/draining-since annotation
     terminating: bool = False  # deletionTimestamp set
+    dp_size: int | None = None  # what the pod runs (status counts its slots); None: the role's spec
 
     @property
     def draining(self) -> bool:
@@ -182,8 +183,8 @@ def apply_drains(pods: Sequence[ObservedPod], plan: RolePlan, now: float) -> tup
     out = []
     for pod in pods:
         if pod.index in drain:
-            pod = ObservedPod(pod.index, pod.name, pod.template_hash, pod.ready, now, pod.terminating)
+            pod = replace(pod, draining_since=now)
         elif pod.index in undrain:
-            pod = ObservedPod(pod.index, pod.name, pod.template_hash, pod.ready, None, pod.terminating)
+            pod = replace(pod, draining_since=None)
         out.append(pod)
     return tuple(out)

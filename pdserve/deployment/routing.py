@@ -29,6 +29,10 @@ class ObservedInstance:
     draining: bool = False
     #: The engine's HTTP port; local mode runs many engines on one host, pods all use 8000.
     port: int = ENGINE_PORT
+    #: What the instance runs (a pod's ``pdserve.io/dp-size``/``tp-size``); None: the role's spec.
+    #: During a rollout that changes dataParallel the old pods still run the old size.
+    dp_size: int | None = None
+    tp_size: int | None = None
 
 
 def build_routing_table(
@@ -45,8 +49,8 @@ def build_routing_table(
             Instance(
                 name=obs.pod_name,
                 url=f"http://{_host(obs.pod_ip)}:{obs.port}",
-                dp_size=rs.data_parallel,
-                tp_size=rs.tensor_parallel,
+                dp_size=rs.data_parallel if obs.dp_size is None else obs.dp_size,
+                tp_size=rs.tensor_parallel if obs.tp_size is None else obs.tp_size,
                 ready=obs.ready,
                 draining=obs.draining,
                 kv_address=kv_address(kv, obs.pod_ip),

@@ -31,7 +31,7 @@ CONDITION_TYPES = ("Ready", "Progressing", "Degraded")
 class RoleObservation:
     role: Role
     instances: int  # wanted, from the spec
-    data_parallel: int  # slots per instance
+    data_parallel: int  # slots per instance, from the spec (a pod's own dp_size wins for readySlots)
     template_hash: str
     selector: str  # label selector of the role's pods, for the scale subresource / HPA
     pods: Sequence[ObservedPod]
@@ -44,7 +44,7 @@ class RoleStatus:
     instances: int  # pods that exist and are not terminating
     ready_instances: int  # routable: Ready, not draining, not terminating
     updated_instances: int  # existing pods with the current template hash
-    slots: int  # wanted slots: instances x dataParallel
+    slots: int  # wanted slots: instances x dataParallel of the spec
     ready_slots: int
     surplus: int  # pods past the wanted count still around
     selector: str
@@ -75,17 +75,18 @@ class RoleStatus:
 def role_status(obs: RoleObservation) -> RoleStatus:
     live = [p for p in obs.pods if not p.terminating]
     # Old-template pods still serve during a rollout: they count as ready, not as updated.
-    serving = sum(1 for p in live if p.routable)
+    serving = [p for p in live if p.routable]
     return RoleStatus(
         role=obs.role,
         wanted=obs.instances,
         instances=len(live),
-        ready_instances=serving,
+        ready_instances=len(serving),
         updated_instances=sum(
             1 for p in live if p.template_hash == obs.template_hash and p.index < obs.instances
         ),
         slots=obs.instances * obs.data_parallel,
-        ready_slots=serving * obs.data_parallel,
+        # What runs: mid-rollout from DP4 to DP8, an old pod serves 4 slots, a new one 8.
+        ready_slots=sum(obs.data_parallel if p.dp_size is None else p.dp_size for p in serving),
         surplus=sum(1 for p in live if p.index >= obs.instances),
         selector=obs.selector,
         template_hash=obs.template_hash,

@@ -22,7 +22,7 @@ import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from typing import Any
 
@@ -34,6 +34,7 @@ from pdserve.deployment.objects import (
     desired_static_objects,
     instance_name,
     instance_pod,
+    pod_parallel_sizes,
     role_selector,
     router_name,
     routing_configmap,
@@ -83,6 +84,7 @@ class PodView:
     observed: ObservedPod
     uid: str
     ip: str | None
+    tp_size: int | None = None  # what the pod runs (dp_size is on ``observed``, status needs it)
 
 
 class NodeGpus:
@@ -295,7 +297,7 @@ class Reconciler:
         out = []
         for view in pods:
             (observed,) = apply_drains([view.observed], plans[view.role], now)
-            out.append(PodView(view.role, observed, view.uid, view.ip))
+            out.append(replace(view, observed=observed))
         return out
 
     def _write_routing_table(
@@ -309,6 +311,8 @@ class Reconciler:
                 pod_ip=p.ip,
                 ready=p.observed.ready,
                 draining=p.observed.draining or p.observed.terminating,
+                dp_size=p.observed.dp_size,
+                tp_size=p.tp_size,
             )
             for p in pods
         ]
@@ -384,12 +388,8 @@ class Reconciler:
                     outcome.events.append(
                         Event("Normal", "Deleted", f"Deleted pod {view.observed.name} ({action.reason})")
                     )
-                o = view.observed
-                by_key[(action.role, action.index)] = PodView(
-                    view.role,
-                    ObservedPod(o.index, o.name, o.template_hash, o.ready, o.draining_since, True),
-                    view.uid,
-                    view.ip,
+                by_key[(action.role, action.index)] = replace(
+                    view, observed=replace(view.observed, terminating=True)
                 )
         return list(by_key.values())
 
@@ -406,9 +406,11 @@ class Reconciler:
             if created is not None:
                 metrics.OBJECT_CHANGES.labels("Pod", "create").inc()
                 outcome.events.append(Event("Normal", "Created", f"Created pod {name} ({action.reason})"))
-            out.append(
-                PodView(role, ObservedPod(action.index, name, template_hash(pdd, role), False), "", None)
+            rs = pdd.spec.role(role)
+            observed = ObservedPod(
+                action.index, name, template_hash(pdd, role), False, dp_size=rs.data_parallel
             )
+            out.append(PodView(role, observed, "", None, rs.tensor_parallel))
         return out
 
     def _role_observation(
@@ -506,6 +508,7 @@ def _pod_view(pdd: PDDeployment, pod: Mapping[str, Any]) -> PodView | None:
         c.get("type") == "Ready" and c.get("status") == "True" for c in status.get("conditions") or []
     )
     annotations = meta.get("annotations") or {}
+    dp_size, tp_size = pod_parallel_sizes(pod)
     observed = ObservedPod(
         index=index,
         name=name,
@@ -513,8 +516,9 @@ def _pod_view(pdd: PDDeployment, pod: Mapping[str, Any]) -> PodView | None:
         ready=ready,
         draining_since=_parse_time(annotations.get(DRAINING_ANNOTATION)),
         terminating=bool(meta.get("deletionTimestamp")),
+        dp_size=dp_size,
     )
-    return PodView(role, observed, str(meta.get("uid", "")), status.get("podIP") or None)
+    return PodView(role, observed, str(meta.get("uid", "")), status.get("podIP") or None, tp_size)
 
 
 def _stored_table(configmap: Mapping[str, Any] | None) -> RoutingTable | None:

@@ -532,6 +532,59 @@ def test_template_change_rolls_one_instance_at_a_time(
     assert reasons.count("Draining") >= 3 and reasons.count("Deleted") >= 3
 
 
+def test_data_parallel_change_advertises_each_pods_own_size(
+    operator: Operator, cluster: Cluster, recorder: Recorder
+) -> None:
+    """DP2 -> DP4: while old pods serve, the table must say 2 for them (ranks 2-3 would be refused)."""
+    cluster.apply(pdd_manifest("regrow", prefill_instances=2, prefill_dp=2))
+    eventually(lambda: ready(cluster, "regrow"), timeout=WAIT, message="Ready=True")
+    start = len(recorder.records)
+    cluster.apply(pdd_manifest("regrow", prefill_instances=2, prefill_dp=4))
+
+    def rolled() -> bool:
+        pods = [p for p in cluster.pods("regrow") if p["metadata"]["labels"]["pdserve.io/role"] == "prefill"]
+        return (
+            len(pods) == 2
+            and all(p["metadata"]["annotations"]["pdserve.io/dp-size"] == "4" for p in pods)
+            and ready(cluster, "regrow")
+        )
+
+    eventually(rolled, timeout=90, message="prefill rolled to DP4")
+    records = recorder.stop()
+
+    def created_with(pod: dict[str, Any]) -> int:
+        container = pod["spec"]["containers"][0]
+        args = container["args"]
+        from_args = int(args[args.index("--data-parallel-size") + 1])
+        assert pod["metadata"]["annotations"]["pdserve.io/dp-size"] == str(from_args)
+        return from_args
+
+    mixed = False  # a table listing an old DP2 pod next to a new DP4 one
+    for seq, table in tables(records):
+        if seq < start:
+            continue
+        routable_sizes = []
+        for entry in table.prefill:
+            ip = entry.url.removeprefix("http://").rsplit(":", 1)[0]
+            versions = [
+                r.obj
+                for r in records
+                if r.kind == "pod"
+                and r.seq < seq
+                and r.name == entry.name
+                and (r.obj.get("status") or {}).get("podIP") == ip
+            ]
+            assert versions, f"table at {seq} lists {entry.name} at {ip}, a pod never seen"
+            assert entry.dp_size == created_with(versions[-1]), (seq, entry)
+            if entry.routable:
+                routable_sizes.append(entry.dp_size)
+        mixed = mixed or {i.dp_size for i in table.prefill} == {2, 4}
+        assert routable_sizes, f"no routable prefill instance in the table at {seq}"
+    assert mixed, "no table listed an old DP2 and a new DP4 pod side by side"
+    status = cluster.status("regrow")
+    assert (status["prefill"]["slots"], status["prefill"]["readySlots"]) == (8, 8)
+
+
 def test_restart_mid_rollout_creates_no_duplicate_and_finishes(
     operator: Operator, cluster: Cluster, recorder: Recorder
 ) -> None:

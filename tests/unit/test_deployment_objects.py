@@ -21,6 +21,7 @@ from pdserve.deployment.objects import (
     desired_static_objects,
     engine_service,
     instance_pod,
+    pod_parallel_sizes,
     render_all,
     role_selector,
     router_deployment,
@@ -185,6 +186,26 @@ def test_pod_identity_and_labels() -> None:
     assert selector_string(selector) == "pdserve.io/deployment=r1,pdserve.io/role=decode"
     prefill = instance_pod(pdd, Role.PREFILL, 0)["metadata"]["labels"]
     assert not all(prefill.get(k) == v for k, v in selector.items())
+
+
+def test_pod_records_the_sizes_it_runs() -> None:
+    pdd = pdd_of(prefill={"instances": 1, "dataParallel": 4, "tensorParallel": 2})
+    pod = instance_pod(pdd, Role.PREFILL, 0)
+    assert pod["metadata"]["annotations"] == {"pdserve.io/dp-size": "4", "pdserve.io/tp-size": "2"}
+    assert pod_parallel_sizes(pod) == (4, 2)
+    # The annotations are not part of the template: adding them rolls no pod.
+    assert "dp-size" not in json.dumps(pod["spec"])
+
+
+@pytest.mark.parametrize("engine", ["vllm", "sim"])
+def test_pods_without_the_annotations_are_read_from_the_engine_flags(engine: str) -> None:
+    pdd = pdd_of(engine=engine, decode={"instances": 1, "dataParallel": 8, "tensorParallel": 1})
+    pod = instance_pod(pdd, Role.DECODE, 0)
+    del pod["metadata"]["annotations"]  # a pod created before the annotations existed
+    assert pod_parallel_sizes(pod) == (8, 1)
+    pod["spec"]["containers"][0]["args"] = ["serve", "--data-parallel-size", "x"]
+    assert pod_parallel_sizes(pod) == (None, None)
+    assert pod_parallel_sizes({"metadata": {"annotations": {"pdserve.io/dp-size": "0"}}}) == (None, None)
 
 
 def test_probes_are_patient_enough_for_model_loading() -> None:

@@ -131,3 +131,24 @@ def test_local_mode_ports_and_ipv6() -> None:
     assert table.prefill[0].url == "http://127.0.0.1:41001"
     assert table.decode[0].url == "http://[fd00::5]:8000"
     assert load_routing_table(table.to_json()) == table
+
+
+def test_each_instance_advertises_the_sizes_it_runs_not_the_spec() -> None:
+    # Mid-rollout from DP4 to DP8: the old pod still runs DP4; sending it ranks 4-7 would fail.
+    pdd = pdd_of(prefill={"instances": 2, "dataParallel": 8}, decode={"instances": 1, "tensorParallel": 4})
+    table = build_routing_table(
+        pdd, [obs(P, 0, dp_size=8, tp_size=1), obs(P, 1, dp_size=4, tp_size=2), obs(D, 0)], None
+    )
+    assert [(i.name, i.dp_size, i.tp_size) for i in table.prefill] == [
+        ("r1-prefill-0", 8, 1),
+        ("r1-prefill-1", 4, 2),
+    ]
+    # Unknown sizes (local mode) are the role's spec.
+    assert (table.decode[0].dp_size, table.decode[0].tp_size) == (1, 4)
+    slots = build_slot_table(table)
+    assert sorted(s.key for s in slots.prefill if s.instance.name == "r1-prefill-1") == [
+        f"r1-prefill-1/{r}" for r in range(4)
+    ]
+    # The pod finishing its replacement with the new size is a content change.
+    rolled = build_routing_table(pdd, [obs(P, 0, dp_size=8), obs(P, 1, dp_size=8), obs(D, 0)], table)
+    assert rolled.generation == table.generation + 1

@@ -87,6 +87,18 @@ def test_rollout_counts_old_pods_as_ready_but_not_updated() -> None:
     assert "prefill: 1/2 updated" in c["Progressing"]["message"]
 
 
+def test_ready_slots_count_what_each_pod_runs() -> None:
+    # Prefill going from DP4 to DP8 (the spec says 8): one old DP4 pod, one new DP8 pod, one unready.
+    prefill = [
+        ObservedPod(0, "p-0", "old", True, dp_size=4),
+        ObservedPod(1, "p-1", "h", True, dp_size=8),
+        ObservedPod(2, "p-2", "h", False, dp_size=8),
+    ]
+    status = compute_status(observe(prefill, pods(2), prefill_instances=3), None, T0)
+    assert (status["prefill"]["slots"], status["prefill"]["readySlots"]) == (24, 12)
+    assert "prefill 2/3 instances (12/24 slots) ready" in conditions(status)["Ready"]["message"]
+
+
 def test_draining_and_terminating_pods_are_not_ready() -> None:
     decode = [
         ObservedPod(0, "d-0", "h", True),
