@@ -7,6 +7,9 @@ burst costs one reconcile and at most one ConfigMap write, while a lone readines
 reaches the routing table within tens of milliseconds. Runs for one PDDeployment never overlap
 (a per-key lock), runs for different ones proceed in parallel on a small thread pool (the
 Kubernetes client is synchronous).
+
+Every watch event first goes into the :class:`ClusterCache`, so the run it requests can plan
+from memory (see :mod:`pdserve.operator.reconcile`).
 """
 
 from __future__ import annotations
@@ -14,10 +17,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 from pdserve.operator import metrics
+from pdserve.operator.cache import ClusterCache
 from pdserve.operator.reconcile import Outcome, Reconciler
 
 log = logging.getLogger("pdserve.operator")
@@ -98,30 +103,52 @@ class Coalescer:
 
 
 class Controller:
-    """Owns the reconciler, the coalescer and the set of known PDDeployments (for resyncs)."""
+    """Owns the reconciler, the coalescer, the watch-fed cache and the known PDDeployments."""
 
     def __init__(
         self,
         reconciler: Reconciler,
+        cache: ClusterCache,
         *,
         debounce: float = 0.05,
         workers: int = 16,
     ) -> None:
         self._reconciler = reconciler
+        self._cache = cache
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="reconcile")
         self._coalescer = Coalescer(self._run, debounce)
         self._known: set[Key] = set()
         self._failures: dict[Key, int] = {}
-        # Keys whose next run re-reads everything (spec change, router change, resync, error).
+        # Keys whose next run re-reads everything (spec change, resync, error).
         self._full: set[Key] = set()
         self._generations: dict[Key, int] = {}
 
-    def deployment_seen(self, key: Key, generation: int) -> None:
-        """A PDDeployment event: reconcile when it is new or its spec changed (not on status writes)."""
+    def deployment_event(self, event_type: str | None, body: Mapping[str, Any]) -> None:
+        """Reconcile when it is new, its spec changed or its deletion began (not on status writes)."""
+        key = self._cache.deployment_event(event_type, body)
+        if event_type == "DELETED":
+            self.deployment_gone(key)
+            return
+        meta = body.get("metadata") or {}
+        if meta.get("deletionTimestamp"):
+            self.request(key)  # the pass sees the mark and lets go, creating nothing
+            return
         self._known.add(key)
+        generation = int(meta.get("generation") or 0)
         if self._generations.get(key) != generation:
             self._generations[key] = generation
             self.request(key, full=True)
+
+    def pod_event(self, event_type: str | None, body: Mapping[str, Any]) -> None:
+        key = self._cache.pod_event(event_type, body)
+        if key is not None:
+            self.request(key)
+
+    def router_event(self, event_type: str | None, body: Mapping[str, Any]) -> None:
+        """Its availability is part of Ready; a deleted router needs a full pass to come back."""
+        key = self._cache.router_event(event_type, body)
+        if key is not None:
+            self.request(key, full=event_type == "DELETED")
 
     def deployment_gone(self, key: Key) -> None:
         self._known.discard(key)
@@ -130,9 +157,10 @@ class Controller:
         self._full.discard(key)
         self._coalescer.forget(key)
         self._reconciler.forget(*key)
+        self._cache.forget(key)
 
     def request(self, key: Key, full: bool = False) -> None:
-        """``full``: re-read everything, not only the pods (see reconcile.Verified)."""
+        """``full``: re-read everything instead of trusting the cache (see reconcile.Verified)."""
         if full:
             self._full.add(key)
         self._coalescer.request(key)
@@ -164,8 +192,11 @@ class Controller:
         self._full.discard(key)
         outcome: Outcome = await loop.run_in_executor(self._pool, self._reconciler.reconcile, *key, full)
         if outcome.result == "gone":
-            self.deployment_gone(key)
-            return None
+            if self._cache.deleted(key):
+                self.deployment_gone(key)
+                return None
+            self._full.add(key)  # created again under the same name while the pass ran
+            return 0.0
         if outcome.result == "error":
             self._full.add(key)
             failures = self._failures[key] = self._failures.get(key, 0) + 1

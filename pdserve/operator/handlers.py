@@ -19,6 +19,7 @@ import kopf
 
 from pdserve.deployment.objects import DEPLOYMENT_LABEL, ROLE_LABEL
 from pdserve.deployment.spec import GROUP, PLURAL, VERSION
+from pdserve.operator.cache import ClusterCache
 from pdserve.operator.controller import Controller
 from pdserve.operator.kube import Kube
 from pdserve.operator.reconcile import Reconciler
@@ -36,8 +37,10 @@ class OperatorOptions:
 async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
     options: OperatorOptions = memo.get("options") or OperatorOptions()
     configure_settings(settings)
+    cache = ClusterCache()
     controller = Controller(
-        Reconciler(Kube(options.kubeconfig)),
+        Reconciler(Kube(options.kubeconfig), cache),
+        cache,
         debounce=options.debounce_seconds,
         workers=options.workers,
     )
@@ -79,25 +82,20 @@ async def cleanup(memo: kopf.Memo, **_: Any) -> None:
 
 
 @kopf.on.event(GROUP, VERSION, PLURAL)
-async def deployment_event(
-    event: kopf.RawEvent, name: str, namespace: str | None, meta: kopf.Meta, memo: kopf.Memo, **_: Any
-) -> None:
+async def deployment_event(event: kopf.RawEvent, memo: kopf.Memo, **_: Any) -> None:
     controller: Controller = memo["controller"]
-    key = (namespace or "", name)
-    if event.get("type") == "DELETED":
-        controller.deployment_gone(key)
-    else:
-        controller.deployment_seen(key, int(meta.get("generation") or 0))
+    controller.deployment_event(event.get("type"), event["object"])
 
 
 @kopf.on.event("", "v1", "pods", labels={DEPLOYMENT_LABEL: kopf.PRESENT, ROLE_LABEL: kopf.PRESENT})
-async def pod_event(namespace: str | None, labels: kopf.Labels, memo: kopf.Memo, **_: Any) -> None:
+async def pod_event(event: kopf.RawEvent, memo: kopf.Memo, **_: Any) -> None:
+    """The full pod goes into the cache: the pass it triggers reads nothing from the API."""
     controller: Controller = memo["controller"]
-    controller.request((namespace or "", labels[DEPLOYMENT_LABEL]))
+    controller.pod_event(event.get("type"), event["object"])
 
 
 @kopf.on.event("apps", "v1", "deployments", labels={DEPLOYMENT_LABEL: kopf.PRESENT})
-async def router_event(namespace: str | None, labels: kopf.Labels, memo: kopf.Memo, **_: Any) -> None:
+async def router_event(event: kopf.RawEvent, memo: kopf.Memo, **_: Any) -> None:
     """The router's availability is part of Ready, and the Deployment controller reports it late."""
     controller: Controller = memo["controller"]
-    controller.request((namespace or "", labels[DEPLOYMENT_LABEL]), full=True)
+    controller.router_event(event.get("type"), event["object"])

@@ -103,8 +103,15 @@ class Kube:
             raise
 
     def list_objects(self, kind: str, namespace: str, label_selector: str) -> list[dict[str, Any]]:
+        return self.list_versioned(kind, namespace, label_selector)[0]
+
+    def list_versioned(
+        self, kind: str, namespace: str, label_selector: str
+    ) -> tuple[list[dict[str, Any]], str | None]:
+        """The items and the list's own resourceVersion (the moment the listing stands for)."""
         doc = self.request("GET", object_path(kind, namespace), query={"labelSelector": label_selector})
-        return list(doc.get("items") or [])
+        version = (doc.get("metadata") or {}).get("resourceVersion")
+        return list(doc.get("items") or []), str(version) if version is not None else None
 
     def create(self, obj: Mapping[str, Any]) -> dict[str, Any] | None:
         """POST; None when an object of that name already exists (names are deterministic)."""
@@ -133,18 +140,20 @@ class Kube:
         path = object_path(kind, namespace, name) + (f"/{subresource}" if subresource else "")
         return self.request("PATCH", path, patch, content_type="application/merge-patch+json")
 
-    def delete(self, kind: str, namespace: str, name: str, uid: str | None = None) -> bool:
-        """DELETE, only the object with ``uid`` when given; False when it was already gone."""
+    def delete(self, kind: str, namespace: str, name: str, uid: str | None = None) -> dict[str, Any] | None:
+        """DELETE, only the object with ``uid`` when given; None when it was already gone.
+
+        Returns the server's answer: for a pod, the pod with its deletionTimestamp set.
+        """
         body: dict[str, Any] = {"kind": "DeleteOptions", "apiVersion": "v1"}
         if uid:
             body["preconditions"] = {"uid": uid}
         try:
-            self.request("DELETE", object_path(kind, namespace, name), body)
+            return self.request("DELETE", object_path(kind, namespace, name), body)
         except KubeError as exc:
             if exc.status in (404, 409):  # gone, or a newer object now holds the name
-                return False
+                return None
             raise
-        return True
 
     def post_event(self, involved: Mapping[str, Any], type_: str, reason: str, message: str) -> None:
         """A core/v1 Event about ``involved`` (shown by ``kubectl describe``), from pdserve-operator."""

@@ -1,17 +1,23 @@
 """One level-based reconcile of one PDDeployment: observe, plan, apply, report.
 
-Everything is read back from the cluster on every run: the PDDeployment, its pods (readiness,
-IP, template hash, the draining annotation), the routing ConfigMap and the router Deployment.
-The decisions are the pure functions of :mod:`pdserve.deployment` (rendering, validation,
-rollout planning, routing table, status); this module only performs them. Running it twice on an
-unchanged cluster writes nothing, and a restarted operator continues a rollout where the
-annotations say it stands.
+Two kinds of pass. A full pass (a spec change, the periodic resync, first sight of a
+deployment, after an error) reads everything back from the cluster: the PDDeployment, its pods
+(readiness, IP, template hash, sizes, the draining annotation), the routing ConfigMap, the
+Services and the router Deployment. A light pass (a pod or router event) plans from what the
+watches fed into :class:`~pdserve.operator.cache.ClusterCache` and reads nothing; it only writes
+what changed. Pods are only created by a pass that has just read the PDDeployment, so a late
+pod event cannot resurrect a deleted deployment's pods. The decisions are the pure functions of
+:mod:`pdserve.deployment` (rendering, validation, rollout planning, routing table, status); this
+module only performs them. Running it twice on an unchanged cluster writes nothing, and a
+restarted operator continues a rollout where the annotations say it stands.
 
-Order inside one run, chosen so that the router never sends work to a pod being removed:
+Order inside one pass, chosen so that the router never sends work to a pod being removed and the
+routing table (what users wait for) goes out first:
 
 1. start and end drains (annotate pods), 2. write the routing table (drained pods are marked
-``draining`` before anything is deleted), 3. create missing pods, 4. apply the Services and the
-router, 5. delete pods whose drain is over, 6. patch the status if it changed.
+``draining`` before anything is deleted), 3. at once: create missing pods, apply the Services
+and the router, delete pods whose drain is over, 4. patch the status if it changed (Events are
+posted afterwards, on their own thread).
 """
 
 from __future__ import annotations
@@ -42,12 +48,13 @@ from pdserve.deployment.objects import (
     selector_string,
     template_hash,
 )
-from pdserve.deployment.rollout import ActionKind, ObservedPod, RolePlan, apply_drains, plan_role
+from pdserve.deployment.rollout import Action, ActionKind, ObservedPod, RolePlan, apply_drains, plan_role
 from pdserve.deployment.routing import ObservedInstance, build_routing_table
 from pdserve.deployment.spec import PDDeployment, SpecError, parse_pddeployment
 from pdserve.deployment.status import Observation, RoleObservation, compute_status
 from pdserve.deployment.validate import problems as spec_problems
 from pdserve.operator import metrics
+from pdserve.operator.cache import Body, ClusterCache, version_number
 from pdserve.operator.kube import Kube, KubeError
 from pdserve.routing.table import CONFIGMAP_KEY, Role, RoutingTable, RoutingTableError, load_routing_table
 
@@ -116,28 +123,38 @@ class NodeGpus:
 
 @dataclass
 class Verified:
-    """What the last full reconcile of one PDDeployment read or wrote and found in place.
+    """What the last full pass of one PDDeployment read or wrote and found in place.
 
-    A light reconcile (a pod event) trusts it and skips re-reading the Services, the router and
-    the routing ConfigMap: it reads only the PDDeployment and its pods. Every full reconcile
-    (spec change, router event, periodic resync) re-reads everything and repairs drift.
+    A light pass (pod or router event) trusts it and the watch-fed :class:`ClusterCache` and
+    reads nothing: not the PDDeployment, not its pods, not the Services, router or routing
+    ConfigMap. Every full pass (spec change, periodic resync, first sight, after an error)
+    re-reads everything and repairs drift, in the cluster and in the cache.
     """
 
     table: RoutingTable | None = None
     applied: dict[tuple[str, str], str] = field(default_factory=dict)  # (kind, name) -> applied hash
-    router_available: int = 0
+
+
+class _NeedsFullPass(Exception):
+    """A light pass would create pods: only a fresh read may decide that (see _reconcile)."""
 
 
 class Reconciler:
     def __init__(
-        self, kube: Kube, nodes: NodeGpus | None = None, clock: Callable[[], float] = time.time
+        self,
+        kube: Kube,
+        cache: ClusterCache | None = None,
+        nodes: NodeGpus | None = None,
+        clock: Callable[[], float] = time.time,
     ) -> None:
         self._kube = kube
+        self._cache = cache or ClusterCache()
         self._nodes = nodes or NodeGpus(kube)
         self._clock = clock
         self._verified: dict[tuple[str, str], Verified] = {}
-        # Independent calls of one pass (pod creates, the three static objects) go out together;
-        # Events go out on their own thread, off the path from a readiness change to the table.
+        # Independent calls of one pass (reads, pod creates and deletes, the static objects) go
+        # out together; Events go out on their own thread, off the path from a readiness change
+        # to the table.
         self._io = ThreadPoolExecutor(max_workers=16, thread_name_prefix="kube-io")
         self._events = ThreadPoolExecutor(max_workers=1, thread_name_prefix="events")
 
@@ -149,11 +166,9 @@ class Reconciler:
         self._verified.pop((namespace, name), None)
 
     def reconcile(self, namespace: str, name: str, full: bool = True) -> Outcome:
-        """One pass; ``full=False`` (pod events) trusts what the last full pass verified."""
-        if full:
-            self._verified[(namespace, name)] = Verified()
+        """One pass; ``full=False`` (pod and router events) plans from memory when it can."""
         with metrics.RECONCILE_SECONDS.time():
-            outcome = self._reconcile(namespace, name)
+            outcome = self._reconcile(namespace, name, full)
         metrics.RECONCILES.labels(outcome.result).inc()
         if outcome.body is not None and outcome.events:
             self._events.submit(self._post_events, outcome.body, _merged(outcome.events))
@@ -174,30 +189,76 @@ class Reconciler:
             except KubeError as exc:  # an Event is a courtesy; never fail a reconcile for one
                 log.warning("cannot post an Event: %s", exc)
 
-    def _reconcile(self, namespace: str, name: str) -> Outcome:
-        try:
-            body = self._kube.get("PDDeployment", namespace, name)
-        except KubeError as exc:
-            metrics.RECONCILE_ERRORS.inc()
-            log.warning("cannot read PDDeployment %s/%s: %s", namespace, name, exc)
-            return Outcome("error")
-        if body is None or body["metadata"].get("deletionTimestamp"):
+    def _reconcile(self, namespace: str, name: str, full: bool) -> Outcome:
+        key = (namespace, name)
+        if self._cache.deleted(key):
             self.forget(namespace, name)
             return Outcome("gone")  # owner references let the garbage collector remove the rest
+        body = self._cache.deployment(key)
+        pods = self._cache.pods(key)
+        if not full and body is not None and pods is not None and key in self._verified:
+            try:
+                return self._run(dict(body), pods, self._verified[key], fresh=False)
+            except _NeedsFullPass:
+                pass
+        try:
+            read = self._read(namespace, name)
+        except KubeError as exc:
+            metrics.RECONCILE_ERRORS.inc()
+            log.warning("cannot read PDDeployment %s/%s or its pods: %s", namespace, name, exc)
+            return Outcome("error")
+        if read is None:
+            self.forget(namespace, name)
+            return Outcome("gone")
+        verified = self._verified[key] = Verified()
+        return self._run(*read, verified, fresh=True)
+
+    def _read(self, namespace: str, name: str) -> tuple[dict[str, Any], list[Body]] | None:
+        """The PDDeployment and its instance pods, read together; None when it is gone or going.
+
+        Both go into the cache; the pods come back from it, so a watch event newer than the
+        LIST (a pod that turned Ready while the LIST was served) is not lost.
+        """
+        key = (namespace, name)
+        selector = f"{DEPLOYMENT_LABEL}={name},{ROLE_LABEL}"  # instance pods: the router's have no role
+        got = self._io.submit(self._kube.get, "PDDeployment", namespace, name)
+        listed = self._io.submit(self._kube.list_versioned, "Pod", namespace, selector)
+        body = got.result()
+        items, version = listed.result()
+        if body is None:
+            self._cache.deployment_absent(key)
+            return None
+        self._cache.deployment_event("GET", body)
+        if body["metadata"].get("deletionTimestamp"):
+            return None
+        self._cache.replace_pods(key, items, version_number(version))
+        return body, self._cache.pods(key) or []
+
+    def _run(self, body: dict[str, Any], pods: Sequence[Body], verified: Verified, fresh: bool) -> Outcome:
         outcome = Outcome("ok", body=body)
         try:
-            self._reconcile_object(body, outcome)
+            self._reconcile_object(body, pods, verified, fresh, outcome)
+        except _NeedsFullPass:
+            raise
         except (KubeError, RoutingTableError, ValueError) as exc:
+            meta = body["metadata"]
             metrics.RECONCILE_ERRORS.inc()
-            log.exception("reconcile of %s/%s failed", namespace, name)
+            log.exception("reconcile of %s/%s failed", meta["namespace"], meta["name"])
             outcome.result = "error"
-            self.forget(namespace, name)  # the next pass reads everything again
+            self.forget(meta["namespace"], meta["name"])  # the next pass reads everything again
             self._report_error(body, outcome, str(exc))
         return outcome
 
     # --- the steps -----------------------------------------------------------------------------
 
-    def _reconcile_object(self, body: dict[str, Any], outcome: Outcome) -> None:
+    def _reconcile_object(
+        self,
+        body: dict[str, Any],
+        raw_pods: Sequence[Body],
+        verified: Verified,
+        fresh: bool,
+        outcome: Outcome,
+    ) -> None:
         meta = body["metadata"]
         generation = int(meta.get("generation") or 0)
         try:
@@ -207,7 +268,7 @@ class Reconciler:
             self._write_status(body, Observation(generation, None, (), 0, 0, problems=[str(exc)]), outcome)
             return
 
-        pods = self._observe_pods(pdd)
+        pods = self._observe_pods(pdd, raw_pods)
         found = spec_problems(pdd, self._nodes.allocatable(pdd.spec.gpu_resource))
         if found:
             # Nothing is rendered for a spec that cannot be served; existing objects stay as they are.
@@ -229,12 +290,20 @@ class Reconciler:
             )
             for role in ROLES
         }
-        verified = self._verified.setdefault((pdd.namespace, pdd.name), Verified())
+        if not fresh and any(plan.of(ActionKind.CREATE) for plan in plans.values()):
+            # The cached PDDeployment may already be deleted (its DELETED event can arrive after
+            # the garbage collector's pod deletions): pods are only ever created after a fresh GET.
+            raise _NeedsFullPass
+        live = self._read_unverified(pdd, verified)
         pods = self._drain(pdd, pods, plans, now, outcome)
-        table = self._write_routing_table(pdd, pods, verified, outcome)
-        pods = self._create(pdd, pods, plans, outcome)  # first: scheduling them takes longest
-        self._apply_static(pdd, verified, outcome)
-        pods = self._delete(pdd, pods, plans, outcome)
+        # The routing table first: it is what users wait for; then everything else at once.
+        table = self._write_routing_table(pdd, pods, verified, live, outcome)
+        # Each step sends its calls now and returns a function that waits for the answers.
+        creates = self._create(pdd, plans, outcome)
+        deletes = self._delete(pdd, pods, plans, outcome)
+        statics = self._apply_static(pdd, verified, live, outcome)
+        statics()
+        pods = deletes() + creates()  # creates are for indices without a pod
 
         rechecks = [p.recheck_after for p in plans.values() if p.recheck_after is not None]
         outcome.recheck_after = min(rechecks) if rechecks else None
@@ -244,13 +313,11 @@ class Reconciler:
             table.generation,
             roles,
             router_replicas=pdd.spec.router.replicas,
-            router_available=verified.router_available,
+            router_available=self._cache.router_available((pdd.namespace, pdd.name)) or 0,
         )
         self._write_status(body, obs, outcome)
 
-    def _observe_pods(self, pdd: PDDeployment) -> list[PodView]:
-        # Instance pods only (the router's pods carry no role label).
-        items = self._kube.list_objects("Pod", pdd.namespace, f"{DEPLOYMENT_LABEL}={pdd.name},{ROLE_LABEL}")
+    def _observe_pods(self, pdd: PDDeployment, items: Sequence[Body]) -> list[PodView]:
         views = []
         for pod in items:
             view = _pod_view(pdd, pod)
@@ -265,6 +332,20 @@ class Reconciler:
                 views.append(view)
         return views
 
+    def _read_unverified(self, pdd: PDDeployment, verified: Verified) -> dict[tuple[str, str], Body | None]:
+        """The objects the last full pass has not verified (all of them in a full pass), at once."""
+        wanted = []
+        if verified.table is None:
+            wanted.append(("ConfigMap", routing_configmap_name(pdd)))
+        for desired in desired_static_objects(pdd):
+            kind, name = desired["kind"], desired["metadata"]["name"]
+            if verified.applied.get((kind, name)) != _annotation(
+                _with_applied_hash(desired), APPLIED_HASH_ANNOTATION
+            ):
+                wanted.append((kind, name))
+        bodies = self._io.map(lambda kn: self._kube.get(kn[0], pdd.namespace, kn[1]), wanted)
+        return dict(zip(wanted, bodies, strict=True))
+
     def _drain(
         self,
         pdd: PDDeployment,
@@ -274,26 +355,33 @@ class Reconciler:
         outcome: Outcome,
     ) -> list[PodView]:
         stamp = _rfc3339(now, fraction=True)
-        for plan in plans.values():
-            for action in plan.actions:
-                if action.kind not in (ActionKind.DRAIN, ActionKind.UNDRAIN):
-                    continue
-                pod_name = instance_name(pdd, action.role, action.index)
-                value = stamp if action.kind is ActionKind.DRAIN else None
-                self._kube.merge_patch(
-                    "Pod",
-                    pdd.namespace,
-                    pod_name,
-                    {"metadata": {"annotations": {DRAINING_ANNOTATION: value}}},
+        actions = [
+            a
+            for plan in plans.values()
+            for a in plan.actions
+            if a.kind in (ActionKind.DRAIN, ActionKind.UNDRAIN)
+        ]
+
+        def mark(action: Action) -> dict[str, Any]:
+            value = stamp if action.kind is ActionKind.DRAIN else None
+            return self._kube.merge_patch(
+                "Pod",
+                pdd.namespace,
+                instance_name(pdd, action.role, action.index),
+                {"metadata": {"annotations": {DRAINING_ANNOTATION: value}}},
+            )
+
+        for action, patched in zip(actions, self._io.map(mark, actions), strict=True):
+            self._cache.pod_event("MODIFIED", patched)
+            pod_name = instance_name(pdd, action.role, action.index)
+            if action.kind is ActionKind.DRAIN:
+                message = (
+                    f"Draining pod {pod_name} ({action.reason}): out of the routing table, "
+                    f"deleted after {pdd.spec.rollout.drain_seconds}s"
                 )
-                if action.kind is ActionKind.DRAIN:
-                    message = (
-                        f"Draining pod {pod_name} ({action.reason}): out of the routing table, "
-                        f"deleted after {pdd.spec.rollout.drain_seconds}s"
-                    )
-                    outcome.events.append(Event("Normal", "Draining", message))
-                else:
-                    outcome.events.append(Event("Normal", "Undrained", f"Pod {pod_name} is wanted again"))
+                outcome.events.append(Event("Normal", "Draining", message))
+            else:
+                outcome.events.append(Event("Normal", "Undrained", f"Pod {pod_name} is wanted again"))
         out = []
         for view in pods:
             (observed,) = apply_drains([view.observed], plans[view.role], now)
@@ -301,7 +389,12 @@ class Reconciler:
         return out
 
     def _write_routing_table(
-        self, pdd: PDDeployment, pods: Sequence[PodView], verified: Verified, outcome: Outcome
+        self,
+        pdd: PDDeployment,
+        pods: Sequence[PodView],
+        verified: Verified,
+        live: Mapping[tuple[str, str], Body | None],
+        outcome: Outcome,
     ) -> RoutingTable:
         observed = [
             ObservedInstance(
@@ -319,9 +412,9 @@ class Reconciler:
         previous = verified.table
         stripped = False  # someone removed our labels or owner reference: write it again
         if previous is None:
-            live = self._kube.get("ConfigMap", pdd.namespace, routing_configmap_name(pdd))
-            previous = _stored_table(live)
-            stripped = previous is not None and not _owned_like(live, routing_configmap(pdd, previous))
+            stored = live.get(("ConfigMap", routing_configmap_name(pdd)))
+            previous = _stored_table(stored)
+            stripped = previous is not None and not _owned_like(stored, routing_configmap(pdd, previous))
         table = build_routing_table(pdd, observed, previous)
         if previous is not None and table.same_content(previous) and not stripped:
             verified.table = previous
@@ -341,8 +434,14 @@ class Reconciler:
         )
         return table
 
-    def _apply_static(self, pdd: PDDeployment, verified: Verified, outcome: Outcome) -> None:
-        """Services and the router Deployment; records the router's availability."""
+    def _apply_static(
+        self,
+        pdd: PDDeployment,
+        verified: Verified,
+        live: Mapping[tuple[str, str], Body | None],
+        outcome: Outcome,
+    ) -> Callable[[], None]:
+        """Services and the router Deployment; the router's answer feeds its availability."""
         todo = []
         for desired in desired_static_objects(pdd):
             stamped = _with_applied_hash(desired)
@@ -350,68 +449,91 @@ class Reconciler:
             wanted = _annotation(stamped, APPLIED_HASH_ANNOTATION) or ""
             if verified.applied.get((kind, name)) != wanted:
                 todo.append((stamped, desired, kind, name, wanted))
-        for (_, _, kind, name, wanted), (live, verb) in zip(
-            todo, self._io.map(lambda t: self._sync_static(pdd, t[0], t[1]), todo), strict=True
-        ):
-            if verb is not None:
-                metrics.OBJECT_CHANGES.labels(kind, verb.lower()).inc()
-                outcome.events.append(Event("Normal", verb, f"{verb} {kind} {name}"))
-            verified.applied[(kind, name)] = wanted
-            if kind == "Deployment" and name == router_name(pdd):
-                verified.router_available = int(
-                    ((live or {}).get("status") or {}).get("availableReplicas") or 0
-                )
+        answers = self._io.map(lambda t: self._sync_static(pdd, t[0], t[1], live), todo)
+
+        def finish() -> None:
+            for (_, _, kind, name, wanted), (body, verb) in zip(todo, answers, strict=True):
+                if verb is not None:
+                    metrics.OBJECT_CHANGES.labels(kind, verb.lower()).inc()
+                    outcome.events.append(Event("Normal", verb, f"{verb} {kind} {name}"))
+                verified.applied[(kind, name)] = wanted
+                if kind == "Deployment" and name == router_name(pdd) and body is not None:
+                    self._cache.router_event("GET", body)
+
+        return finish
 
     def _sync_static(
-        self, pdd: PDDeployment, stamped: dict[str, Any], desired: dict[str, Any]
-    ) -> tuple[dict[str, Any] | None, str | None]:
+        self,
+        pdd: PDDeployment,
+        stamped: dict[str, Any],
+        desired: dict[str, Any],
+        live: Mapping[tuple[str, str], Body | None],
+    ) -> tuple[Body | None, str | None]:
         """Apply one object unless it is already as wanted; returns it and what was done."""
-        live = self._kube.get(stamped["kind"], pdd.namespace, stamped["metadata"]["name"])
+        kind, name = stamped["kind"], stamped["metadata"]["name"]
+        current = live[(kind, name)] if (kind, name) in live else self._kube.get(kind, pdd.namespace, name)
         if (
-            live is not None
-            and _annotation(live, APPLIED_HASH_ANNOTATION) == _annotation(stamped, APPLIED_HASH_ANNOTATION)
-            and _owned_like(live, desired)
+            current is not None
+            and _annotation(current, APPLIED_HASH_ANNOTATION) == _annotation(stamped, APPLIED_HASH_ANNOTATION)
+            and _owned_like(current, desired)
         ):
-            return live, None
-        verb = "Created" if live is None else "Updated"
+            return current, None
+        verb = "Created" if current is None else "Updated"
         return self._kube.apply(stamped), verb
 
     def _delete(
         self, pdd: PDDeployment, pods: list[PodView], plans: Mapping[Role, RolePlan], outcome: Outcome
-    ) -> list[PodView]:
+    ) -> Callable[[], list[PodView]]:
+        """Deletes the pods whose drain is over; the views come back marked terminating."""
         by_key = {(p.role, p.observed.index): p for p in pods}
-        for plan in plans.values():
-            for action in plan.of(ActionKind.DELETE):
+        actions = [a for plan in plans.values() for a in plan.of(ActionKind.DELETE)]
+
+        def delete(action: Action) -> dict[str, Any] | None:
+            view = by_key[(action.role, action.index)]
+            return self._kube.delete("Pod", pdd.namespace, view.observed.name, uid=view.uid)
+
+        answers = self._io.map(delete, actions)
+
+        def finish() -> list[PodView]:
+            for action, answer in zip(actions, answers, strict=True):
                 view = by_key[(action.role, action.index)]
-                if self._kube.delete("Pod", pdd.namespace, view.observed.name, uid=view.uid):
+                if answer is not None:
                     metrics.OBJECT_CHANGES.labels("Pod", "delete").inc()
-                    outcome.events.append(
-                        Event("Normal", "Deleted", f"Deleted pod {view.observed.name} ({action.reason})")
-                    )
+                    message = f"Deleted pod {view.observed.name} ({action.reason})"
+                    outcome.events.append(Event("Normal", "Deleted", message))
+                    if answer.get("kind") == "Pod":
+                        self._cache.pod_event("MODIFIED", answer)
                 by_key[(action.role, action.index)] = replace(
                     view, observed=replace(view.observed, terminating=True)
                 )
-        return list(by_key.values())
+            return list(by_key.values())
+
+        return finish
 
     def _create(
-        self, pdd: PDDeployment, pods: list[PodView], plans: Mapping[Role, RolePlan], outcome: Outcome
-    ) -> list[PodView]:
-        out = list(pods)
+        self, pdd: PDDeployment, plans: Mapping[Role, RolePlan], outcome: Outcome
+    ) -> Callable[[], list[PodView]]:
+        """Creates the missing pods; the views of the new pods come back."""
         todo = [(role, a) for role, plan in plans.items() for a in plan.of(ActionKind.CREATE)]
         manifests = [instance_pod(pdd, role, a.index) for role, a in todo]
-        for (role, action), manifest, created in zip(
-            todo, manifests, self._io.map(self._kube.create, manifests), strict=True
-        ):
-            name = manifest["metadata"]["name"]
-            if created is not None:
-                metrics.OBJECT_CHANGES.labels("Pod", "create").inc()
-                outcome.events.append(Event("Normal", "Created", f"Created pod {name} ({action.reason})"))
-            rs = pdd.spec.role(role)
-            observed = ObservedPod(
-                action.index, name, template_hash(pdd, role), False, dp_size=rs.data_parallel
-            )
-            out.append(PodView(role, observed, "", None, rs.tensor_parallel))
-        return out
+        answers = self._io.map(self._kube.create, manifests)
+
+        def finish() -> list[PodView]:
+            out = []
+            for (role, action), manifest, created in zip(todo, manifests, answers, strict=True):
+                name = manifest["metadata"]["name"]
+                if created is not None:
+                    self._cache.pod_event("ADDED", created)
+                    metrics.OBJECT_CHANGES.labels("Pod", "create").inc()
+                    outcome.events.append(Event("Normal", "Created", f"Created pod {name} ({action.reason})"))
+                rs = pdd.spec.role(role)
+                observed = ObservedPod(
+                    action.index, name, template_hash(pdd, role), False, dp_size=rs.data_parallel
+                )
+                out.append(PodView(role, observed, "", None, rs.tensor_parallel))
+            return out
+
+        return finish
 
     def _role_observation(
         self, pdd: PDDeployment, role: Role, pods: Sequence[ObservedPod]
@@ -434,7 +556,10 @@ class Reconciler:
         if all(previous.get(k) == v for k, v in status.items()):
             return
         meta = body["metadata"]
-        self._kube.merge_patch("PDDeployment", meta["namespace"], meta["name"], {"status": status}, "status")
+        patched = self._kube.merge_patch(
+            "PDDeployment", meta["namespace"], meta["name"], {"status": status}, "status"
+        )
+        self._cache.deployment_event("MODIFIED", patched)  # the next light pass compares with it
         was = _condition(previous, "Degraded")
         now = _condition(status, "Degraded")
         if now.get("status") == "True" and (now.get("message"), now.get("reason")) != (
