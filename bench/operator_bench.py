@@ -494,6 +494,8 @@ def main(argv: list[str] | None = None) -> int:
             rss.stop_flag.set()
             rss.join(timeout=2)
             result["peak_rss_mb"] = rss.peak / 2**20
+            cpu = rss.process.cpu_times()
+            result["operator_cpu_s"] = cpu.user + cpu.system
     finally:
         stop.set()
         print("cleaning up (namespace, bench nodes) ...")
@@ -545,8 +547,14 @@ def print_table(result: dict[str, Any]) -> None:
         f"\noperator: {m.get('pdserve_operator_reconciles_total', 0):.0f} reconciles, "
         f"{m.get('pdserve_operator_routing_table_writes_total', 0):.0f} routing-table writes, "
         f"{m.get('pdserve_operator_requests_coalesced_total', 0):.0f} requests coalesced, "
-        f"{m.get('pdserve_operator_reconcile_errors_total', 0):.0f} errors"
+        f"{m.get('pdserve_operator_reconcile_errors_total', 0):.0f} errors, "
+        f"{m.get('pdserve_operator_api_request_seconds_count', 0):.0f} API requests, "
+        f"{result.get('operator_cpu_s', float('nan')):.1f} s CPU"
     )
+    count = m.get("pdserve_operator_api_request_seconds_count", 0)
+    if count:
+        mean = m.get("pdserve_operator_api_request_seconds_sum", 0) / count
+        print(f"operator: API request latency mean {mean * 1000:.0f} ms")
 
 
 if __name__ == "__main__":

@@ -46,7 +46,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
         default=50.0,
         help="fold triggers arriving within this window into one reconcile",
     )
-    parser.add_argument("--workers", type=int, default=16, help="reconciles running in parallel")
+    # Passes mostly wait on the API server: enough workers that a burst of readiness changes
+    # across many deployments does not queue behind other deployments' status writes.
+    parser.add_argument("--workers", type=int, default=64, help="reconciles running in parallel")
     parser.add_argument("--kubeconfig", default=None, help="kubeconfig file (default: $KUBECONFIG)")
 
 

@@ -111,7 +111,7 @@ class Controller:
         cache: ClusterCache,
         *,
         debounce: float = 0.05,
-        workers: int = 16,
+        workers: int = 64,
     ) -> None:
         self._reconciler = reconciler
         self._cache = cache

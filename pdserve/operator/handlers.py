@@ -29,7 +29,7 @@ from pdserve.operator.reconcile import Reconciler
 class OperatorOptions:
     resync_seconds: float = 30.0
     debounce_seconds: float = 0.05
-    workers: int = 16
+    workers: int = 64
     kubeconfig: str | None = None
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import time
 from collections.abc import Callable, Mapping
 from datetime import UTC, datetime
 from typing import Any
@@ -20,6 +21,7 @@ from urllib.parse import quote
 from kubernetes import client, config
 
 from pdserve.deployment.spec import GROUP, PLURAL, VERSION
+from pdserve.operator import metrics
 
 FIELD_MANAGER = "pdserve-operator"
 REQUEST_TIMEOUT = 30.0
@@ -50,7 +52,7 @@ class KubeError(RuntimeError):
 
 
 class Kube:
-    def __init__(self, kubeconfig: str | None = None, pool_size: int = 48) -> None:
+    def __init__(self, kubeconfig: str | None = None, pool_size: int = 128) -> None:
         cfg = client.Configuration()
         path = kubeconfig or os.environ.get("KUBECONFIG")
         if path or not os.environ.get("KUBERNETES_SERVICE_HOST"):
@@ -72,6 +74,20 @@ class Kube:
         body: Mapping[str, Any] | None = None,
         query: Mapping[str, str] | None = None,
         content_type: str = "application/json",
+    ) -> dict[str, Any]:
+        started = time.monotonic()
+        try:
+            return self._request(method, path, body, query, content_type)
+        finally:
+            metrics.API_REQUESTS.labels(method).observe(time.monotonic() - started)
+
+    def _request(
+        self,
+        method: str,
+        path: str,
+        body: Mapping[str, Any] | None,
+        query: Mapping[str, str] | None,
+        content_type: str,
     ) -> dict[str, Any]:
         headers = {"Accept": "application/json", "Content-Type": content_type}
         serialized = self._api.param_serialize(

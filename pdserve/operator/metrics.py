@@ -31,3 +31,9 @@ OBJECT_CHANGES = Counter(
     "Objects created, updated or deleted by the operator, by kind and action.",
     ["kind", "action"],
 )
+API_REQUESTS = Histogram(
+    "pdserve_operator_api_request_seconds",
+    "Requests sent to the Kubernetes API server (Events included) and their latency, by HTTP method.",
+    ["method"],
+    buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
+)

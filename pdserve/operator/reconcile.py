@@ -22,6 +22,7 @@ posted afterwards, on their own thread).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -135,6 +136,15 @@ class Verified:
     applied: dict[tuple[str, str], str] = field(default_factory=dict)  # (kind, name) -> applied hash
 
 
+@dataclass(frozen=True)
+class _Read:
+    """What a full pass read: the PDDeployment, its pods, and the objects read alongside."""
+
+    body: dict[str, Any]
+    pods: list[Body]
+    prefetched: dict[tuple[str, str], Body | None]
+
+
 class _NeedsFullPass(Exception):
     """A light pass would create pods: only a fresh read may decide that (see _reconcile)."""
 
@@ -155,7 +165,9 @@ class Reconciler:
         # Independent calls of one pass (reads, pod creates and deletes, the static objects) go
         # out together; Events go out on their own thread, off the path from a readiness change
         # to the table.
-        self._io = ThreadPoolExecutor(max_workers=16, thread_name_prefix="kube-io")
+        # Sized for every reconcile worker to have its calls in flight at once (threads mostly
+        # wait on the API server; the Kube connection pool matches).
+        self._io = ThreadPoolExecutor(max_workers=64, thread_name_prefix="kube-io")
         self._events = ThreadPoolExecutor(max_workers=1, thread_name_prefix="events")
 
     def close(self) -> None:
@@ -202,7 +214,7 @@ class Reconciler:
             except _NeedsFullPass:
                 pass
         try:
-            read = self._read(namespace, name)
+            read = self._read(namespace, name, body)
         except KubeError as exc:
             metrics.RECONCILE_ERRORS.inc()
             log.warning("cannot read PDDeployment %s/%s or its pods: %s", namespace, name, exc)
@@ -211,18 +223,25 @@ class Reconciler:
             self.forget(namespace, name)
             return Outcome("gone")
         verified = self._verified[key] = Verified()
-        return self._run(*read, verified, fresh=True)
+        return self._run(read.body, read.pods, verified, True, read.prefetched)
 
-    def _read(self, namespace: str, name: str) -> tuple[dict[str, Any], list[Body]] | None:
+    def _read(self, namespace: str, name: str, cached: Body | None) -> _Read | None:
         """The PDDeployment and its instance pods, read together; None when it is gone or going.
 
         Both go into the cache; the pods come back from it, so a watch event newer than the
-        LIST (a pod that turned Ready while the LIST was served) is not lost.
+        LIST (a pod that turned Ready while the LIST was served) is not lost. When the watch has
+        shown the PDDeployment, its ConfigMap, Services and router are read in the same round.
         """
         key = (namespace, name)
         selector = f"{DEPLOYMENT_LABEL}={name},{ROLE_LABEL}"  # instance pods: the router's have no role
         got = self._io.submit(self._kube.get, "PDDeployment", namespace, name)
         listed = self._io.submit(self._kube.list_versioned, "Pod", namespace, selector)
+        others = []
+        if cached is not None:
+            with contextlib.suppress(SpecError):
+                others = _owned_object_names(parse_pddeployment(cached))
+        answers = self._io.map(lambda kn: self._kube.get(kn[0], namespace, kn[1]), others)
+        prefetched: dict[tuple[str, str], Body | None] = dict(zip(others, answers, strict=True))
         body = got.result()
         items, version = listed.result()
         if body is None:
@@ -232,12 +251,19 @@ class Reconciler:
         if body["metadata"].get("deletionTimestamp"):
             return None
         self._cache.replace_pods(key, items, version_number(version))
-        return body, self._cache.pods(key) or []
+        return _Read(body, self._cache.pods(key) or [], prefetched)
 
-    def _run(self, body: dict[str, Any], pods: Sequence[Body], verified: Verified, fresh: bool) -> Outcome:
+    def _run(
+        self,
+        body: dict[str, Any],
+        pods: Sequence[Body],
+        verified: Verified,
+        fresh: bool,
+        prefetched: Mapping[tuple[str, str], Body | None] | None = None,
+    ) -> Outcome:
         outcome = Outcome("ok", body=body)
         try:
-            self._reconcile_object(body, pods, verified, fresh, outcome)
+            self._reconcile_object(body, pods, verified, fresh, prefetched or {}, outcome)
         except _NeedsFullPass:
             raise
         except (KubeError, RoutingTableError, ValueError) as exc:
@@ -257,6 +283,7 @@ class Reconciler:
         raw_pods: Sequence[Body],
         verified: Verified,
         fresh: bool,
+        prefetched: Mapping[tuple[str, str], Body | None],
         outcome: Outcome,
     ) -> None:
         meta = body["metadata"]
@@ -294,7 +321,7 @@ class Reconciler:
             # The cached PDDeployment may already be deleted (its DELETED event can arrive after
             # the garbage collector's pod deletions): pods are only ever created after a fresh GET.
             raise _NeedsFullPass
-        live = self._read_unverified(pdd, verified)
+        live = self._read_unverified(pdd, verified, prefetched)
         pods = self._drain(pdd, pods, plans, now, outcome)
         # The routing table first: it is what users wait for; then everything else at once.
         table = self._write_routing_table(pdd, pods, verified, live, outcome)
@@ -332,7 +359,9 @@ class Reconciler:
                 views.append(view)
         return views
 
-    def _read_unverified(self, pdd: PDDeployment, verified: Verified) -> dict[tuple[str, str], Body | None]:
+    def _read_unverified(
+        self, pdd: PDDeployment, verified: Verified, prefetched: Mapping[tuple[str, str], Body | None]
+    ) -> dict[tuple[str, str], Body | None]:
         """The objects the last full pass has not verified (all of them in a full pass), at once."""
         wanted = []
         if verified.table is None:
@@ -343,8 +372,11 @@ class Reconciler:
                 _with_applied_hash(desired), APPLIED_HASH_ANNOTATION
             ):
                 wanted.append((kind, name))
-        bodies = self._io.map(lambda kn: self._kube.get(kn[0], pdd.namespace, kn[1]), wanted)
-        return dict(zip(wanted, bodies, strict=True))
+        live = {kn: prefetched[kn] for kn in wanted if kn in prefetched}
+        missing = [kn for kn in wanted if kn not in prefetched]
+        bodies = self._io.map(lambda kn: self._kube.get(kn[0], pdd.namespace, kn[1]), missing)
+        live.update(zip(missing, bodies, strict=True))
+        return live
 
     def _drain(
         self,
@@ -644,6 +676,13 @@ def _pod_view(pdd: PDDeployment, pod: Mapping[str, Any]) -> PodView | None:
         dp_size=dp_size,
     )
     return PodView(role, observed, str(meta.get("uid", "")), status.get("podIP") or None, tp_size)
+
+
+def _owned_object_names(pdd: PDDeployment) -> list[tuple[str, str]]:
+    """(kind, name) of the routing ConfigMap, the Services and the router."""
+    return [("ConfigMap", routing_configmap_name(pdd))] + [
+        (o["kind"], o["metadata"]["name"]) for o in desired_static_objects(pdd)
+    ]
 
 
 def _stored_table(configmap: Mapping[str, Any] | None) -> RoutingTable | None:
