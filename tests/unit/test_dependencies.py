@@ -39,7 +39,8 @@ RULES = {
 
 def loaded_modules(module: str) -> list[str]:
     """Import ``module`` in a fresh interpreter and list every module that is then loaded."""
-    code = f"import json, sys, importlib; importlib.import_module({module!r}); print(json.dumps(list(sys.modules)))"
+    code = f"import json, sys, importlib; importlib.import_module({module!r}); "
+    code += "print(json.dumps(list(sys.modules)))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     return list(json.loads(out))
 
