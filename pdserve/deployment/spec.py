@@ -22,7 +22,7 @@ from typing import Any
 
 import yaml
 
-from pdserve.routing import Connector, Role
+from pdserve.routing import Connector, FieldError, Role
 
 GROUP = "pdserve.io"
 VERSION = "v1alpha1"
@@ -66,13 +66,8 @@ MAX_BACKLOG = 1_000_000
 MAX_DRAIN_SECONDS = 3600
 
 
-class SpecError(ValueError):
+class SpecError(FieldError):
     """A PDDeployment that must not be acted on; the message names the field and the reason."""
-
-    def __init__(self, path: str, reason: str) -> None:
-        self.path = path
-        self.reason = reason
-        super().__init__(f"{path}: {reason}" if path else reason)
 
 
 @dataclass(frozen=True)

@@ -31,13 +31,18 @@ class Role(StrEnum):
     DECODE = "decode"
 
 
-class RoutingTableError(ValueError):
-    """A routing table that must not be served; the message names the field and the reason."""
+class FieldError(ValueError):
+    """A document that must not be acted on; the message names the field (a path such as
+    ``prefill[1].dpSize``) and the reason, so a user knows what to fix."""
 
     def __init__(self, path: str, reason: str) -> None:
         self.path = path
         self.reason = reason
         super().__init__(f"{path}: {reason}" if path else reason)
+
+
+class RoutingTableError(FieldError):
+    """A routing table that must not be served."""
 
 
 @dataclass(frozen=True)
