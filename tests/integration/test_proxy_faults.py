@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from tests.support.pdstack import PDStack, Sim, sse_events
+from tests.support.pdstack import PDStack, Sim, eventually, sse_events
 from tests.support.procs import ProcessGroup
 
 EJECT_S = 0.5
@@ -61,14 +61,6 @@ def healthy_start(stack: PDStack) -> Iterator[None]:
     assert stack.complete(stream=True).status == 200
     for sim in stack.sims.values():
         assert sim.stats()["malformed_handoff"] == 0, sim.name
-
-
-def eventually(check: Callable[[], bool], timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not reached in time")
-        time.sleep(0.05)
 
 
 def error_of(body: bytes) -> dict[str, str]:

@@ -9,15 +9,14 @@ import os
 import signal
 import socket
 import threading
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import pytest
 
-from tests.support.pdstack import PDStack, Sim, http, proxy_args, sse_events
+from tests.support.pdstack import PDStack, Sim, eventually, http, proxy_args, sse_events
 from tests.support.procs import Proc, ProcessGroup
 
 
@@ -35,14 +34,6 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PDStack]:
         yield pd
     finally:
         group.stop_all()
-
-
-def eventually(check: Callable[[], bool], timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not reached in time")
-        time.sleep(0.05)
 
 
 def proxy_debug(proxy: Proc) -> dict[str, Any]:

@@ -12,7 +12,7 @@ import os
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -213,3 +213,12 @@ class PDStack:
 def sse_events(body: bytes) -> list[str]:
     """The data payloads of an SSE body, in order."""
     return [line[len("data: ") :] for line in body.decode().split("\n") if line.startswith("data: ")]
+
+
+def eventually(check: Callable[[], bool], timeout: float = 10.0) -> None:
+    """Poll ``check`` until it holds; an exception from it fails the test at once."""
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not reached in time")
+        time.sleep(0.05)
