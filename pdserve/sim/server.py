@@ -212,6 +212,7 @@ class Simulator:
 
         s = self.stats
         s.requests += 1
+        s.last_request_at = time.time()
         s.by_rank[rank] += 1
         s.by_leg[leg] += 1
         if header_rank is None:

@@ -18,6 +18,8 @@ class SimStats:
     role: str
     dp_size: int
     requests: int = 0
+    # Wall-clock arrival of the newest request: end-to-end tests compare it with pod deletion times.
+    last_request_at: float | None = None
     by_rank: list[int] = field(default_factory=list)
     by_leg: Counter[str] = field(default_factory=Counter)
     without_rank_header: int = 0
@@ -60,6 +62,7 @@ class SimStats:
             "role": self.role,
             "dp_size": self.dp_size,
             "requests": self.requests,
+            "last_request_at": self.last_request_at,
             "by_rank": {str(r): n for r, n in enumerate(self.by_rank)},
             "without_rank_header": self.without_rank_header,
             "by_leg": {leg: self.by_leg.get(leg, 0) for leg in ("prefill", "decode", "plain")},
