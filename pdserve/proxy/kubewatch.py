@@ -14,8 +14,9 @@ The protocol, as client-go's reflector speaks it, for one object:
 * ``...&watch=1&resourceVersion=RV&allowWatchBookmarks=true&timeoutSeconds=T``, newline-
   delimited events; BOOKMARKs only move the resourceVersion on; the server ends the watch
   after T and we watch again from the last resourceVersion;
-* 410 Gone (the resourceVersion is too old) or an ERROR event: list again; any other failure:
-  exponential backoff with jitter, then list again.
+* 410 Gone (the resourceVersion is too old) or an ERROR event: list again; an HTTP error:
+  exponential backoff with jitter, then list again; a connection failure: backoff, then watch
+  again from the last resourceVersion (a 410 then sends us back to the list).
 
 Each version's ``data["routing.json"]`` goes to :meth:`ServedTable.offer`, exactly like the
 file source. While the API server cannot be read, and after the ConfigMap is deleted, the last
@@ -299,8 +300,10 @@ class ConfigMapWatch:
                 rv, restart = None, "error"
                 await self._fail(str(problem))
             except (aiohttp.ClientError, OSError, TimeoutError) as exc:
+                # Like client-go's reflector: a connection failure resumes the watch from rv once
+                # the server answers again (a 410 then forces the relist), an HTTP error relists.
                 self.metrics.watch_errors.labels("unreachable").inc()
-                rv, restart = None, "error"
+                restart = "error"
                 server, detail = self.creds.server, str(exc) or type(exc).__name__
                 await self._fail(
                     f"cannot reach the API server at {server} to read ConfigMap {self.ref}: {detail}"
