@@ -25,7 +25,6 @@ import argparse
 import json
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -40,6 +39,8 @@ from typing import Any
 
 import psutil
 
+from tests.support.procs import free_port
+
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results"
 NAMESPACE = "pdserve-bench-start"
@@ -49,12 +50,6 @@ READY_TIMEOUT_S = 60.0
 
 def log(message: str) -> None:
     print(f"[start-bench {time.strftime('%H:%M:%S')}] {message}", flush=True)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def table_json() -> str:
@@ -101,7 +96,9 @@ def one_start(variant: Variant, log_dir: Path) -> tuple[float, float]:
         try:
             while True:
                 if popen.poll() is not None:
-                    raise RuntimeError(f"{variant.name}: proxy exited with {popen.returncode}; see {out.name}")
+                    raise RuntimeError(
+                        f"{variant.name}: proxy exited with {popen.returncode}; see {out.name}"
+                    )
                 if time.perf_counter() - started > READY_TIMEOUT_S:
                     raise RuntimeError(f"{variant.name}: not ready after {READY_TIMEOUT_S} s; see {out.name}")
                 try:
@@ -184,7 +181,9 @@ def markdown(result: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--runs", type=int, default=7, help="starts per variant (default %(default)s)")
     parser.add_argument(
         "--tree",
@@ -232,7 +231,9 @@ def main(argv: list[str] | None = None) -> int:
                     variants.append(Variant(label, tree, source, ["--routing-file", str(routing)]))
                 elif watch_capable and router_kubeconfig is not None:
                     cm_args = ["--routing-configmap", f"{NAMESPACE}/{CONFIGMAP}"]
-                    variants.append(Variant(label, tree, source, [*cm_args, "--kubeconfig", str(router_kubeconfig)]))
+                    variants.append(
+                        Variant(label, tree, source, [*cm_args, "--kubeconfig", str(router_kubeconfig)])
+                    )
         load_before = os.getloadavg()[0]
         for variant in variants:  # one warm-up each: page cache, .pyc files
             one_start(variant, work)
@@ -241,8 +242,15 @@ def main(argv: list[str] | None = None) -> int:
                 ms, mb = one_start(variant, work)
                 variant.start_ms.append(ms)
                 variant.rss_mb.append(mb)
-            log(f"round {i + 1}/{args.runs}: " + ", ".join(f"{v.name} {v.start_ms[-1]:.0f} ms" for v in variants))
+            log(
+                f"round {i + 1}/{args.runs}: "
+                + ", ".join(f"{v.name} {v.start_ms[-1]:.0f} ms" for v in variants)
+            )
         load_after = os.getloadavg()[0]
+        if router_kubeconfig is not None:
+            from tests.support.kube import kubectl_for
+
+            kubectl_for(args.kubeconfig)("delete", "namespace", NAMESPACE, "--wait=false", check=False)
 
     stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
     result: dict[str, Any] = {

@@ -68,7 +68,8 @@ class ProxyMetrics:
         )
         self.source_up = Gauge(
             "pdserve_proxy_routing_source_up",
-            "1 while the table source is read and holds a table, 0 while it cannot be read or the ConfigMap is missing",
+            "1 while the table source is read and holds a table, 0 while it cannot be read or the "
+            "ConfigMap is missing",
             registry=r,
         )
         self.watch_restarts = Counter(

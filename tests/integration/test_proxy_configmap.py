@@ -28,14 +28,21 @@ import yaml
 from tests.support.forwarder import Forwarder
 from tests.support.kube import (
     KubeCluster,
+    Tool,
     apply_objects,
     grant_router_access,
     kubectl_for,
     router_kubeconfig,
     router_role,
 )
-from tests.support.kube import eventually as kube_eventually
-from tests.support.pdstack import PDStack, configmap_proxy_args, eventually, http, only_these_serve
+from tests.support.pdstack import (
+    PDStack,
+    configmap_proxy_args,
+    eventually,
+    http,
+    only_these_serve,
+    proxy_metric,
+)
 from tests.support.procs import Proc, ProcessGroup, free_port
 
 pytestmark = pytest.mark.cluster
@@ -102,26 +109,39 @@ def ready(proxy: Proc) -> tuple[int, dict[str, Any]]:
 
 
 def metric(proxy: Proc, name: str, **labels: str) -> float:
-    text = http("GET", proxy.url + "/metrics").body.decode()
-    total = 0.0
-    for line in text.splitlines():
-        head, _, value = line.rpartition(" ")
-        if line.startswith(name) and head.partition("{")[0] == name:
-            if all(f'{k}="{v}"' in head for k, v in labels.items()):
-                total += float(value)
-    return total
+    return proxy_metric(proxy.url, name, **labels)
+
+
+def unready_because(proxy: Proc, needle: str) -> str:
+    """Wait until /ready's reason mentions ``needle``; it must be a 503; the reason."""
+    eventually(lambda: needle in ready(proxy)[1].get("reason", ""), timeout=10)
+    status, body = ready(proxy)
+    assert status == 503 and body["generation"] is None, body
+    return str(body["reason"])
 
 
 def serving(proxy: Proc, generation: int, timeout: float = 15.0) -> None:
     eventually(lambda: served(proxy)["generation"] == generation, timeout=timeout)
 
 
+def router_access(
+    cluster: KubeCluster,
+    namespace: str,
+    directory: Path,
+    configmap: str = CONFIGMAP,
+    with_role: bool = True,
+    server: str | None = None,
+) -> tuple[Tool, Path]:
+    """The router's ServiceAccount (and Role + RoleBinding on ``configmap``); its token kubeconfig
+    for the API server, or for ``server``."""
+    kubectl = kubectl_for(cluster.kubeconfig)
+    grant_router_access(kubectl, namespace, ACCOUNT, configmap, with_role=with_role)
+    return kubectl, router_kubeconfig(kubectl, namespace, ACCOUNT, directory, server=server)
+
+
 @pytest.fixture
 def access(kube_cluster: KubeCluster, kube_namespace: str, tmp_path: Path) -> Path:
-    """The router's ServiceAccount, Role and RoleBinding; its token kubeconfig."""
-    kubectl = kubectl_for(kube_cluster.kubeconfig)
-    grant_router_access(kubectl, kube_namespace, ACCOUNT, CONFIGMAP)
-    return router_kubeconfig(kubectl, kube_namespace, ACCOUNT, tmp_path)
+    return router_access(kube_cluster, kube_namespace, tmp_path)[1]
 
 
 def test_serves_the_configmap_and_follows_every_update(
@@ -186,22 +206,18 @@ def test_serves_the_configmap_and_follows_every_update(
 def test_missing_role_is_named_and_the_router_recovers_once_granted(
     stack: PDStack, kube_cluster: KubeCluster, kube_api: Any, kube_namespace: str, tmp_path: Path
 ) -> None:
-    kubectl = kubectl_for(kube_cluster.kubeconfig)
-    grant_router_access(kubectl, kube_namespace, ACCOUNT, CONFIGMAP, with_role=False)
-    kubeconfig = router_kubeconfig(kubectl, kube_namespace, ACCOUNT, tmp_path)
+    kubectl, kubeconfig = router_access(kube_cluster, kube_namespace, tmp_path, with_role=False)
     cm = Cm(kube_api, kube_namespace)
     doc = stack.table([stack.sims["p0"]], [stack.sims["d0"]])
     cm.put_table(doc)
     proxy = start_router(stack, cm.ref, kubeconfig)
-    eventually(lambda: "forbidden" in ready(proxy)[1].get("reason", ""), timeout=10)
-    status, body = ready(proxy)
-    assert status == 503 and body["generation"] is None
+    reason = unready_because(proxy, "forbidden")
     expected = (
         f"cannot list ConfigMap {cm.ref}: forbidden: the router's service account "
         f'system:serviceaccount:{kube_namespace}:{ACCOUNT} cannot list configmaps "{CONFIGMAP}" in namespace '
         f"{kube_namespace}; grant get, list and watch on it (Role {ACCOUNT} with resourceNames [{CONFIGMAP}]"
     )
-    assert expected in body["reason"], body["reason"]
+    assert expected in reason, reason
     assert expected in proxy.log()
     assert metric(proxy, "pdserve_proxy_routing_watch_errors_total", reason="forbidden") >= 1
     assert served(proxy)["generation"] is None and served(proxy)["instances"] == {}
@@ -217,18 +233,14 @@ def test_missing_role_is_named_and_the_router_recovers_once_granted(
 def test_wrong_configmap_name_says_which_object_and_waits_for_it(
     stack: PDStack, kube_cluster: KubeCluster, kube_api: Any, kube_namespace: str, tmp_path: Path
 ) -> None:
-    kubectl = kubectl_for(kube_cluster.kubeconfig)
-    typo = "llama-routnig"
-    grant_router_access(kubectl, kube_namespace, ACCOUNT, typo)  # allowed to read it, but it is not there
-    kubeconfig = router_kubeconfig(kubectl, kube_namespace, ACCOUNT, tmp_path)
+    typo = "llama-routnig"  # the router may read it, but it is not there
+    _, kubeconfig = router_access(kube_cluster, kube_namespace, tmp_path, configmap=typo)
     Cm(kube_api, kube_namespace).put_table(stack.table([stack.sims["p0"]], [stack.sims["d0"]]))
     wrong = Cm(kube_api, kube_namespace, typo)
     proxy = start_router(stack, wrong.ref, kubeconfig)
-    eventually(lambda: "not found" in ready(proxy)[1].get("reason", ""), timeout=10)
-    status, body = ready(proxy)
-    assert status == 503
-    assert f"ConfigMap {wrong.ref} not found: no ConfigMap '{typo}' in namespace {kube_namespace}" in body["reason"]
-    assert "watching for it to be created" in body["reason"]
+    reason = unready_because(proxy, "not found")
+    assert f"ConfigMap {wrong.ref} not found: no ConfigMap '{typo}' in namespace {kube_namespace}" in reason
+    assert "watching for it to be created" in reason
     doc = stack.table([stack.sims["p1"]], [stack.sims["d1"]])
     wrong.put_table(doc)  # the watch sees it appear: no polling, no restart
     serving(proxy, doc["generation"], timeout=5)
@@ -238,18 +250,14 @@ def test_wrong_configmap_name_says_which_object_and_waits_for_it(
 def test_unreachable_api_server_at_start_then_reachable(
     stack: PDStack, kube_cluster: KubeCluster, kube_api: Any, kube_namespace: str, tmp_path: Path
 ) -> None:
-    kubectl = kubectl_for(kube_cluster.kubeconfig)
-    grant_router_access(kubectl, kube_namespace, ACCOUNT, CONFIGMAP)
     port = free_port()  # nothing listens here yet
-    kubeconfig = router_kubeconfig(kubectl, kube_namespace, ACCOUNT, tmp_path, server=f"https://127.0.0.1:{port}")
+    _, kubeconfig = router_access(kube_cluster, kube_namespace, tmp_path, server=f"https://127.0.0.1:{port}")
     cm = Cm(kube_api, kube_namespace)
     doc = stack.table([stack.sims["p0"]], [stack.sims["d1"]])
     cm.put_table(doc)
     proxy = start_router(stack, cm.ref, kubeconfig)
-    eventually(lambda: "cannot reach" in ready(proxy)[1].get("reason", ""), timeout=10)
-    status, body = ready(proxy)
-    assert status == 503
-    assert f"cannot reach the API server at https://127.0.0.1:{port} to read ConfigMap {cm.ref}" in body["reason"]
+    reason = unready_because(proxy, "cannot reach")
+    assert f"cannot reach the API server at https://127.0.0.1:{port} to read ConfigMap {cm.ref}" in reason
     assert metric(proxy, "pdserve_proxy_routing_watch_errors_total", reason="unreachable") >= 1
     assert metric(proxy, "pdserve_proxy_routing_source_up") == 0
     forwarder = Forwarder(api_port(kube_cluster), port=port).start()
@@ -272,11 +280,9 @@ def test_api_server_going_away_keeps_the_last_table_serving(
     stack: PDStack, kube_cluster: KubeCluster, kube_api: Any, kube_namespace: str, tmp_path: Path
 ) -> None:
     s = stack.sims
-    kubectl = kubectl_for(kube_cluster.kubeconfig)
-    grant_router_access(kubectl, kube_namespace, ACCOUNT, CONFIGMAP)
     forwarder = Forwarder(api_port(kube_cluster)).start()
     try:
-        kubeconfig = router_kubeconfig(kubectl, kube_namespace, ACCOUNT, tmp_path, server=forwarder.url)
+        _, kubeconfig = router_access(kube_cluster, kube_namespace, tmp_path, server=forwarder.url)
         cm = Cm(kube_api, kube_namespace)
         first = stack.table([s["p0"]], [s["d0"]])
         cm.put_table(first)
@@ -311,7 +317,9 @@ def test_deleted_configmap_keeps_the_last_table_and_says_so(
     proxy = start_router(stack, cm.ref, access)
     eventually(lambda: ready(proxy)[0] == 200, timeout=15)
     cm.core.delete_namespaced_config_map(cm.name, cm.namespace)
-    message = f"ConfigMap {cm.ref} was deleted; keeping generation {doc['generation']} until it is written again"
+    message = (
+        f"ConfigMap {cm.ref} was deleted; keeping generation {doc['generation']} until it is written again"
+    )
     eventually(lambda: served(proxy)["error"] == message, timeout=10)
     assert ready(proxy)[0] == 200 and message in proxy.log()
     only_these_serve(stack, proxy.url, [stack.sims["p0"]], [stack.sims["d0"]])
@@ -325,17 +333,10 @@ def test_rejected_token_is_explained(
     stack: PDStack, kube_cluster: KubeCluster, kube_api: Any, kube_namespace: str, tmp_path: Path
 ) -> None:
     """A token the API server does not accept (here: one for a deleted ServiceAccount)."""
-    kubectl = kubectl_for(kube_cluster.kubeconfig)
-    grant_router_access(kubectl, kube_namespace, ACCOUNT, CONFIGMAP)
-    kubeconfig = router_kubeconfig(kubectl, kube_namespace, ACCOUNT, tmp_path)
+    kubectl, kubeconfig = router_access(kube_cluster, kube_namespace, tmp_path)
     kubectl("delete", "serviceaccount", ACCOUNT, "-n", kube_namespace)  # its tokens die with it
     cm = Cm(kube_api, kube_namespace)
     cm.put_table(stack.table([stack.sims["p0"]], [stack.sims["d0"]]))
     proxy = start_router(stack, cm.ref, kubeconfig)
-    reason = kube_eventually(
-        lambda: ready(proxy)[1].get("reason") if "unauthorized" in ready(proxy)[1].get("reason", "") else None,
-        timeout=10,
-        message="an unauthorized reason",
-    )
+    reason = unready_because(proxy, "unauthorized")
     assert f"token of system:serviceaccount:{kube_namespace}:{ACCOUNT}" in reason
-    assert ready(proxy)[0] == 503

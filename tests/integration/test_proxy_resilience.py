@@ -286,12 +286,22 @@ def test_routing_served_counts_a_stream_on_an_instance_that_left_the_table(stack
     client, result = stream_in_background(url, 30)
     eventually(lambda: dlong.stats()["in_flight"] == 1)
     view = http("GET", url + "/routing/served").json()
-    assert view["instances"]["dlong"] == {"role": "decode", "in_table": True, "routable": True, "in_flight": 1}
+    assert view["instances"]["dlong"] == {
+        "role": "decode",
+        "in_table": True,
+        "routable": True,
+        "in_flight": 1,
+    }
     stack.write(stack.table([s["p0"]], [s["d0"]]))  # a table without dlong; its stream goes on
     view = http("GET", url + "/routing/served").json()
     assert view["generation"] == stack.generation and view["source"] == f"file {stack.routing_file}"
     assert view["routable"] == {"prefill": 1, "decode": 1}
-    assert view["instances"]["dlong"] == {"role": "decode", "in_table": False, "routable": False, "in_flight": 1}
+    assert view["instances"]["dlong"] == {
+        "role": "decode",
+        "in_table": False,
+        "routable": False,
+        "in_flight": 1,
+    }
     assert {"role": "decode", "instance": "dlong", "dp_rank": 0, "in_flight": 1} in view["slots"]
     assert view["instances"]["d0"] == {"role": "decode", "in_table": True, "routable": True, "in_flight": 0}
     assert view["instances"]["p0"]["in_flight"] == 0  # the prefill's KV was pulled at the first byte

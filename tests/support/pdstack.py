@@ -195,25 +195,27 @@ class PDStack:
         return http("GET", self.url + "/debug/routing", headers=headers or self.admin_headers).json()  # type: ignore[no-any-return]
 
     def metric(self, name: str, **labels: str) -> float:
-        """Sum of a proxy metric's samples whose labels include ``labels``."""
-        text = http("GET", self.url + "/metrics").body.decode()
-        total = 0.0
-        for line in text.splitlines():
-            if line.startswith("#") or not line.startswith(name):
-                continue
-            head, _, value = line.rpartition(" ")
-            metric_name, _, label_text = head.partition("{")
-            if metric_name != name:
-                continue
-            if all(f'{k}="{v}"' in label_text for k, v in labels.items()):
-                total += float(value)
-        return total
+        return proxy_metric(self.url, name, **labels)
 
     def complete(
         self, stream: bool = False, headers: dict[str, str] | None = None, **body: Any
     ) -> HttpAnswer:
         payload = {"prompt": "hello", "max_tokens": 3, "stream": stream, **body}
         return http("POST", self.url + "/v1/completions", payload, headers=headers)
+
+
+def proxy_metric(url: str, name: str, **labels: str) -> float:
+    """Sum of a proxy metric's samples whose labels include ``labels``."""
+    text = http("GET", url + "/metrics").body.decode()
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith("#") or not line.startswith(name):
+            continue
+        head, _, value = line.rpartition(" ")
+        metric_name, _, label_text = head.partition("{")
+        if metric_name == name and all(f'{k}="{v}"' in label_text for k, v in labels.items()):
+            total += float(value)
+    return total
 
 
 def only_these_serve(stack: PDStack, proxy_url: str, prefill: Sequence[Sim], decode: Sequence[Sim]) -> None:

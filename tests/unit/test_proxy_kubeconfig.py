@@ -224,8 +224,22 @@ def test_default_namespace_order(tmp_path: Path) -> None:
 def make_cert(directory: Path, name: str) -> tuple[Path, Path]:
     key, crt = directory / f"{name}.key", directory / f"{name}.crt"
     subprocess.run(
-        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", key, "-out", crt]
-        + ["-days", "1", "-subj", f"/CN={name}"],
+        [
+            "openssl",
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-days",
+            "1",
+            "-subj",
+            f"/CN={name}",
+            "-keyout",
+            key,
+            "-out",
+            crt,
+        ],
         check=True,
         capture_output=True,
     )

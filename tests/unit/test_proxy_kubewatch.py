@@ -22,22 +22,9 @@ from pdserve.proxy.kubewatch import (
 )
 from pdserve.proxy.metrics import ProxyMetrics
 from pdserve.proxy.served import ServedTable
+from tests.support.tables import table_json as table
 
 REF = ConfigMapRef("ns1", "llama-routing")
-
-
-def table(generation: int) -> str:
-    return json.dumps(
-        {
-            "apiVersion": "pdserve.io/v1alpha1",
-            "kind": "RoutingTable",
-            "deployment": "llama",
-            "generation": generation,
-            "connector": {"type": "nixl"},
-            "prefill": [{"name": "p0", "url": "http://127.0.0.1:1", "dpSize": 1, "ready": True}],
-            "decode": [{"name": "d0", "url": "http://127.0.0.1:2", "dpSize": 1, "ready": True}],
-        }
-    )
 
 
 def configmap(rv: str, data: dict[str, str] | None) -> dict[str, Any]:
@@ -101,7 +88,7 @@ def test_list_answers() -> None:
     assert list_step(one) == ("5", one["items"][0])
     with pytest.raises(WatchProblem, match="expected a ConfigMapList, got kind 'Status'"):
         list_step({"kind": "Status"})
-    with pytest.raises(WatchProblem, match="no metadata.resourceVersion"):
+    with pytest.raises(WatchProblem, match=r"no metadata\.resourceVersion"):
         list_step({"kind": "ConfigMapList", "items": []})
 
 
@@ -113,8 +100,9 @@ def test_forbidden_names_the_account_the_object_and_the_role() -> None:
         {
             "kind": "Status",
             "code": 403,
-            "message": 'configmaps "llama-routing" is forbidden: User "system:serviceaccount:ns1:llama-router" '
-            'cannot watch resource "configmaps" in API group "" in the namespace "ns1"',
+            "message": 'configmaps "llama-routing" is forbidden: '
+            'User "system:serviceaccount:ns1:llama-router" cannot watch resource "configmaps" '
+            'in API group "" in the namespace "ns1"',
         }
     ).encode()
     problem = http_failure(REF, "watch", 403, body, "https://api:6443", None)
@@ -126,15 +114,23 @@ def test_forbidden_names_the_account_the_object_and_the_role() -> None:
         "RoleBinding to that account)"
     )
     other = http_failure(ConfigMapRef("a", "tables"), "list", 403, b"{}", "https://api", "alice")
-    assert "the router's user alice cannot list" in str(other) and "(a Role with resourceNames [tables]" in str(other)
+    assert "the router's user alice cannot list" in str(
+        other
+    ) and "(a Role with resourceNames [tables]" in str(other)
 
 
 def test_unauthorized_not_found_and_server_errors() -> None:
-    unauthorized = http_failure(REF, "list", 401, b'{"message":"Unauthorized"}', "https://api:6443", "system:sa")
+    unauthorized = http_failure(
+        REF, "list", 401, b'{"message":"Unauthorized"}', "https://api:6443", "system:sa"
+    )
     assert unauthorized.reason == "unauthorized"
-    assert "https://api:6443 does not accept the router's credentials (token of system:sa)" in str(unauthorized)
+    assert "https://api:6443 does not accept the router's credentials (token of system:sa)" in str(
+        unauthorized
+    )
     missing = http_failure(REF, "list", 404, b'{"message":"the server could not find it"}', "https://a", None)
-    assert missing.reason == "not_found" and "check the namespace ns1 and the name llama-routing" in str(missing)
+    assert missing.reason == "not_found" and "check the namespace ns1 and the name llama-routing" in str(
+        missing
+    )
     busy = http_failure(REF, "list", 503, b"upstream connect error", "https://a", None)
     assert busy.reason == "http_error" and str(busy).endswith("answered 503: upstream connect error")
 
@@ -164,7 +160,10 @@ def test_events_update_keep_or_explain_the_served_table() -> None:
     assert w._handle(event("BOOKMARK", {"metadata": {"resourceVersion": "20"}}), "12") == "20"
     w._handle(event("DELETED", configmap("21", {"routing.json": table(1)})), "20")
     assert served.generation == 1
-    assert served.problem == "ConfigMap ns1/llama-routing was deleted; keeping generation 1 until it is written again"
+    assert (
+        served.problem
+        == "ConfigMap ns1/llama-routing was deleted; keeping generation 1 until it is written again"
+    )
     assert served.not_ready_reason() is None  # a deleted ConfigMap does not take a serving router out
     assert metrics.registry.get_sample_value("pdserve_proxy_routing_source_up") == 0
     w._handle(event("ADDED", configmap("22", {"routing.json": table(2)})), "21")

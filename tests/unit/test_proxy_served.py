@@ -4,7 +4,6 @@ how `pdserve proxy` picks its one table source."""
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 from typing import Any
 
@@ -16,25 +15,13 @@ from pdserve.proxy.health import SlotBook
 from pdserve.proxy.kubeconfig import ConfigMapRef
 from pdserve.proxy.metrics import ProxyMetrics
 from pdserve.proxy.served import ServedTable, served_view
-from pdserve.routing import Role
+from pdserve.routing import Instance, Role
+from tests.support.tables import instance as inst
+from tests.support.tables import table_json
 
 
-def inst(name: str, dp: int = 1, ready: bool = True, draining: bool = False) -> dict[str, Any]:
-    return {"name": name, "url": "http://127.0.0.1:9", "dpSize": dp, "ready": ready, "draining": draining}
-
-
-def doc(generation: int, prefill: list[dict[str, Any]], decode: list[dict[str, Any]]) -> str:
-    return json.dumps(
-        {
-            "apiVersion": "pdserve.io/v1alpha1",
-            "kind": "RoutingTable",
-            "deployment": "llama",
-            "generation": generation,
-            "connector": {"type": "nixl"},
-            "prefill": prefill,
-            "decode": decode,
-        }
-    )
+def doc(generation: int, prefill: list[Instance], decode: list[Instance]) -> str:
+    return table_json(generation, prefill, decode)
 
 
 def test_served_view_before_any_table() -> None:
@@ -91,8 +78,10 @@ def test_not_ready_reasons_name_the_missing_role_and_the_cause() -> None:
     )
     served.offer("{", "ConfigMap ns/x (resourceVersion 9)")
     reason = served.not_ready_reason() or ""
-    assert reason.endswith("ConfigMap ns/x (resourceVersion 9) rejected, keeping generation 3: not valid JSON: "
-                           "Expecting property name enclosed in double quotes: line 1 column 2 (char 1)")
+    assert reason.endswith(
+        "ConfigMap ns/x (resourceVersion 9) rejected, keeping generation 3: not valid JSON: "
+        "Expecting property name enclosed in double quotes: line 1 column 2 (char 1)"
+    )
 
 
 # --- the one table source -------------------------------------------------------------------------
@@ -138,7 +127,9 @@ def test_configmap_source_with_a_kubeconfig(tmp_path: Path) -> None:
     assert creds is not None and creds.server == "https://127.0.0.1:1"
     _, ref, _ = cli.table_source(args, {})  # no POD_NAMESPACE, no service account: the context's
     assert ref == ConfigMapRef("ctx-ns", "llama-routing")
-    _, ref, _ = cli.table_source(parse_args(), {"PDSERVE_ROUTING_CONFIGMAP": "a/b", "KUBECONFIG": str(kubeconfig)})
+    _, ref, _ = cli.table_source(
+        parse_args(), {"PDSERVE_ROUTING_CONFIGMAP": "a/b", "KUBECONFIG": str(kubeconfig)}
+    )
     assert ref == ConfigMapRef("a", "b")
 
 
@@ -147,8 +138,16 @@ def test_configmap_source_with_a_kubeconfig(tmp_path: Path) -> None:
     [
         ((), {}, "a routing table source is required"),
         (("--routing-file", "a", "--routing-configmap", "b/c"), {}, "give one table source, not both"),
-        ((), {"PDSERVE_ROUTING_FILE": "a", "PDSERVE_ROUTING_CONFIGMAP": "b/c"}, "both PDSERVE_ROUTING_FILE and"),
-        (("--routing-file", "a", "--kubeconfig", "k"), {}, "--kubeconfig is only used with --routing-configmap"),
+        (
+            (),
+            {"PDSERVE_ROUTING_FILE": "a", "PDSERVE_ROUTING_CONFIGMAP": "b/c"},
+            "both PDSERVE_ROUTING_FILE and",
+        ),
+        (
+            ("--routing-file", "a", "--kubeconfig", "k"),
+            {},
+            "--kubeconfig is only used with --routing-configmap",
+        ),
         (("--routing-configmap", "ns/x"), {}, "not running in a Kubernetes pod"),
         (("--routing-configmap", "ns/x", "--kubeconfig", "/nonexistent/kc"), {}, "cannot read kubeconfig"),
     ],
@@ -175,9 +174,16 @@ def test_run_prints_the_error_and_exits_2(capsys: pytest.CaptureFixture[str]) ->
 def test_shutdown_flags_and_env(monkeypatch: pytest.MonkeyPatch) -> None:
     settings = cli.settings_from_args(parse_args("--routing-file", "a"))
     assert (settings.grace_seconds, settings.shutdown_delay_seconds) == (120.0, 0.0)
-    assert cli.settings_from_args(parse_args("--routing-file", "a", "--grace-seconds", "7")).grace_seconds == 7
+    assert (
+        cli.settings_from_args(parse_args("--routing-file", "a", "--grace-seconds", "7")).grace_seconds == 7
+    )
     monkeypatch.setenv("PDSERVE_PROXY_SHUTDOWN_GRACE_SECONDS", "45")
     monkeypatch.setenv("PDSERVE_PROXY_SHUTDOWN_DELAY_SECONDS", "3")
     settings = cli.settings_from_args(parse_args("--routing-file", "a"))
     assert (settings.grace_seconds, settings.shutdown_delay_seconds) == (45.0, 3.0)
-    assert cli.settings_from_args(parse_args("--routing-file", "a", "--shutdown-grace-seconds", "9")).grace_seconds == 9
+    assert (
+        cli.settings_from_args(
+            parse_args("--routing-file", "a", "--shutdown-grace-seconds", "9")
+        ).grace_seconds
+        == 9
+    )
