@@ -22,17 +22,8 @@ import logging
 import os
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from pdserve.proxy.kubeconfig import (
-    ApiCredentials,
-    ConfigMapRef,
-    CredentialsError,
-    default_namespace,
-    in_cluster,
-    kubeconfig_paths,
-    load_kubeconfig,
-    parse_configmap_ref,
-)
 from pdserve.proxy.policies import DEFAULT_POLICY, POLICIES
 from pdserve.proxy.settings import (
     DEFAULT_DECODE_TTFB_S,
@@ -44,6 +35,9 @@ from pdserve.proxy.settings import (
     HTTP_SERVERS,
     ProxySettings,
 )
+
+if TYPE_CHECKING:  # the ConfigMap source's modules load only when it is chosen (start-up time)
+    from pdserve.proxy.kubeconfig import ApiCredentials, ConfigMapRef
 
 
 def _env(name: str, default: str | None = None) -> str | None:
@@ -231,6 +225,15 @@ def table_source(
             "a routing table source is required: --routing-configmap [NAMESPACE/]NAME (in a cluster) or "
             "--routing-file PATH (env PDSERVE_ROUTING_CONFIGMAP or PDSERVE_ROUTING_FILE)"
         )
+    from pdserve.proxy.kubeconfig import (
+        CredentialsError,
+        default_namespace,
+        in_cluster,
+        kubeconfig_paths,
+        load_kubeconfig,
+        parse_configmap_ref,
+    )
+
     try:
         kubeconfig = args.kubeconfig or env.get("KUBECONFIG")
         if kubeconfig:

@@ -267,23 +267,32 @@ class ConfigMapWatch:
         return f"{self.creds.server}/api/v1/namespaces/{self.ref.namespace}/configmaps"
 
     async def run(self) -> None:
-        self._session = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(ssl=self.creds.ssl_context() or True, limit=2),
-        )
         try:
             await self._loop()
         finally:
-            await self._session.close()
+            if self._session is not None:
+                await self._session.close()
+
+    def _ensure_session(self) -> aiohttp.ClientSession:
+        if self._session is None:  # here, so a CA file that went missing is reported and retried
+            connector = aiohttp.TCPConnector(ssl=self.creds.ssl_context() or True, limit=2)
+            self._session = aiohttp.ClientSession(connector=connector)
+        return self._session
 
     async def _loop(self) -> None:
         rv: str | None = None
         last_restart = ""
+        loop = asyncio.get_running_loop()
         while True:
+            started = loop.time()
             try:
+                self._ensure_session()
                 if rv is None:
                     rv = await self._list()
                 rv = await self._watch(rv)
                 restart = "expired"
+                if loop.time() - started < 1.0:  # a server that ends every watch at once: do not spin
+                    await asyncio.sleep(self.backoff.next())
             except WatchGone as gone:
                 log.info("watch of ConfigMap %s: resourceVersion too old (%s); listing again", self.ref, gone)
                 rv, restart = None, "gone"
@@ -311,6 +320,11 @@ class ConfigMapWatch:
             except _StreamClosed as closed:
                 restart = closed.reason  # the watch connection ended early; resume from rv
                 await asyncio.sleep(min(1.0, self.backoff.next()))
+            except Exception as exc:  # the watch must outlive any surprise; the last good table stays
+                log.exception("watch of ConfigMap %s failed unexpectedly; retrying", self.ref)
+                self.metrics.watch_errors.labels("internal").inc()
+                rv, restart = None, "error"
+                await self._fail(f"watch of ConfigMap {self.ref} failed: {exc!r}")
             self.metrics.watch_restarts.labels(restart).inc()
             last_restart = restart
 
@@ -345,12 +359,10 @@ class ConfigMapWatch:
         return extra
 
     async def _list(self) -> str:
-        assert self._session is not None
+        session = self._ensure_session()
         query = urlencode({"fieldSelector": f"metadata.name={self.ref.name}"})
         timeout = aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S)
-        async with self._session.get(
-            f"{self.base_url}?{query}", timeout=timeout, **self._request_kwargs()
-        ) as resp:
+        async with session.get(f"{self.base_url}?{query}", timeout=timeout, **self._request_kwargs()) as resp:
             body = await resp.read()
             if resp.status != 200:
                 raise http_failure(
@@ -372,7 +384,7 @@ class ConfigMapWatch:
         return rv
 
     async def _watch(self, rv: str) -> str:
-        assert self._session is not None
+        session = self._ensure_session()
         timeout_s = int(self.watch_timeout_s * (1 + self._rng()) / 1.5) or 1  # spread over [2/3 T, 4/3 T]
         query = urlencode(
             {
@@ -386,9 +398,7 @@ class ConfigMapWatch:
         timeout = aiohttp.ClientTimeout(
             total=None, sock_connect=REQUEST_TIMEOUT_S, sock_read=self.idle_read_s
         )
-        async with self._session.get(
-            f"{self.base_url}?{query}", timeout=timeout, **self._request_kwargs()
-        ) as resp:
+        async with session.get(f"{self.base_url}?{query}", timeout=timeout, **self._request_kwargs()) as resp:
             if resp.status == 410:
                 raise WatchGone(f"HTTP 410 for resourceVersion {rv}")
             if resp.status != 200:

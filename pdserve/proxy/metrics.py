@@ -81,7 +81,7 @@ class ProxyMetrics:
         self.watch_errors = Counter(
             "pdserve_proxy_routing_watch_errors",
             "Failed ConfigMap list/watch requests, by reason (unreachable, unauthorized, forbidden, "
-            "not_found, http_error, bad_event)",
+            "not_found, http_error, bad_event, internal)",
             ["reason"],
             registry=r,
         )
