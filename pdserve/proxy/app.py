@@ -2,7 +2,8 @@
 
 Generation requests are served by :class:`pdserve.proxy.generation.GenerationApp` (plain ASGI,
 the hot path) through :class:`pdserve.proxy.flow.Dispatcher`; everything else is a small Quart
-app: probes, metrics, the routing debug view, model listing and profiler fan-out.
+app: probes, metrics, what the router serves (/routing/served), the routing debug view, model
+listing and profiler fan-out.
 Every answer carries the request's ``X-Request-Id`` and every error is OpenAI-style JSON.
 """
 
@@ -13,6 +14,8 @@ import contextlib
 import json
 import logging
 import uuid
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
@@ -25,6 +28,7 @@ from pdserve.proxy.health import SlotBook
 from pdserve.proxy.metrics import ProxyMetrics
 from pdserve.proxy.policies import make_policy
 from pdserve.proxy.reload import RoutingWatcher
+from pdserve.proxy.served import ServedTable, served_view
 from pdserve.proxy.settings import ProxySettings
 from pdserve.proxy.upstream import Upstream
 from pdserve.routing import Instance, Role
@@ -33,8 +37,9 @@ from pdserve.wire.openai import RequestError, error_body
 
 log = logging.getLogger("pdserve.proxy")
 
-# Probes and scraping stay open when --api-key is set (kubelet and Prometheus carry no key).
-OPEN_PATHS = frozenset({"/health", "/ready", "/metrics"})
+# Probes, scraping and the served-table report stay open when --api-key is set (kubelet,
+# Prometheus and the operator carry no key); none of them shows a secret.
+OPEN_PATHS = frozenset({"/health", "/ready", "/metrics", "/routing/served"})
 ADMIN_TIMEOUT_S = 10.0
 
 _HTTP_CODES = {
@@ -53,8 +58,35 @@ def openai_error(status: int, message: str, type_: str, code: str) -> Response:
     return json_response(error_body(message, type_, code), status)
 
 
-def create_app(settings: ProxySettings) -> GenerationApp:
+@dataclass
+class Lifecycle:
+    """Set by the server on SIGTERM: /ready turns 503 at once, before connections stop."""
+
+    stopping: bool = False
+
+
+@dataclass(frozen=True)
+class TableSource:
+    """``run`` keeps the served table current; ``load_now`` (the file) reads once before serving."""
+
+    run: Callable[[], Coroutine[Any, Any, None]]
+    load_now: Callable[[], object] | None = None
+
+
+def table_source(settings: ProxySettings, served: ServedTable, metrics: ProxyMetrics) -> TableSource:
+    if settings.routing_configmap is not None:
+        from pdserve.proxy.kubewatch import ConfigMapWatch  # only the ConfigMap source needs it
+
+        assert settings.kube is not None
+        return TableSource(ConfigMapWatch(settings.routing_configmap, settings.kube, served, metrics).run)
+    assert settings.routing_file is not None
+    watcher = RoutingWatcher(settings.routing_file, served, settings.reload_interval)
+    return TableSource(watcher.run, lambda: watcher.poll(confirm_errors=False))
+
+
+def create_app(settings: ProxySettings, lifecycle: Lifecycle | None = None) -> GenerationApp:
     """The proxy's ASGI app: the generation endpoints, with a Quart app for everything else."""
+    lifecycle = lifecycle or Lifecycle()
     app = Quart("pdserve.proxy")
     app.config.update(
         MAX_CONTENT_LENGTH=settings.max_body_bytes,
@@ -63,13 +95,14 @@ def create_app(settings: ProxySettings) -> GenerationApp:
     )
     metrics = ProxyMetrics()
     book = SlotBook(settings.eject_seconds)
-    watcher = RoutingWatcher(settings.routing_file, metrics, settings.reload_interval)
+    served = ServedTable(metrics, settings.source)
+    source = table_source(settings, served, metrics)
     upstream = Upstream(settings.connect_timeout)
     deadlines = Deadlines(
         settings.prefill_ttfb_timeout, settings.decode_ttfb_timeout, settings.stream_idle_timeout
     )
     dispatcher = Dispatcher(
-        watcher,
+        served,
         make_policy(settings.policy),
         book,
         upstream,
@@ -83,8 +116,9 @@ def create_app(settings: ProxySettings) -> GenerationApp:
     @app.before_serving
     async def start() -> None:
         await upstream.start()
-        watcher.poll(confirm_errors=False)
-        tasks.append(asyncio.create_task(watcher.run()))
+        if source.load_now is not None:
+            source.load_now()
+        tasks.append(asyncio.create_task(source.run()))
 
     @app.after_serving
     async def stop() -> None:
@@ -133,18 +167,23 @@ def create_app(settings: ProxySettings) -> GenerationApp:
 
     @app.get("/ready")
     async def ready() -> Response:
-        state = watcher.current
-        prefill = len(state.slots.prefill) if state else 0
-        decode = len(state.slots.decode) if state else 0
+        state = served.current
+        reason = served.not_ready_reason()
+        if lifecycle.stopping:
+            reason = "shutting down (SIGTERM): finishing in-flight requests, taking no new ones"
         payload: dict[str, Any] = {
-            "ready": prefill > 0 and decode > 0,
+            "ready": reason is None,
             "generation": state.generation if state else None,
-            "prefill_slots": prefill,
-            "decode_slots": decode,
+            "prefill_slots": len(state.slots.prefill) if state else 0,
+            "decode_slots": len(state.slots.decode) if state else 0,
         }
-        if not payload["ready"]:
-            payload["reason"] = watcher.last_error or "no routable prefill and decode instances"
-        return json_response(payload, 200 if payload["ready"] else 503)
+        if reason is not None:
+            payload["reason"] = reason
+        return json_response(payload, 200 if reason is None else 503)
+
+    @app.get("/routing/served")
+    async def routing_served() -> Response:
+        return json_response(served_view(served, book))
 
     @app.get("/metrics")
     async def prometheus() -> Response:
@@ -153,11 +192,12 @@ def create_app(settings: ProxySettings) -> GenerationApp:
 
     @app.get("/debug/routing")
     async def debug_routing() -> Response:
-        state = watcher.current
+        state = served.current
         out: dict[str, Any] = {
-            "routing_file": str(settings.routing_file),
+            "source": served.source,
             "policy": settings.policy,
-            "last_reload_error": watcher.last_error,
+            "last_reload_error": served.rejected,
+            "source_problem": served.problem,
             "generation": state.generation if state else None,
             "table": state.slots.table.to_dict() if state else None,
             "slots": {},
@@ -174,6 +214,7 @@ def create_app(settings: ProxySettings) -> GenerationApp:
                         "rank_header": slot.rank_header,
                         "requests": s.requests,
                         "in_flight": s.in_flight,
+                        "pinned": s.pinned,
                         "errors": s.errors,
                         "ejections": s.ejections,
                         "ejected_for_seconds": round(book.ejected_for(role, slot.key), 3),
@@ -184,7 +225,7 @@ def create_app(settings: ProxySettings) -> GenerationApp:
 
     @app.get("/v1/models")
     async def models() -> Response:
-        state = watcher.current
+        state = served.current
         instances = _unique(state.slots.decode) if state else []
         for inst in instances:
             try:
@@ -208,7 +249,7 @@ def create_app(settings: ProxySettings) -> GenerationApp:
         return {AUTHORIZATION: auth} if auth else {}
 
     async def fan_out(path: str) -> Response:
-        state = watcher.current
+        state = served.current
         instances = [*state.slots.table.prefill, *state.slots.table.decode] if state else []
         headers = _admin_headers()
 

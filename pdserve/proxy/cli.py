@@ -2,15 +2,17 @@
 
 Each generation request (/v1/completions, /v1/chat/completions) goes to a prefill slot, then
 (with the prefill's KV handoff) to a decode slot, whose answer is streamed back. Slots are
-(instance, data-parallel rank) pairs read from the routing file, which is watched and
-hot-reloaded (a mounted ConfigMap or a plain file). One process, one event loop: the
+(instance, data-parallel rank) pairs read from the routing table, which comes from exactly one
+source: --routing-configmap (list+watch of the ConfigMap through the API server, in a cluster)
+or --routing-file (a watched file, for local mode and tests). One process, one event loop: the
 flat-interleaved counter is the process's only counter.
 
 Environment variables give defaults for the main flags (a flag wins): PDSERVE_ROUTING_FILE,
-PDSERVE_PROXY_HOST, PDSERVE_PROXY_PORT, PDSERVE_PROXY_POLICY, PROXY_HTTP_SERVER, PROXY_LISTEN_BACKLOG,
-PDSERVE_PROXY_MAX_RETRIES, PDSERVE_PROXY_API_KEY, PDSERVE_BACKEND_API_KEY,
-PDSERVE_PROXY_LOG_LEVEL. Prefer the environment for keys: command lines are visible to
-every user of the machine.
+PDSERVE_ROUTING_CONFIGMAP, KUBECONFIG, PDSERVE_PROXY_HOST, PDSERVE_PROXY_PORT, PDSERVE_PROXY_POLICY,
+PROXY_HTTP_SERVER, PROXY_LISTEN_BACKLOG, PDSERVE_PROXY_MAX_RETRIES, PDSERVE_PROXY_API_KEY,
+PDSERVE_BACKEND_API_KEY, PDSERVE_PROXY_SHUTDOWN_GRACE_SECONDS, PDSERVE_PROXY_SHUTDOWN_DELAY_SECONDS,
+PDSERVE_PROXY_LOG_LEVEL. Prefer the environment for keys: command lines are visible to every
+user of the machine.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import logging
 import os
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from pdserve.proxy.policies import DEFAULT_POLICY, POLICIES
 from pdserve.proxy.settings import (
@@ -27,10 +30,14 @@ from pdserve.proxy.settings import (
     DEFAULT_HTTP_SERVER,
     DEFAULT_MAX_BODY_BYTES,
     DEFAULT_PREFILL_TTFB_S,
+    DEFAULT_SHUTDOWN_GRACE_S,
     DEFAULT_STREAM_IDLE_S,
     HTTP_SERVERS,
     ProxySettings,
 )
+
+if TYPE_CHECKING:  # the ConfigMap source's modules load only when it is chosen (start-up time)
+    from pdserve.proxy.kubeconfig import ApiCredentials, ConfigMapRef
 
 
 def _env(name: str, default: str | None = None) -> str | None:
@@ -40,10 +47,25 @@ def _env(name: str, default: str | None = None) -> str | None:
 def configure(parser: argparse.ArgumentParser) -> None:
     add = parser.add_argument
     add(
+        "--routing-configmap",
+        metavar="[NAMESPACE/]NAME",
+        default=None,
+        help="list+watch this ConfigMap (key routing.json) through the API server; without NAMESPACE/ "
+        "the namespace is POD_NAMESPACE's, else the service account's [env PDSERVE_ROUTING_CONFIGMAP]",
+    )
+    add(
+        "--kubeconfig",
+        type=Path,
+        default=None,
+        help="with --routing-configmap from outside a cluster: the kubeconfig whose current context "
+        "(server, CA, client certificate or token) reaches the API server; in a pod the service "
+        "account is used [env KUBECONFIG]",
+    )
+    add(
         "--routing-file",
         type=Path,
-        default=_env("PDSERVE_ROUTING_FILE"),
-        help="routing table JSON (the ConfigMap key routing.json, mounted); watched and hot-reloaded "
+        default=None,
+        help="routing table JSON file (local mode, tests); watched and hot-reloaded "
         "[env PDSERVE_ROUTING_FILE]",
     )
     add(
@@ -144,10 +166,21 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="how long an idle client connection is kept open between requests (default %(default)s)",
     )
     add(
+        "--shutdown-grace-seconds",
         "--grace-seconds",
+        dest="grace_seconds",
         type=float,
-        default=30.0,
-        help="on SIGTERM: stop accepting, let in-flight requests finish this long (default %(default)s)",
+        default=float(_env("PDSERVE_PROXY_SHUTDOWN_GRACE_SECONDS", str(DEFAULT_SHUTDOWN_GRACE_S)) or 0),
+        help="on SIGTERM: stop accepting, let in-flight requests and streams finish this long, then "
+        "cancel them (default %(default)s) [env PDSERVE_PROXY_SHUTDOWN_GRACE_SECONDS]",
+    )
+    add(
+        "--shutdown-delay-seconds",
+        type=float,
+        default=float(_env("PDSERVE_PROXY_SHUTDOWN_DELAY_SECONDS", "0") or 0),
+        help="on SIGTERM: /ready answers 503 at once, but connections are still accepted this long "
+        "before the grace period starts; for load balancers without a pod preStop hook "
+        "(default %(default)s) [env PDSERVE_PROXY_SHUTDOWN_DELAY_SECONDS]",
     )
     add(
         "--reload-interval",
@@ -163,9 +196,64 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
 
 
+class UsageError(Exception):
+    """Flags or credentials the proxy cannot start with; printed, exit status 2."""
+
+
+def table_source(
+    args: argparse.Namespace, env: dict[str, str] | os._Environ[str] = os.environ
+) -> tuple[Path | None, ConfigMapRef | None, ApiCredentials | None]:
+    """Exactly one of --routing-file and --routing-configmap (flags first, then their env vars)."""
+    file_value: str | Path | None = args.routing_file
+    configmap_value: str | None = args.routing_configmap
+    if file_value is not None and configmap_value is not None:
+        raise UsageError("give one table source, not both: --routing-file or --routing-configmap")
+    if file_value is None and configmap_value is None:
+        file_value = env.get("PDSERVE_ROUTING_FILE") or None
+        configmap_value = env.get("PDSERVE_ROUTING_CONFIGMAP") or None
+        if file_value and configmap_value:
+            raise UsageError(
+                "both PDSERVE_ROUTING_FILE and PDSERVE_ROUTING_CONFIGMAP are set: give one table source "
+                "(or choose with --routing-file / --routing-configmap)"
+            )
+    if file_value:
+        if args.kubeconfig is not None:
+            raise UsageError("--kubeconfig is only used with --routing-configmap, not with --routing-file")
+        return Path(file_value), None, None
+    if not configmap_value:
+        raise UsageError(
+            "a routing table source is required: --routing-configmap [NAMESPACE/]NAME (in a cluster) or "
+            "--routing-file PATH (env PDSERVE_ROUTING_CONFIGMAP or PDSERVE_ROUTING_FILE)"
+        )
+    from pdserve.proxy.kubeconfig import (
+        CredentialsError,
+        default_namespace,
+        in_cluster,
+        kubeconfig_paths,
+        load_kubeconfig,
+        parse_configmap_ref,
+    )
+
+    try:
+        kubeconfig = args.kubeconfig or env.get("KUBECONFIG")
+        if kubeconfig:
+            paths = [args.kubeconfig] if args.kubeconfig else kubeconfig_paths(str(kubeconfig))
+            creds = load_kubeconfig(paths)
+        else:
+            creds = in_cluster(env)
+        creds.ssl_context()  # fail now, with the file's name, not at the first request
+        ref = parse_configmap_ref(configmap_value, lambda: default_namespace(env, creds=creds))
+    except CredentialsError as exc:
+        raise UsageError(str(exc)) from None
+    return None, ref, creds
+
+
 def settings_from_args(args: argparse.Namespace) -> ProxySettings:
+    routing_file, configmap, kube = table_source(args)
     return ProxySettings(
-        routing_file=args.routing_file,
+        routing_file=routing_file,
+        routing_configmap=configmap,
+        kube=kube,
         host=args.host,
         port=args.port,
         policy=args.policy,
@@ -181,17 +269,19 @@ def settings_from_args(args: argparse.Namespace) -> ProxySettings:
         stream_idle_timeout=args.stream_idle_timeout,
         connect_timeout=args.connect_timeout,
         keep_alive_seconds=args.keep_alive_seconds,
-        grace_seconds=args.grace_seconds,
+        grace_seconds=max(0.0, args.grace_seconds),
+        shutdown_delay_seconds=max(0.0, args.shutdown_delay_seconds),
         reload_interval=args.reload_interval,
         log_level=args.log_level,
     )
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.routing_file is None:
-        print("pdserve proxy: --routing-file (or PDSERVE_ROUTING_FILE) is required", file=sys.stderr)
+    try:
+        settings = settings_from_args(args)
+    except UsageError as exc:
+        print(f"pdserve proxy: {exc}", file=sys.stderr)
         return 2
-    settings = settings_from_args(args)
     logging.basicConfig(
         level=settings.log_level.upper(),
         format="%(asctime)s %(levelname)s %(name)s %(message)s",

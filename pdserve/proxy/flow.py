@@ -26,7 +26,7 @@ from pdserve.proxy.connectors import Connector, LegIds, LegPlan
 from pdserve.proxy.health import SlotBook
 from pdserve.proxy.metrics import ProxyMetrics
 from pdserve.proxy.policies import Policy
-from pdserve.proxy.reload import RoutingState, RoutingWatcher
+from pdserve.proxy.served import RoutingState, ServedTable
 from pdserve.proxy.upstream import Answer, BackendRefusal, LegError, OpenStream, Upstream
 from pdserve.routing import Role, Slot
 from pdserve.wire.headers import AUTHORIZATION, DP_RANK, REQUEST_ID
@@ -88,7 +88,7 @@ def sse_error_event(message: str, code: str) -> bytes:
 class Dispatcher:
     def __init__(
         self,
-        watcher: RoutingWatcher,
+        served: ServedTable,
         policy: Policy,
         book: SlotBook,
         upstream: Upstream,
@@ -97,7 +97,7 @@ class Dispatcher:
         max_retries: int,
         backend_api_key: str | None,
     ) -> None:
-        self.watcher = watcher
+        self.served = served
         self.policy = policy
         self.book = book
         self.upstream = upstream
@@ -129,7 +129,7 @@ class Dispatcher:
         return reply
 
     async def _generate(self, path: str, body: Mapping[str, Any], trace: Trace, auth: str | None) -> Reply:
-        state = self.watcher.current  # this request's table, whatever reloads happen meanwhile
+        state = self.served.current  # this request's table, whatever reloads happen meanwhile
         if state is None or not state.slots.prefill or not state.slots.decode:
             role = "prefill" if state is None or not state.slots.prefill else "decode"
             return error_reply(
@@ -180,8 +180,14 @@ class Dispatcher:
         prefill_plan = connector.prefill_leg(body, prefill, decode, ids)
         if not connector.concurrent:
             handoff = await self._prefill(connector, prefill, path, prefill_plan, ids, auth)
-            decode_plan = connector.decode_leg(body, prefill, decode, ids, handoff)
-            return await self._decode(decode, path, decode_plan, ids, auth, trace, background=None)
+            # The decode pulls the KV from the prefill before its first byte: until then the
+            # prefill instance is still in use (a drain must not delete it yet).
+            self.book.pin(Role.PREFILL, prefill.key)
+            try:
+                decode_plan = connector.decode_leg(body, prefill, decode, ids, handoff)
+                return await self._decode(decode, path, decode_plan, ids, auth, trace, background=None)
+            finally:
+                self.book.unpin(Role.PREFILL, prefill.key)
         decode_plan = connector.decode_leg(body, prefill, decode, ids, None)
         prefill_task = asyncio.create_task(self._prefill(connector, prefill, path, prefill_plan, ids, auth))
         decode_task = asyncio.create_task(

@@ -1,5 +1,10 @@
 """Per-slot bookkeeping: request counters, in-flight counts and ejection with a cool-down.
 
+In-flight counts are kept by slot key (``<instance>/<rank>``), never by table generation, so a
+request that started on generation N and still streams after N+1 removed its instance keeps
+counting against that instance: this is what ``/routing/served`` reports, and what tells the
+operator a draining pod is no longer in use.
+
 A slot that failed (connect error, 5xx, deadline, bad handoff) is ejected for a while so the
 next requests go elsewhere instead of paying the same failure again. An ejected slot is still
 a last resort: policies order it after the healthy ones, so ejection alone never turns a
@@ -9,7 +14,7 @@ request away.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from pdserve.routing import Role
@@ -18,7 +23,8 @@ from pdserve.routing import Role
 @dataclass
 class SlotState:
     requests: int = 0
-    in_flight: int = 0
+    in_flight: int = 0  # legs being sent to or streamed from the slot
+    pinned: int = 0  # prefill answered, its KV not yet pulled: the decode's first byte is pending
     errors: int = 0
     ejections: int = 0
     ejected_until: float = 0.0  # monotonic clock
@@ -74,3 +80,22 @@ class SlotBook:
         entry.in_flight -= 1
         if not ok:
             entry.errors += 1
+
+    def pin(self, role: Role, key: str) -> None:
+        """A decode is about to pull this (prefill) slot's KV: the slot is still in use."""
+        self.state(role, key).pinned += 1
+
+    def unpin(self, role: Role, key: str) -> None:
+        self.state(role, key).pinned -= 1
+
+    def busy(self, role: Role, key: str) -> int:
+        """Requests that still need the slot: legs in flight plus KV waiting to be pulled."""
+        entry = self._states.get((role, key))
+        return 0 if entry is None else entry.in_flight + entry.pinned
+
+    def busy_slots(self) -> Iterator[tuple[Role, str, int]]:
+        """``(role, key, busy)`` of every slot that is in use, whatever table it came from."""
+        for (role, key), entry in self._states.items():
+            count = entry.in_flight + entry.pinned
+            if count > 0:
+                yield role, key, count

@@ -53,12 +53,36 @@ class ProxyMetrics:
             "pdserve_proxy_routing_generation", "Generation of the routing table being served", registry=r
         )
         self.slots = Gauge("pdserve_proxy_routing_slots", "Routable slots per role", ["role"], registry=r)
+        self.loaded_at = Gauge(
+            "pdserve_proxy_routing_loaded_timestamp_seconds",
+            "Unix time the served routing table was loaded",
+            registry=r,
+        )
         self.reloads = Counter(
-            "pdserve_proxy_routing_reloads", "Routing tables loaded from the routing file", registry=r
+            "pdserve_proxy_routing_reloads", "Routing tables loaded from the table source", registry=r
         )
         self.reload_errors = Counter(
             "pdserve_proxy_routing_reload_errors",
-            "Routing files that could not be served (the last good table was kept)",
+            "Routing tables that could not be served (the last good table was kept)",
+            registry=r,
+        )
+        self.source_up = Gauge(
+            "pdserve_proxy_routing_source_up",
+            "1 while the table source is read and holds a table, 0 while it cannot be read or the "
+            "ConfigMap is missing",
+            registry=r,
+        )
+        self.watch_restarts = Counter(
+            "pdserve_proxy_routing_watch_restarts",
+            "ConfigMap watches started again, by reason (expired, closed, gone, error)",
+            ["reason"],
+            registry=r,
+        )
+        self.watch_errors = Counter(
+            "pdserve_proxy_routing_watch_errors",
+            "Failed ConfigMap list/watch requests, by reason (unreachable, unauthorized, forbidden, "
+            "not_found, http_error, bad_event, internal)",
+            ["reason"],
             registry=r,
         )
         self.retries = Counter(

@@ -1,11 +1,11 @@
-"""Watch the routing file and swap in each valid new table atomically.
+"""The routing-file source: watch a file and offer each new content to the served table.
 
 The file is usually a mounted ConfigMap: the kubelet writes a new ``..<timestamp>`` directory
 and atomically repoints the ``..data`` symlink, so the watched path keeps its name while the
 file behind it changes. We therefore poll the *resolved* target (real path, inode, mtime,
 size) rather than waiting for events on the path itself; this also catches a plainly
-rewritten file. Requests take one snapshot of the state when they start, so in-flight
-requests (and their retries) finish on the table they started with.
+rewritten file. Parsing, validation and the swap are :class:`pdserve.proxy.served.ServedTable`'s,
+shared with the ConfigMap watch.
 """
 
 from __future__ import annotations
@@ -13,28 +13,16 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-from dataclasses import dataclass
 from pathlib import Path
 
-from pdserve.proxy.connectors import Connector, make_connector
-from pdserve.proxy.metrics import ProxyMetrics
-from pdserve.routing import Role, RoutingTableError, SlotTable, build_slot_table, load_routing_table
+from pdserve.proxy.served import RoutingState, ServedTable, parse_state
+from pdserve.routing import RoutingTableError
+
+__all__ = ["RoutingState", "RoutingWatcher", "file_signature"]
 
 log = logging.getLogger("pdserve.proxy.reload")
 
 FileSignature = tuple[str, int, int, int, int]
-
-
-@dataclass(frozen=True)
-class RoutingState:
-    """One served generation: its slots and the connector that speaks its protocol."""
-
-    slots: SlotTable
-    connector: Connector
-
-    @property
-    def generation(self) -> int:
-        return self.slots.table.generation
 
 
 def file_signature(path: Path) -> FileSignature:
@@ -47,12 +35,10 @@ def file_signature(path: Path) -> FileSignature:
 
 
 class RoutingWatcher:
-    def __init__(self, path: Path, metrics: ProxyMetrics, interval: float = 0.2) -> None:
+    def __init__(self, path: Path, served: ServedTable, interval: float = 0.2) -> None:
         self.path = path
-        self.metrics = metrics
+        self.served = served
         self.interval = interval
-        self.current: RoutingState | None = None
-        self.last_error: str | None = None
         self._seen: FileSignature | None = None
         self._suspect: FileSignature | None = None
 
@@ -66,39 +52,17 @@ class RoutingWatcher:
         if signature == self._seen:
             return False
         try:
-            text = self.path.read_bytes()
-            table = load_routing_table(text)
-            state = RoutingState(build_slot_table(table), make_connector(table.connector))
+            state = parse_state(self.path.read_bytes())
         except (OSError, RoutingTableError, ValueError) as exc:
             if confirm_errors and self._suspect != signature:
                 self._suspect = signature  # look again next poll before calling it an error
                 return False
             self._seen = signature
-            self._record_error(
-                f"routing file {self.path} rejected, keeping generation "
-                f"{self.current.generation if self.current else 'none'}: {exc}"
-            )
+            self.served.reject(f"routing file {self.path}", str(exc))
             return False
         self._seen = signature
         self._suspect = None
-        old = self.current
-        if old is not None and old.generation == table.generation and old.slots.table.same_content(table):
-            return False
-        self.current = state
-        self.last_error = None
-        self.metrics.reloads.inc()
-        self.metrics.generation.set(table.generation)
-        for role in Role:
-            self.metrics.slots.labels(role.value).set(len(state.slots.slots(role)))
-        log.info(
-            "routing table loaded: deployment=%s generation=%d connector=%s prefill_slots=%d decode_slots=%d",
-            table.deployment,
-            table.generation,
-            state.connector.name,
-            len(state.slots.prefill),
-            len(state.slots.decode),
-        )
-        return True
+        return self.served.swap(state)
 
     async def run(self) -> None:
         while True:
@@ -107,9 +71,3 @@ class RoutingWatcher:
                 self.poll()
             except Exception:  # the watcher must outlive any surprise; the last good table stays
                 log.exception("routing file watcher failed; retrying")
-
-    def _record_error(self, message: str, count: bool = True) -> None:
-        self.last_error = message
-        if count:
-            self.metrics.reload_errors.inc()
-        log.error("%s", message)

@@ -21,7 +21,7 @@ import uvicorn
 from hypercorn.asyncio import serve as hypercorn_serve
 from hypercorn.config import Config as HypercornConfig
 
-from pdserve.proxy.app import create_app
+from pdserve.proxy.app import Lifecycle, create_app
 from pdserve.proxy.generation import GenerationApp
 from pdserve.proxy.settings import ProxySettings
 
@@ -97,22 +97,49 @@ SERVERS: dict[str, Callable[[GenerationApp, ProxySettings, asyncio.Event], Await
 
 
 async def serve_until_signalled(settings: ProxySettings) -> None:
+    """Serve until SIGTERM/SIGINT; then /ready turns 503 at once, connections are still accepted
+    for ``shutdown_delay_seconds``, then the server stops accepting and in-flight requests get
+    ``grace_seconds`` to finish. A second signal skips what is left of the delay."""
     serve = SERVERS[settings.http_server]
-    app = create_app(settings)
+    lifecycle = Lifecycle()
+    app = create_app(settings, lifecycle)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
+    delayed: list[asyncio.TimerHandle] = []
+
+    def signalled(sig: signal.Signals) -> None:
+        if lifecycle.stopping:
+            stop.set()
+            return
+        lifecycle.stopping = True
+        log.info(
+            "%s: not ready from now on; stop accepting in %g s, then let in-flight requests finish "
+            "for up to %g s",
+            sig.name,
+            settings.shutdown_delay_seconds,
+            settings.grace_seconds,
+        )
+        if settings.shutdown_delay_seconds > 0:
+            delayed.append(loop.call_later(settings.shutdown_delay_seconds, stop.set))
+        else:
+            stop.set()
+
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, signalled, sig)
     log.info(
-        "pdserve proxy listening on %s:%d (http server %s, policy=%s, backlog=%d, routing file %s)",
+        "pdserve proxy listening on %s:%d (http server %s, policy=%s, backlog=%d, routing table from %s)",
         settings.host,
         settings.port,
         settings.http_server,
         settings.policy,
         settings.backlog,
-        settings.routing_file,
+        settings.source,
     )
-    await serve(app, settings, stop)
+    try:
+        await serve(app, settings, stop)
+    finally:
+        for handle in delayed:
+            handle.cancel()
     log.info("pdserve proxy stopped")
 
 

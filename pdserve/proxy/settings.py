@@ -4,8 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from pdserve.proxy.policies import DEFAULT_POLICY
+
+if TYPE_CHECKING:  # the ConfigMap source's types; the file source never imports them
+    from pdserve.proxy.kubeconfig import ApiCredentials, ConfigMapRef
 
 # Defaults suit real models: a long prompt's prefill or a busy decode's first token can take
 # minutes, so deadlines only catch what is truly stuck.
@@ -16,11 +20,17 @@ DEFAULT_MAX_BODY_BYTES = 32 * 1024 * 1024
 # The ASGI servers the proxy can run on (pdserve.proxy.server has one function per name).
 HTTP_SERVERS = ("hypercorn", "uvicorn")
 DEFAULT_HTTP_SERVER = "hypercorn"
+# On SIGTERM in-flight streams get this long to finish: a long generation runs for minutes.
+DEFAULT_SHUTDOWN_GRACE_S = 120.0
 
 
 @dataclass(frozen=True)
 class ProxySettings:
-    routing_file: Path
+    """Exactly one table source: ``routing_file``, or ``routing_configmap`` with ``kube``."""
+
+    routing_file: Path | None = None
+    routing_configmap: ConfigMapRef | None = None
+    kube: ApiCredentials | None = None
     host: str = "0.0.0.0"
     port: int = 8000
     policy: str = DEFAULT_POLICY
@@ -36,6 +46,14 @@ class ProxySettings:
     stream_idle_timeout: float = DEFAULT_STREAM_IDLE_S
     connect_timeout: float = 5.0
     keep_alive_seconds: float = 300.0
-    grace_seconds: float = 30.0
+    grace_seconds: float = DEFAULT_SHUTDOWN_GRACE_S
+    shutdown_delay_seconds: float = 0.0
     reload_interval: float = 0.2
     log_level: str = "info"
+
+    @property
+    def source(self) -> str:
+        """The table source, for logs and ``/routing/served``."""
+        if self.routing_configmap is not None:
+            return f"configmap {self.routing_configmap}"
+        return f"file {self.routing_file}"

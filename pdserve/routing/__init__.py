@@ -3,7 +3,14 @@
 Depends on nothing else in pdserve: the operator, the local mode and the proxy all import it.
 """
 
-from pdserve.routing.slots import Slot, SlotTable, build_slot_table, interleaved_slots
+from pdserve.routing.slots import (
+    Slot,
+    SlotTable,
+    build_slot_table,
+    interleaved_slots,
+    slot_key,
+    split_slot_key,
+)
 from pdserve.routing.table import (
     API_VERSION,
     CONFIGMAP_KEY,
@@ -34,4 +41,6 @@ __all__ = [
     "interleaved_slots",
     "load_routing_table",
     "parse_routing_table",
+    "slot_key",
+    "split_slot_key",
 ]

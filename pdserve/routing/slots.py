@@ -26,7 +26,7 @@ class Slot:
     @property
     def key(self) -> str:
         """Stable label for metrics and debug output: ``<instance>/<rank>``."""
-        return f"{self.instance.name}/{self.dp_rank}"
+        return slot_key(self.instance.name, self.dp_rank)
 
     @property
     def rank_header(self) -> int | None:
@@ -36,6 +36,16 @@ class Slot:
     @property
     def url(self) -> str:
         return self.instance.url
+
+
+def slot_key(instance: str, dp_rank: int) -> str:
+    return f"{instance}/{dp_rank}"
+
+
+def split_slot_key(key: str) -> tuple[str, int]:
+    """``(instance, dp_rank)`` of a :func:`slot_key` (instance names never contain ``/``)."""
+    instance, _, rank = key.rpartition("/")
+    return instance, int(rank)
 
 
 def interleaved_slots(instances: Iterable[Instance]) -> tuple[Slot, ...]:

@@ -9,6 +9,7 @@ import os
 import signal
 import socket
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -16,7 +17,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from tests.support.pdstack import PDStack, Sim, eventually, http, proxy_args, sse_events
+from tests.support.pdstack import PDStack, eventually, http, only_these_serve, proxy_args, sse_events
 from tests.support.procs import Proc, ProcessGroup
 
 
@@ -86,17 +87,6 @@ def publish_configmap(mount: Path, version: int, doc: dict[str, Any]) -> None:
         (mount / "routing.json").symlink_to("..data/routing.json")
 
 
-def only_new_slots_serve(stack: PDStack, proxy: Proc, prefill: list[Sim], decode: list[Sim]) -> None:
-    for sim in stack.sims.values():
-        sim.reset()
-    n = 2 * len(prefill) * len(decode)
-    for _ in range(n):
-        assert http("POST", proxy.url + "/v1/completions", {"prompt": "x", "max_tokens": 2}).status == 200
-    for name, sim in stack.sims.items():
-        expected = n // len(prefill) if sim in prefill else n // len(decode) if sim in decode else 0
-        assert sim.stats()["requests"] == expected, name
-
-
 async def test_hot_reload_configmap_swap_under_load(stack: PDStack, tmp_path: Path) -> None:
     s = stack.sims
     mount = tmp_path / "routing"
@@ -121,7 +111,7 @@ async def test_hot_reload_configmap_swap_under_load(stack: PDStack, tmp_path: Pa
     metrics = http("GET", proxy.url + "/metrics").body.decode()
     assert "pdserve_proxy_routing_reloads_total 4.0" in metrics
     assert "pdserve_proxy_routing_reload_errors_total 0.0" in metrics
-    only_new_slots_serve(stack, proxy, [s["p0"]], [s["d0"], s["d1"]])
+    only_these_serve(stack, proxy.url, [s["p0"]], [s["d0"], s["d1"]])
 
 
 async def test_hot_reload_plain_rewrite_under_load_keeps_the_last_good_table(
@@ -147,7 +137,7 @@ async def test_hot_reload_plain_rewrite_under_load_keeps_the_last_good_table(
     assert_all_complete(await load)
     metrics = http("GET", proxy.url + "/metrics").body.decode()
     assert "pdserve_proxy_routing_reload_errors_total 1.0" in metrics
-    only_new_slots_serve(stack, proxy, [s["p0"], s["p1"]], [s["d1"]])
+    only_these_serve(stack, proxy.url, [s["p0"], s["p1"]], [s["d1"]])
 
 
 # --- damage -------------------------------------------------------------------------------------
@@ -218,27 +208,105 @@ def test_client_disconnect_during_prefill_cancels_it_and_sends_no_decode(stack: 
     eventually(lambda: stack.metric("pdserve_proxy_in_flight") == 0)
 
 
-def test_sigterm_lets_in_flight_streams_finish(stack: PDStack, tmp_path: Path) -> None:
-    dlong = stack.sims["dlong"]
-    stack.route([stack.sims["p0"]], [dlong])
-    proxy = stack.group.start("proxy-sigterm", proxy_args(stack.routing_file, "--grace-seconds", "20"))
+def stream_in_background(url: str, max_tokens: int) -> tuple[threading.Thread, dict[str, Any]]:
     result: dict[str, Any] = {}
 
     def stream() -> None:
-        answer = http(
-            "POST", proxy.url + "/v1/completions", {"prompt": "x", "max_tokens": 20, "stream": True}
-        )
-        result["answer"] = answer
+        body = {"prompt": "x", "max_tokens": max_tokens, "stream": True}
+        result["answer"] = http("POST", url + "/v1/completions", body)
+        result["ended"] = time.monotonic()
 
     client = threading.Thread(target=stream)
     client.start()
-    eventually(lambda: dlong.stats()["in_flight"] == 1)
-    proxy.popen.send_signal(signal.SIGTERM)
-    client.join(30)
-    answer = result["answer"]
+    return client, result
+
+
+def refused(port: int) -> bool:
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=2).close()
+    except OSError:
+        return True
+    return False
+
+
+def assert_whole_stream(answer: Any, tokens: int) -> None:
     assert answer.status == 200
     events = sse_events(answer.body)
-    assert events[-1] == "[DONE]" and len(events) == 21  # every token, then [DONE]
+    assert events[-1] == "[DONE]" and len(events) == tokens + 1  # every token, then [DONE]
+
+
+def test_sigterm_lets_in_flight_streams_finish(stack: PDStack, tmp_path: Path) -> None:
+    """Default (no shutdown delay): connections are refused at once, the stream goes on."""
+    dlong = stack.sims["dlong"]
+    stack.route([stack.sims["p0"]], [dlong])
+    proxy = stack.group.start("proxy-sigterm", proxy_args(stack.routing_file, "--grace-seconds", "20"))
+    client, result = stream_in_background(proxy.url, 20)
+    eventually(lambda: dlong.stats()["in_flight"] == 1)
+    proxy.popen.send_signal(signal.SIGTERM)
+    eventually(lambda: refused(proxy.port), timeout=5)
+    assert "answer" not in result and dlong.stats()["in_flight"] == 1  # still streaming
+    client.join(30)
+    assert_whole_stream(result["answer"], 20)
     assert proxy.popen.wait(20) == 0
-    with pytest.raises(OSError):
-        socket.create_connection(("127.0.0.1", proxy.port), timeout=2).close()
+    assert refused(proxy.port)
+
+
+def test_sigterm_turns_ready_503_at_once_then_stops_accepting(stack: PDStack) -> None:
+    """With --shutdown-delay-seconds: /ready is 503 from the signal on while connections are
+    still accepted (a load balancer sees the router leave), then new connections are refused,
+    and the in-flight stream finishes within the grace period."""
+    dlong = stack.sims["dlong"]
+    stack.route([stack.sims["p0"]], [dlong])
+    args = proxy_args(stack.routing_file, "--shutdown-grace-seconds", "20", "--shutdown-delay-seconds", "1")
+    proxy = stack.group.start("proxy-sigterm-delay", args)
+    assert http("GET", proxy.url + "/ready").status == 200
+    client, result = stream_in_background(proxy.url, 30)  # 3 s at 100 ms per token
+    eventually(lambda: dlong.stats()["in_flight"] == 1)
+    signalled = time.monotonic()
+    proxy.popen.send_signal(signal.SIGTERM)
+    answer = http("GET", proxy.url + "/ready")
+    assert answer.status == 503 and answer.json()["reason"].startswith("shutting down (SIGTERM)")
+    assert time.monotonic() - signalled < 1.0  # answered during the delay, on a new connection
+    eventually(lambda: refused(proxy.port), timeout=5)
+    stopped_accepting = time.monotonic()
+    assert "answer" not in result  # the stream outlives the listener
+    client.join(30)
+    assert_whole_stream(result["answer"], 30)
+    assert result["ended"] > stopped_accepting
+    assert proxy.popen.wait(20) == 0
+    assert "SIGTERM: not ready from now on; stop accepting in 1 s" in proxy.log()
+
+
+def test_routing_served_counts_a_stream_on_an_instance_that_left_the_table(stack: PDStack) -> None:
+    s = stack.sims
+    dlong = s["dlong"]
+    stack.route([s["p0"]], [dlong])
+    assert stack.proxy is not None
+    url = stack.proxy.url
+    client, result = stream_in_background(url, 30)
+    eventually(lambda: dlong.stats()["in_flight"] == 1)
+    view = http("GET", url + "/routing/served").json()
+    assert view["instances"]["dlong"] == {
+        "role": "decode",
+        "in_table": True,
+        "routable": True,
+        "in_flight": 1,
+    }
+    stack.write(stack.table([s["p0"]], [s["d0"]]))  # a table without dlong; its stream goes on
+    view = http("GET", url + "/routing/served").json()
+    assert view["generation"] == stack.generation and view["source"] == f"file {stack.routing_file}"
+    assert view["routable"] == {"prefill": 1, "decode": 1}
+    assert view["instances"]["dlong"] == {
+        "role": "decode",
+        "in_table": False,
+        "routable": False,
+        "in_flight": 1,
+    }
+    assert {"role": "decode", "instance": "dlong", "dp_rank": 0, "in_flight": 1} in view["slots"]
+    assert view["instances"]["d0"] == {"role": "decode", "in_table": True, "routable": True, "in_flight": 0}
+    assert view["instances"]["p0"]["in_flight"] == 0  # the prefill's KV was pulled at the first byte
+    client.join(30)
+    assert_whole_stream(result["answer"], 30)
+    view = http("GET", url + "/routing/served").json()
+    assert "dlong" not in view["instances"]  # 0 in flight: no longer listed
+    assert all(row["instance"] != "dlong" for row in view["slots"])

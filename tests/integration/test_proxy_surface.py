@@ -91,8 +91,19 @@ def test_api_key_is_required_except_on_probes(stack: PDStack) -> None:
         answer = stack.complete(headers=headers)
         assert answer.status == 401 and error_of(answer.body)["code"] == "invalid_api_key"
         assert http("GET", stack.url + "/debug/routing", headers=headers).status == 401
-    for probe in ("/health", "/ready", "/metrics"):
+    for probe in ("/health", "/ready", "/metrics", "/routing/served"):
         assert http("GET", stack.url + probe).status == 200, probe
+
+
+def test_routing_served_is_open_and_shows_no_secrets_or_addresses(stack: PDStack) -> None:
+    stack.route([stack.sims["p0"]], [stack.sims["d0"]])
+    answer = http("GET", stack.url + "/routing/served")  # no key: the operator carries none
+    view = answer.json()
+    assert answer.status == 200 and view["generation"] == stack.generation
+    assert view["routable"] == {"prefill": 1, "decode": 2}
+    assert [(r["instance"], r["dp_rank"]) for r in view["slots"]] == [("p0", 0), ("d0", 0), ("d0", 1)]
+    for secret in (CLIENT_KEY, BACKEND_KEY, "http://"):
+        assert secret not in answer.body.decode()
 
 
 def test_backend_key_replaces_the_client_key(stack: PDStack) -> None:

@@ -19,7 +19,9 @@ Mark tests that use these ``@pytest.mark.cluster``.
 
 from __future__ import annotations
 
+import base64
 import contextlib
+import json
 import os
 import re
 import secrets
@@ -32,6 +34,7 @@ from pathlib import Path, PosixPath
 from typing import Any, TypeVar
 
 import pytest
+import yaml
 
 REPO = Path(__file__).resolve().parents[2]
 # hack/cluster/up honours the same variable (a second, separate cluster needs other ports too).
@@ -248,3 +251,74 @@ def kube_api(kube_cluster: KubeCluster) -> Iterator[Any]:
     finally:
         with contextlib.suppress(Exception):
             client.close()
+
+
+# --- a router's access to its routing ConfigMap, as the operator grants it ------------------------
+
+
+def kubectl_for(kubeconfig: Path) -> Tool:
+    """The built kubectl (else the one on PATH) bound to ``kubeconfig``; usable outside pytest."""
+    return _tool("kubectl", _local_bin(build_if_missing=False), kubeconfig)
+
+
+def router_role(namespace: str, account: str, configmap: str) -> list[dict[str, Any]]:
+    """ServiceAccount, Role (get/list/watch on the one ConfigMap, by resourceNames), RoleBinding."""
+    meta = {"name": account, "namespace": namespace}
+    return [
+        {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": meta},
+        {
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "Role",
+            "metadata": meta,
+            "rules": [
+                {
+                    "apiGroups": [""],
+                    "resources": ["configmaps"],
+                    "resourceNames": [configmap],
+                    "verbs": ["get", "list", "watch"],
+                }
+            ],
+        },
+        {
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "RoleBinding",
+            "metadata": meta,
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": account},
+            "subjects": [{"kind": "ServiceAccount", "name": account, "namespace": namespace}],
+        },
+    ]
+
+
+def apply_objects(kubectl: Tool, objects: list[dict[str, Any]]) -> None:
+    doc = {"apiVersion": "v1", "kind": "List", "items": objects}
+    kubectl("apply", "--server-side", "--force-conflicts", "-f", "-", input=json.dumps(doc))
+
+
+def grant_router_access(
+    kubectl: Tool, namespace: str, account: str, configmap: str, with_role: bool = True
+) -> None:
+    """What the operator creates for a router: the account always, the Role and binding unless
+    ``with_role`` is False (to see what a router says when RBAC is missing)."""
+    objects = router_role(namespace, account, configmap)
+    apply_objects(kubectl, objects if with_role else objects[:1])
+
+
+def router_kubeconfig(
+    kubectl: Tool, namespace: str, account: str, directory: Path, server: str | None = None
+) -> Path:
+    """A kubeconfig with a TokenRequest token of the ServiceAccount (what a router pod mounts),
+    for the admin kubeconfig's API server, or ``server`` (a forwarder, a closed port)."""
+    from pdserve.proxy.kubeconfig import token_kubeconfig
+
+    admin = json.loads(kubectl("config", "view", "--raw", "--minify", "-o", "json").stdout)
+    cluster = admin["clusters"][0]["cluster"]
+    if "certificate-authority-data" in cluster:
+        ca = base64.b64decode(cluster["certificate-authority-data"])
+    else:
+        ca = (kubectl.kubeconfig.parent / cluster["certificate-authority"]).read_bytes()
+    token = kubectl("create", "token", account, "-n", namespace, "--duration=2h").stdout.strip()
+    doc = token_kubeconfig(server or cluster["server"], ca, token, namespace)
+    path = directory / f"kubeconfig-{account}-{secrets.token_hex(3)}"
+    path.write_text(yaml.safe_dump(doc))
+    path.chmod(0o600)
+    return path

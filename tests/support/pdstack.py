@@ -31,6 +31,12 @@ def proxy_args(routing_file: Path, *extra: str) -> list[str]:
     return ["proxy", "--routing-file", str(routing_file), "--http-server", TEST_HTTP_SERVER, *extra]
 
 
+def configmap_proxy_args(configmap: str, kubeconfig: Path, *extra: str) -> list[str]:
+    """The same for a proxy that watches ``NAMESPACE/NAME`` through the API server."""
+    source = ["--routing-configmap", configmap, "--kubeconfig", str(kubeconfig)]
+    return ["proxy", *source, "--host", "127.0.0.1", "--http-server", TEST_HTTP_SERVER, *extra]
+
+
 @dataclass
 class HttpAnswer:
     status: int
@@ -189,25 +195,40 @@ class PDStack:
         return http("GET", self.url + "/debug/routing", headers=headers or self.admin_headers).json()  # type: ignore[no-any-return]
 
     def metric(self, name: str, **labels: str) -> float:
-        """Sum of a proxy metric's samples whose labels include ``labels``."""
-        text = http("GET", self.url + "/metrics").body.decode()
-        total = 0.0
-        for line in text.splitlines():
-            if line.startswith("#") or not line.startswith(name):
-                continue
-            head, _, value = line.rpartition(" ")
-            metric_name, _, label_text = head.partition("{")
-            if metric_name != name:
-                continue
-            if all(f'{k}="{v}"' in label_text for k, v in labels.items()):
-                total += float(value)
-        return total
+        return proxy_metric(self.url, name, **labels)
 
     def complete(
         self, stream: bool = False, headers: dict[str, str] | None = None, **body: Any
     ) -> HttpAnswer:
         payload = {"prompt": "hello", "max_tokens": 3, "stream": stream, **body}
         return http("POST", self.url + "/v1/completions", payload, headers=headers)
+
+
+def proxy_metric(url: str, name: str, **labels: str) -> float:
+    """Sum of a proxy metric's samples whose labels include ``labels``."""
+    text = http("GET", url + "/metrics").body.decode()
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith("#") or not line.startswith(name):
+            continue
+        head, _, value = line.rpartition(" ")
+        metric_name, _, label_text = head.partition("{")
+        if metric_name == name and all(f'{k}="{v}"' in label_text for k, v in labels.items()):
+            total += float(value)
+    return total
+
+
+def only_these_serve(stack: PDStack, proxy_url: str, prefill: Sequence[Sim], decode: Sequence[Sim]) -> None:
+    """2·P·D requests through the proxy reach exactly the given slots, each its exact share."""
+    for sim in stack.sims.values():
+        sim.reset()
+    n = 2 * len(prefill) * len(decode)
+    for _ in range(n):
+        answer = http("POST", proxy_url + "/v1/completions", {"prompt": "x", "max_tokens": 2})
+        assert answer.status == 200, answer.body
+    for name, sim in stack.sims.items():
+        expected = n // len(prefill) if sim in prefill else n // len(decode) if sim in decode else 0
+        assert sim.stats()["requests"] == expected, name
 
 
 def sse_events(body: bytes) -> list[str]:

@@ -30,6 +30,22 @@ RULES = {
         "pdserve.local",
     ),
     "pdserve.proxy.app": ("kopf", "kubernetes", "pdserve.sim", "pdserve.deployment", "pdserve.operator"),
+    # the ConfigMap watch speaks to the API server with aiohttp alone
+    "pdserve.proxy.kubewatch": (
+        "kopf",
+        "kubernetes",
+        "pdserve.sim",
+        "pdserve.deployment",
+        "pdserve.operator",
+    ),
+    "pdserve.proxy.kubeconfig": (
+        "kopf",
+        "kubernetes",
+        "yaml",
+        "pdserve.sim",
+        "pdserve.deployment",
+        "pdserve.operator",
+    ),
     "pdserve.sim.cli": ("kopf", "kubernetes", "pdserve.proxy", "pdserve.routing", "pdserve.deployment"),
     "pdserve.sim.server": ("kopf", "kubernetes", "pdserve.proxy", "pdserve.deployment"),
     "pdserve.deployment.objects": ("kopf", "kubernetes", "pdserve.proxy", "pdserve.sim", "pdserve.operator"),

@@ -9,6 +9,12 @@ from typing import Any
 
 from pdserve.proxy.metrics import ProxyMetrics
 from pdserve.proxy.reload import RoutingWatcher
+from pdserve.proxy.served import ServedTable
+
+
+def watch(path: Path, metrics: ProxyMetrics | None = None) -> tuple[RoutingWatcher, ServedTable]:
+    served = ServedTable(metrics or ProxyMetrics(), f"file {path}")
+    return RoutingWatcher(path, served), served
 
 
 def table(generation: int, decode_ready: bool = True) -> dict[str, Any]:
@@ -31,13 +37,13 @@ def test_plain_rewrite_is_picked_up(tmp_path: Path) -> None:
     path = tmp_path / "routing.json"
     path.write_text(json.dumps(table(1)))
     metrics = ProxyMetrics()
-    watcher = RoutingWatcher(path, metrics)
+    watcher, served = watch(path, metrics)
     assert watcher.poll(confirm_errors=False)
-    assert watcher.current is not None and watcher.current.generation == 1
+    assert served.current is not None and served.current.generation == 1
     assert not watcher.poll()  # unchanged
     path.write_text(json.dumps(table(2, decode_ready=False)))
     assert watcher.poll()
-    assert watcher.current.generation == 2 and watcher.current.slots.decode == ()
+    assert served.current.generation == 2 and served.current.slots.decode == ()
     assert value(metrics, "pdserve_proxy_routing_generation") == 2
     assert value(metrics, "pdserve_proxy_routing_reloads_total") == 2
 
@@ -57,19 +63,19 @@ def test_configmap_data_symlink_swap(tmp_path: Path) -> None:
 
     publish("2026_01_01_v1", table(1))
     (mount / "routing.json").symlink_to("..data/routing.json")
-    watcher = RoutingWatcher(mount / "routing.json", ProxyMetrics())
-    assert watcher.poll(confirm_errors=False) and watcher.current is not None
-    assert watcher.current.generation == 1
+    watcher, served = watch(mount / "routing.json")
+    assert watcher.poll(confirm_errors=False) and served.current is not None
+    assert served.current.generation == 1
     publish("2026_01_01_v2", table(2))
     assert watcher.poll()
-    assert watcher.current.generation == 2
+    assert served.current.generation == 2
 
 
 def test_invalid_file_keeps_the_last_good_table_and_is_counted_once(tmp_path: Path) -> None:
     path = tmp_path / "routing.json"
     path.write_text(json.dumps(table(1)))
     metrics = ProxyMetrics()
-    watcher = RoutingWatcher(path, metrics)
+    watcher, served = watch(path, metrics)
     watcher.poll(confirm_errors=False)
     bad = table(2)
     bad["decode"][0]["dpSize"] = "one"
@@ -79,26 +85,29 @@ def test_invalid_file_keeps_the_last_good_table_and_is_counted_once(tmp_path: Pa
     assert not watcher.poll()  # still bad on the next poll: an error
     assert not watcher.poll()  # and counted once, not once per poll
     assert value(metrics, "pdserve_proxy_routing_reload_errors_total") == 1
-    assert watcher.current is not None and watcher.current.generation == 1
-    assert watcher.last_error is not None and "decode[0].dpSize" in watcher.last_error
+    assert served.current is not None and served.current.generation == 1
+    assert served.last_error is not None and "decode[0].dpSize" in served.last_error
     path.write_text(json.dumps(table(3)))
-    assert watcher.poll() and watcher.current.generation == 3 and watcher.last_error is None
+    assert watcher.poll() and served.current.generation == 3 and served.last_error is None
 
 
 def test_missing_file_at_start_is_not_ready_until_it_appears(tmp_path: Path) -> None:
     path = tmp_path / "routing.json"
-    watcher = RoutingWatcher(path, ProxyMetrics())
+    watcher, served = watch(path)
     assert not watcher.poll(confirm_errors=False)
-    assert watcher.current is None and watcher.last_error is not None and "routing.json" in watcher.last_error
+    assert served.current is None and served.last_error is not None and "routing.json" in served.last_error
+    reason = served.not_ready_reason()
+    assert reason is not None and reason.startswith(f"no routing table loaded yet from file {path}")
     path.write_text(json.dumps(table(4)))
-    assert watcher.poll() and watcher.current is not None and watcher.current.generation == 4
+    assert watcher.poll() and served.current is not None and served.current.generation == 4
+    assert served.not_ready_reason() is None
 
 
 def test_same_content_same_generation_is_not_a_reload(tmp_path: Path) -> None:
     path = tmp_path / "routing.json"
     path.write_text(json.dumps(table(1)))
     metrics = ProxyMetrics()
-    watcher = RoutingWatcher(path, metrics)
+    watcher, _ = watch(path, metrics)
     watcher.poll(confirm_errors=False)
     path.write_text(json.dumps(table(1), indent=4))  # new bytes, same table
     assert not watcher.poll()
