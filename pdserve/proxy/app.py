@@ -77,6 +77,8 @@ def create_app(settings: ProxySettings) -> GenerationApp:
         deadlines,
         settings.max_retries,
         settings.backend_api_key,
+        settings.kv_lease_seconds,
+        settings.max_fan_out,
     )
     tasks: list[asyncio.Task[None]] = []
 
@@ -160,6 +162,9 @@ def create_app(settings: ProxySettings) -> GenerationApp:
             "last_reload_error": watcher.last_error,
             "generation": state.generation if state else None,
             "table": state.slots.table.to_dict() if state else None,
+            "revisions": state.slots.revisions() if state else {},
+            "unpaired": [u.describe() for u in state.slots.unpaired] if state else [],
+            "unreachable": dispatcher.unreachable.snapshot(),
             "slots": {},
         }
         for role in Role:
@@ -170,6 +175,7 @@ def create_app(settings: ProxySettings) -> GenerationApp:
                     {
                         "slot": slot.key,
                         "url": slot.url,
+                        "revision": slot.revision,
                         "dp_rank": slot.dp_rank,
                         "rank_header": slot.rank_header,
                         "requests": s.requests,

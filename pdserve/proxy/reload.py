@@ -90,6 +90,7 @@ class RoutingWatcher:
         self.metrics.generation.set(table.generation)
         for role in Role:
             self.metrics.slots.labels(role.value).set(len(state.slots.slots(role)))
+        self.metrics.set_unpaired((u.role.value, u.revision, u.slots) for u in state.slots.unpaired)
         log.info(
             "routing table loaded: deployment=%s generation=%d connector=%s prefill_slots=%d decode_slots=%d",
             table.deployment,
@@ -98,6 +99,8 @@ class RoutingWatcher:
             len(state.slots.prefill),
             len(state.slots.decode),
         )
+        for unpaired in state.slots.unpaired:
+            log.warning("routing table generation %d: %s", table.generation, unpaired.describe())
         return True
 
     async def run(self) -> None:

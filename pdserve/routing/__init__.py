@@ -3,7 +3,7 @@
 Depends on nothing else in pdserve: the operator, the local mode and the proxy all import it.
 """
 
-from pdserve.routing.slots import Slot, SlotTable, build_slot_table, interleaved_slots
+from pdserve.routing.slots import Slot, SlotTable, Unpaired, build_slot_table, interleaved_slots
 from pdserve.routing.table import (
     API_VERSION,
     CONFIGMAP_KEY,
@@ -30,6 +30,7 @@ __all__ = [
     "RoutingTableError",
     "Slot",
     "SlotTable",
+    "Unpaired",
     "build_slot_table",
     "interleaved_slots",
     "load_routing_table",

@@ -81,6 +81,16 @@ def count_prompt_tokens(body: Mapping[str, Any], endpoint: Endpoint) -> int:
     return 1
 
 
+def sequences(body: Mapping[str, Any], endpoint: Endpoint) -> int:
+    """How many sequences vLLM would make of the request: prompts of a batch times ``n``."""
+    n = body.get("n")
+    count = n if isinstance(n, int) and not isinstance(n, bool) and n > 1 else 1
+    prompt = body.get("prompt") if endpoint == "completions" else None
+    if isinstance(prompt, list) and prompt and all(isinstance(p, str | list) for p in prompt):
+        count *= len(prompt)
+    return count
+
+
 def wants_usage_in_stream(body: Mapping[str, Any]) -> bool:
     options = body.get("stream_options")
     return isinstance(options, Mapping) and options.get("include_usage") is True

@@ -80,6 +80,7 @@ class Simulator:
         self._cursor = 0
         self._next_block = [1] * config.dp_size
         self._started = int(time.time())
+        self._running_ids: set[str] = set()  # X-Request-Id of the requests in flight
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=64 * 1024 * 1024)
@@ -191,6 +192,27 @@ class Simulator:
         wrong_role = self._wrong_role(leg)
         if wrong_role is not None:
             return self._reject("wrong_role", wrong_role)
+        sequences = payloads.sequences(body, endpoint)
+        if leg != "plain" and sequences > 1:
+            return self._reject(
+                "multi_sequence_pd",
+                RequestError(
+                    400,
+                    f"this P/D request makes {sequences} sequences (a batched prompt or n > 1) but "
+                    "kv_transfer_params carries one KV handoff (real vLLM would hand over the first "
+                    "one only)",
+                    "BadRequestError",
+                    param="kv_transfer_params",
+                ),
+            )
+        client_id = request.headers.get(REQUEST_ID)
+        if client_id is not None and client_id in self._running_ids:
+            # vLLM keys requests by this id: a second one in flight collides (older vLLM refuses
+            # it like this; newer vLLM salts its internal id but still aborts by this one).
+            return self._reject(
+                "duplicate_request_id",
+                RequestError(400, f"Request id {client_id} already running.", "BadRequestError"),
+            )
 
         rank = header_rank if header_rank is not None else self._pick_rank()
         job = self._admit(request, endpoint, body, leg, rank, header_rank is not None)
@@ -210,6 +232,8 @@ class Simulator:
                     ),
                 )
 
+        if client_id is not None:
+            self._running_ids.add(client_id)
         s = self.stats
         s.requests += 1
         s.by_rank[rank] += 1
@@ -230,6 +254,7 @@ class Simulator:
             raise
         finally:
             s.in_flight[rank] -= 1
+            self._running_ids.discard(client_id or "")
         return response
 
     def _reject(self, reason: str, exc: RequestError) -> web.Response:

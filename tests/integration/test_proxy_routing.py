@@ -157,10 +157,12 @@ def test_connector_legs(stack: PDStack, connector: str, stream: bool) -> None:
 def check_nixl_legs(
     prefill_legs: list[dict[str, Any]], decode_legs: list[dict[str, Any]], ids: set[str]
 ) -> None:
-    by_id = {leg["request_id"]: leg for leg in prefill_legs}
-    assert set(by_id) == ids  # the client's X-Request-Id reaches both legs
+    # each leg has its own X-Request-Id, made from the client's: <client id>-p1 and <client id>-d1
+    by_id = {leg["request_id"].removesuffix("-p1"): leg for leg in prefill_legs}
+    assert set(by_id) == ids and all(leg["request_id"].endswith("-p1") for leg in prefill_legs)
     for leg in decode_legs:
-        prefill_leg = by_id[leg["request_id"]]
+        assert leg["request_id"].endswith("-d1")
+        prefill_leg = by_id[leg["request_id"].removesuffix("-d1")]
         assert prefill_leg["kv_transfer_params"]["do_remote_decode"] is True
         # forwarded unchanged: every field the prefill answered, nothing renamed or rebuilt
         assert leg["kv_transfer_params"] == prefill_leg["kv_answer"]
