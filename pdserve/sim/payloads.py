@@ -46,6 +46,14 @@ def generated_text(num_tokens: int) -> str:
     return "".join(token_text(i) for i in range(num_tokens))
 
 
+def echoed_prompt(body: Mapping[str, Any], endpoint: Endpoint) -> str:
+    """``echo: true`` on a completion puts its (text) prompt before the output, as vLLM does."""
+    prompt = body.get("prompt")
+    if endpoint == "completions" and body.get("echo") is True and isinstance(prompt, str):
+        return prompt
+    return ""
+
+
 def num_output_tokens(body: Mapping[str, Any], default_tokens: int) -> int:
     """``--tokens`` per request, capped by ``max_tokens`` (or ``max_completion_tokens``)."""
     cap = body.get("max_tokens")

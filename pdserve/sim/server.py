@@ -309,6 +309,9 @@ class Simulator:
             "max_completion_tokens": body.get("max_completion_tokens"),
             "min_tokens": body.get("min_tokens"),
             "stream_options": body.get("stream_options"),
+            "prompt": body.get("prompt"),
+            "n": body.get("n"),
+            "seed": body.get("seed"),
             "transfer_id": params.get("transfer_id") if isinstance(params, Mapping) else None,
             "moriio_request_id": (
                 None
@@ -320,6 +323,10 @@ class Simulator:
                 }
             ),
             "kv_transfer_params": dict(params) if isinstance(params, Mapping) else None,
+            # which prefill engine (instance and DP rank) a decode's handoff came from
+            "handoff_from": params.get("remote_engine_id")
+            if leg == "decode" and isinstance(params, Mapping)
+            else None,
             "authorization": request.headers.get(AUTHORIZATION),
             "fault": None,
             "outcome": "running",
@@ -383,7 +390,7 @@ class Simulator:
             rid,
             c.identity.model,
             job.created,
-            payloads.generated_text(job.num_tokens),
+            payloads.echoed_prompt(job.body, job.endpoint) + payloads.generated_text(job.num_tokens),
             payloads.finish_reason(job.num_tokens, job.body),
             job.prompt_tokens,
             job.num_tokens,
@@ -413,13 +420,19 @@ class Simulator:
             await response.write(payloads.sse(payloads.chat_role_chunk(rid, model, job.created)))
         reason = payloads.finish_reason(job.num_tokens, job.body)
         stop_after = drop_after_chunks(job.num_tokens) if drop else None
+        echo = payloads.echoed_prompt(job.body, job.endpoint)
         for i in range(job.num_tokens):
             await asyncio.sleep((c.ttft_ms if i == 0 else c.itl_ms) / 1000)
             if stop_after is not None and i == stop_after:
                 return await self._abort(request, job)
             last = i == job.num_tokens - 1
             chunk = payloads.stream_chunk(
-                job.endpoint, rid, model, job.created, payloads.token_text(i), reason if last else None
+                job.endpoint,
+                rid,
+                model,
+                job.created,
+                (echo if i == 0 else "") + payloads.token_text(i),
+                reason if last else None,
             )
             if last and kv_answer is not None:
                 chunk["kv_transfer_params"] = kv_answer
