@@ -124,5 +124,5 @@ def test_the_table_carries_each_pods_revision_and_old_pods_keep_theirs() -> None
     # the old decode is unpaired (its prefill is gone): it takes no traffic, and is reported
     assert {s.instance.name for s in slots.decode} == {"r1-decode-1"}
     assert [(u.role, u.revision) for u in slots.unpaired] == [(D, old_rev)]
-    again = build_routing_table(new, observed[:2] + [observed[2]], table)
+    again = build_routing_table(new, list(reversed(observed)), table)  # order of observation
     assert again.generation == table.generation  # same content, same generation
