@@ -19,7 +19,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from pdserve.proxy.attempts import (
@@ -172,7 +172,8 @@ class Dispatcher(LegRunner):
                 current[source.revision] = next_candidate(
                     Role.DECODE, decodes[source.revision], book, unreachable
                 )
-        assert failure is not None
+        if failure is None:  # every decode of the prefill's revision became unreachable meanwhile
+            return self._no_slot(Role.DECODE, slots, slots.decode_for(prefill.revision))
         return self._failure(failure, trace, slots)
 
     async def _fan_out(
@@ -197,6 +198,9 @@ class Dispatcher(LegRunner):
                     reply = replies[tasks.index(task)] = task.result()
                     if reply.status >= 300 and failed is None:
                         failed = reply
+        except BaseException:
+            await _close_streams(replies.values())  # parts that had started streaming
+            raise
         finally:
             for task in tasks:
                 task.cancel()
@@ -207,8 +211,7 @@ class Dispatcher(LegRunner):
         if failed is None and trace.stream and len(streams) != len(tasks):
             failed = error_reply(502, "a decode answered a stream without streaming", "upstream_error", 502)
         if failed is not None:
-            for stream in streams:
-                await stream.aclose()
+            await _close_streams(replies.values())
             return failed
         trace.first_byte = time.monotonic()
         if trace.stream:
@@ -296,3 +299,9 @@ class Dispatcher(LegRunner):
             (now - trace.started) * 1000,
             extra,
         )
+
+
+async def _close_streams(replies: Iterable[Reply]) -> None:
+    for reply in replies:
+        if not isinstance(reply.body, bytes):
+            await reply.body.aclose()

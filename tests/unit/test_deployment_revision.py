@@ -9,28 +9,15 @@ import pytest
 
 from pdserve.deployment.revision import KV_FLAGS, kv_args, pairing_revision
 from pdserve.deployment.routing import ObservedInstance, build_routing_table
-from pdserve.deployment.spec import PDDeployment, parse_pddeployment
+from pdserve.deployment.spec import PDDeployment
 from pdserve.routing import Role, build_slot_table
+from tests.unit.test_deployment_routing import pdd_of as routing_pdd_of
 
 P, D = Role.PREFILL, Role.DECODE
 
 
 def pdd_of(**spec: Any) -> PDDeployment:
-    base: dict[str, Any] = {
-        "model": "meta/llama",
-        "image": "vllm/vllm-openai:v0.32.0",
-        "prefill": {"instances": 1, "dataParallel": 8},
-        "decode": {"instances": 2, "tensorParallel": 4},
-    }
-    base.update(spec)
-    return parse_pddeployment(
-        {
-            "apiVersion": "pdserve.io/v1alpha1",
-            "kind": "PDDeployment",
-            "metadata": {"name": "r1"},
-            "spec": base,
-        }
-    )
+    return routing_pdd_of(**{"engine": "vllm", "image": "vllm/vllm-openai:v0.32.0", **spec})
 
 
 def test_prefill_and_decode_of_one_spec_share_a_revision() -> None:
