@@ -207,7 +207,8 @@ class Dispatcher(LegRunner):
             with contextlib.suppress(asyncio.CancelledError):
                 await asyncio.gather(*tasks, return_exceptions=True)
             trace.attempts = sum(p.attempts for p in trace.parts)
-        streams: list[ReplyStream] = [r.body for r in replies.values() if not isinstance(r.body, bytes)]
+        ordered = [replies[k] for k in sorted(replies)]  # part order: MergedStream indexes by it
+        streams: list[ReplyStream] = [r.body for r in ordered if not isinstance(r.body, bytes)]
         if failed is None and trace.stream and len(streams) != len(tasks):
             failed = error_reply(502, "a decode answered a stream without streaming", "upstream_error", 502)
         if failed is not None:
@@ -219,11 +220,9 @@ class Dispatcher(LegRunner):
                 fan, streams, trace.request_id, lambda outcome: self._close_merged(trace, outcome)
             )
             return Reply(200, merged, "text/event-stream")
-        answers = [replies[k].body for k in range(len(tasks))]
+        answers = [r.body for r in ordered if isinstance(r.body, bytes)]
         try:
-            return Reply(
-                200, merge_answers(fan, [a for a in answers if isinstance(a, bytes)], trace.request_id)
-            )
+            return Reply(200, merge_answers(fan, answers, trace.request_id))
         except ValueError as exc:
             return error_reply(502, f"cannot merge the decodes' answers: {exc}", "upstream_error", 502)
 
