@@ -23,13 +23,12 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-from pdserve import __version__
 from pdserve.deployment.kvconfig import MORIIO, NIXL, kv_transfer_config_json
+from pdserve.deployment.revision import pairing_revision
 from pdserve.deployment.routing import build_routing_table
-from pdserve.deployment.spec import API_VERSION, ENGINE_PORT, KIND, PDDeployment, RoleSpec
+from pdserve.deployment.spec import API_VERSION, DEFAULT_IMAGE, ENGINE_PORT, KIND, PDDeployment, RoleSpec
 from pdserve.routing import CONFIGMAP_KEY, Role, RoutingTable
 
-DEFAULT_IMAGE = f"ghcr.io/pdserve/pdserve:{__version__}"
 ROUTING_MOUNT = "/etc/pdserve/routing"
 ROUTING_FILE = f"{ROUTING_MOUNT}/{CONFIGMAP_KEY}"
 SHM_MOUNT = "/dev/shm"
@@ -48,6 +47,8 @@ TIER_LABEL = "pdserve.io/tier"  # "engine" on every engine pod: what the headles
 # old pods keep serving with their old size, and the routing table must advertise that one.
 DP_SIZE_ANNOTATION = "pdserve.io/dp-size"
 TP_SIZE_ANNOTATION = "pdserve.io/tp-size"
+# Likewise the pairing revision (pdserve.deployment.revision): old pods keep theirs until replaced.
+REVISION_ANNOTATION = "pdserve.io/revision"
 MANAGER = "pdserve-operator"
 
 # Probes. The startup probe allows 30 minutes of model loading (180 x 10 s) before the
@@ -131,6 +132,7 @@ def instance_pod(pdd: PDDeployment, role: Role, index: int) -> dict[str, Any]:
     meta["annotations"] = {
         DP_SIZE_ANNOTATION: str(rs.data_parallel),
         TP_SIZE_ANNOTATION: str(rs.tensor_parallel),
+        REVISION_ANNOTATION: pairing_revision(pdd, role),
     }
     return {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": _pod_spec(pdd, role, name)}
 
@@ -165,6 +167,12 @@ def pod_parallel_sizes(pod: Mapping[str, Any]) -> tuple[int | None, int | None]:
     )
 
 
+def instance_pod_revision(pod: Mapping[str, Any]) -> str | None:
+    """The pairing revision an instance pod runs; None for pods created before revisions."""
+    value = ((pod.get("metadata") or {}).get("annotations") or {}).get(REVISION_ANNOTATION)
+    return value if isinstance(value, str) and value else None
+
+
 def template_hash(pdd: PDDeployment, role: Role) -> str:
     """Short hash of everything that defines an instance pod of ``role``.
 
@@ -183,7 +191,7 @@ def _pod_spec(pdd: PDDeployment, role: Role, pod_name: str) -> dict[str, Any]:
     sim = spec.engine == "sim"
     container: dict[str, Any] = {
         "name": "engine",
-        "image": spec.image or (spec.router.image or DEFAULT_IMAGE),
+        "image": spec.engine_image,
         "command": ["pdserve", "sim"] if sim else ["vllm", "serve"],
         "args": (_sim_args(pdd, role, pod_name) if sim else _vllm_args(pdd, role)) + list(rs.args),
         "ports": [{"name": "http", "containerPort": ENGINE_PORT, "protocol": "TCP"}],

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from pdserve.deployment.kvconfig import kv_address
+from pdserve.deployment.revision import pairing_revision
 from pdserve.deployment.spec import ENGINE_PORT, PDDeployment
 from pdserve.routing import Instance, Role, RoutingTable
 
@@ -33,6 +34,8 @@ class ObservedInstance:
     #: During a rollout that changes dataParallel the old pods still run the old size.
     dp_size: int | None = None
     tp_size: int | None = None
+    #: The pairing revision the instance runs (a pod's ``pdserve.io/revision``); None: the spec's.
+    revision: str | None = None
 
 
 def build_routing_table(
@@ -40,6 +43,7 @@ def build_routing_table(
 ) -> RoutingTable:
     """The table for what is observed now; ``generation`` moves only when the content changes."""
     kv = pdd.spec.kv_transfer
+    current = {role: pairing_revision(pdd, role) for role in Role}
     by_role: dict[Role, list[Instance]] = {Role.PREFILL: [], Role.DECODE: []}
     for obs in sorted(observed, key=lambda o: (o.role.value, o.index, o.pod_name)):
         if not obs.pod_ip:
@@ -54,6 +58,7 @@ def build_routing_table(
                 ready=obs.ready,
                 draining=obs.draining,
                 kv_address=kv_address(kv, obs.pod_ip),
+                revision=obs.revision or current[obs.role],
             )
         )
     table = RoutingTable(

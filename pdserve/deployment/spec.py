@@ -22,6 +22,7 @@ from typing import Any
 
 import yaml
 
+from pdserve import __version__
 from pdserve.routing import Connector, FieldError, Role
 
 GROUP = "pdserve.io"
@@ -38,6 +39,8 @@ SERVICE_TYPES = ("ClusterIP", "NodePort", "LoadBalancer")
 
 #: Every engine (vLLM or the simulator) listens here, in its own pod.
 ENGINE_PORT = 8000
+#: The pdserve image of this version: the router's, and the simulator's when ``image`` is "".
+DEFAULT_IMAGE = f"ghcr.io/pdserve/pdserve:{__version__}"
 
 #: Longest PDDeployment name: a pod hostname ``<name>-prefill-1023`` must be a 63-character DNS label.
 MAX_NAME_LENGTH = 50
@@ -138,6 +141,11 @@ class PDDeploymentSpec:
     decode: RoleSpec
     router: RouterSpec = RouterSpec()
     rollout: RolloutSpec = RolloutSpec()
+
+    @property
+    def engine_image(self) -> str:
+        """The image engine pods run: ``image``, else the router's, else pdserve's own."""
+        return self.image or self.router.image or DEFAULT_IMAGE
 
     def role(self, role: Role) -> RoleSpec:
         return self.prefill if role is Role.PREFILL else self.decode

@@ -41,6 +41,7 @@ from pdserve.deployment.objects import (
     desired_static_objects,
     instance_name,
     instance_pod,
+    instance_pod_revision,
     pod_parallel_sizes,
     role_selector,
     router_name,
@@ -93,6 +94,7 @@ class PodView:
     uid: str
     ip: str | None
     tp_size: int | None = None  # what the pod runs (dp_size is on ``observed``, status needs it)
+    revision: str | None = None  # the pairing revision the pod runs (None: created before revisions)
 
 
 class NodeGpus:
@@ -438,6 +440,7 @@ class Reconciler:
                 draining=p.observed.draining or p.observed.terminating,
                 dp_size=p.observed.dp_size,
                 tp_size=p.tp_size,
+                revision=p.revision,
             )
             for p in pods
         ]
@@ -675,7 +678,8 @@ def _pod_view(pdd: PDDeployment, pod: Mapping[str, Any]) -> PodView | None:
         terminating=bool(meta.get("deletionTimestamp")),
         dp_size=dp_size,
     )
-    return PodView(role, observed, str(meta.get("uid", "")), status.get("podIP") or None, tp_size)
+    ip = status.get("podIP") or None
+    return PodView(role, observed, str(meta.get("uid", "")), ip, tp_size, instance_pod_revision(pod))
 
 
 def _owned_object_names(pdd: PDDeployment) -> list[tuple[str, str]]:

@@ -110,6 +110,8 @@ def create_app(settings: ProxySettings, lifecycle: Lifecycle | None = None) -> G
         deadlines,
         settings.max_retries,
         settings.backend_api_key,
+        settings.kv_lease_seconds,
+        settings.max_fan_out,
     )
     tasks: list[asyncio.Task[None]] = []
 
@@ -200,6 +202,9 @@ def create_app(settings: ProxySettings, lifecycle: Lifecycle | None = None) -> G
             "source_problem": served.problem,
             "generation": state.generation if state else None,
             "table": state.slots.table.to_dict() if state else None,
+            "revisions": state.slots.revisions() if state else {},
+            "unpaired": [u.describe() for u in state.slots.unpaired] if state else [],
+            "unreachable": dispatcher.unreachable.snapshot(),
             "slots": {},
         }
         for role in Role:
@@ -210,6 +215,7 @@ def create_app(settings: ProxySettings, lifecycle: Lifecycle | None = None) -> G
                     {
                         "slot": slot.key,
                         "url": slot.url,
+                        "revision": slot.revision,
                         "dp_rank": slot.dp_rank,
                         "rank_header": slot.rank_header,
                         "requests": s.requests,

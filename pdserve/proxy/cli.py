@@ -28,7 +28,9 @@ from pdserve.proxy.policies import DEFAULT_POLICY, POLICIES
 from pdserve.proxy.settings import (
     DEFAULT_DECODE_TTFB_S,
     DEFAULT_HTTP_SERVER,
+    DEFAULT_KV_LEASE_S,
     DEFAULT_MAX_BODY_BYTES,
+    DEFAULT_MAX_FAN_OUT,
     DEFAULT_PREFILL_TTFB_S,
     DEFAULT_SHUTDOWN_GRACE_S,
     DEFAULT_STREAM_IDLE_S,
@@ -107,6 +109,22 @@ def configure(parser: argparse.ArgumentParser) -> None:
         default=int(_env("PDSERVE_PROXY_MAX_RETRIES", "2") or 2),
         help="extra attempts on other slots after a connect error, 5xx, deadline or bad KV handoff, "
         "before anything was sent to the client (default %(default)s) [env PDSERVE_PROXY_MAX_RETRIES]",
+    )
+    add(
+        "--kv-lease-seconds",
+        type=float,
+        default=DEFAULT_KV_LEASE_S,
+        help="how long a prefill keeps its KV for the decode (vLLM NIXL's kv_lease_duration; 480 for "
+        "vLLM before leases, its VLLM_NIXL_ABORT_REQUEST_TIMEOUT): a decode that could not be reached "
+        "is retried with the same KV while less than half of it has passed, else after a new prefill; "
+        "0 always re-prefills (default %(default)s)",
+    )
+    add(
+        "--max-fan-out",
+        type=int,
+        default=DEFAULT_MAX_FAN_OUT,
+        help="most sequences (prompts x n) one request may ask for; each is its own prefill/decode "
+        "request, merged in the answer; more gets 400 (default %(default)s)",
     )
     add(
         "--eject-seconds",
@@ -260,6 +278,8 @@ def settings_from_args(args: argparse.Namespace) -> ProxySettings:
         http_server=args.http_server,
         backlog=args.backlog,
         max_retries=max(0, args.max_retries),
+        kv_lease_seconds=max(0.0, args.kv_lease_seconds),
+        max_fan_out=max(1, args.max_fan_out),
         eject_seconds=args.eject_seconds,
         max_body_bytes=args.max_body_bytes,
         api_key=args.api_key or None,

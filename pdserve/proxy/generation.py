@@ -19,7 +19,8 @@ from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
 from pdserve.proxy import codec
-from pdserve.proxy.flow import Dispatcher, RelayStream, Reply
+from pdserve.proxy.fanout import plan_fan_out
+from pdserve.proxy.flow import Dispatcher, Reply
 from pdserve.wire.openai import Endpoint, RequestError, check_generation_request, error_body
 
 log = logging.getLogger("pdserve.proxy")
@@ -138,12 +139,15 @@ class GenerationApp:
             except (ValueError, UnicodeDecodeError) as exc:
                 raise RequestError(400, f"request body is not valid JSON: {exc}") from None
             checked = check_generation_request(body, endpoint)
+            fan = plan_fan_out(checked, endpoint, self.dispatcher.max_fan_out)
         except RequestError as exc:
             _log_refusal(request_id, path, exc)
             await _send_reply(send, _error_reply(exc), request_id)
             return
         try:
-            reply = await self.dispatcher.generate(path, checked, request_id, headers.get("authorization"))
+            reply = await self.dispatcher.generate(
+                path, checked, request_id, headers.get("authorization"), fan
+            )
         except Exception:
             log.exception("unexpected error serving request %s", request_id)
             reply = Reply(
@@ -181,8 +185,9 @@ async def _send_reply(send: Send, reply: Reply, request_id: str) -> None:
     headers = [
         (b"content-type", reply.content_type.encode()),
         (b"x-request-id", request_id.encode("latin-1")),
+        *reply.headers,
     ]
-    if not isinstance(reply.body, RelayStream):
+    if isinstance(reply.body, bytes):
         headers.append((b"content-length", str(len(reply.body)).encode()))
         await send({"type": "http.response.start", "status": reply.status, "headers": headers})
         await send({"type": "http.response.body", "body": reply.body, "more_body": False})

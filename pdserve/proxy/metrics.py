@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any, TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -56,6 +57,12 @@ class ProxyMetrics:
         self.loaded_at = Gauge(
             "pdserve_proxy_routing_loaded_timestamp_seconds",
             "Unix time the served routing table was loaded",
+            registry=r,
+        )
+        self.unpaired = Gauge(
+            "pdserve_proxy_routing_unpaired_slots",
+            "Ready slots of a revision that the other role lacks: they take no traffic",
+            ["role", "revision"],
             registry=r,
         )
         self.reloads = Counter(
@@ -121,6 +128,12 @@ class ProxyMetrics:
             ["slot"],
             registry=r,
         )
+
+    def set_unpaired(self, unpaired: Iterable[tuple[str, str, int]]) -> None:
+        """(role, revision, slots) of the table now served; revisions no longer unpaired drop out."""
+        self.unpaired.clear()
+        for role, revision, slots in unpaired:
+            self.unpaired.labels(role, revision).set(slots)
 
     def child(self, metric: M, *labels: str) -> M:
         """``metric.labels(*labels)``, cached: the hot path touches a few children per request."""

@@ -82,6 +82,7 @@ class ServedTable:
         self.metrics.loaded_at.set(self.loaded_at)
         for role in Role:
             self.metrics.slots.labels(role.value).set(len(state.slots.slots(role)))
+        self.metrics.set_unpaired((u.role.value, u.revision, u.slots) for u in state.slots.unpaired)
         log.info(
             "routing table loaded from %s: deployment=%s generation=%d connector=%s prefill_slots=%d "
             "decode_slots=%d",
@@ -92,6 +93,8 @@ class ServedTable:
             len(state.slots.prefill),
             len(state.slots.decode),
         )
+        for unpaired in state.slots.unpaired:
+            log.warning("routing table generation %d: %s", table.generation, unpaired.describe())
         return True
 
     def reject(self, origin: str, reason: str) -> None:

@@ -17,6 +17,10 @@ DEFAULT_PREFILL_TTFB_S = 600.0
 DEFAULT_DECODE_TTFB_S = 600.0
 DEFAULT_STREAM_IDLE_S = 120.0
 DEFAULT_MAX_BODY_BYTES = 32 * 1024 * 1024
+# vLLM's NIXL KV lease (kv_lease_duration, 30 s; VLLM_NIXL_ABORT_REQUEST_TIMEOUT, 480 s, before leases).
+DEFAULT_KV_LEASE_S = 30.0
+# Sequences one request may ask for (prompts x n): OpenAI's own limit for n.
+DEFAULT_MAX_FAN_OUT = 128
 # The ASGI servers the proxy can run on (pdserve.proxy.server has one function per name).
 HTTP_SERVERS = ("hypercorn", "uvicorn")
 DEFAULT_HTTP_SERVER = "hypercorn"
@@ -37,6 +41,8 @@ class ProxySettings:
     http_server: str = DEFAULT_HTTP_SERVER
     backlog: int = 4096
     max_retries: int = 2
+    kv_lease_seconds: float = DEFAULT_KV_LEASE_S
+    max_fan_out: int = DEFAULT_MAX_FAN_OUT
     eject_seconds: float = 10.0
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     api_key: str | None = None

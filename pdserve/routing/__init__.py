@@ -6,6 +6,7 @@ Depends on nothing else in pdserve: the operator, the local mode and the proxy a
 from pdserve.routing.slots import (
     Slot,
     SlotTable,
+    Unpaired,
     build_slot_table,
     interleaved_slots,
     slot_key,
@@ -37,6 +38,7 @@ __all__ = [
     "RoutingTableError",
     "Slot",
     "SlotTable",
+    "Unpaired",
     "build_slot_table",
     "interleaved_slots",
     "load_routing_table",

@@ -8,12 +8,21 @@ below gives every slot exactly one request per cycle, whatever the role's shape.
 Order: rank 0 of every instance that has it, instance by instance, then rank 1, ...
 Instances with a smaller ``dp_size`` simply drop out of the later rounds, so
 heterogeneous DP sizes within a role still give each slot exactly one turn per cycle.
+
+Revisions: a prefill may hand its KV only to a decode of the same ``revision`` (same model,
+image, KV layout and connector). The prefill slots of every revision that also has routable
+decode slots form ONE flat list (one counter over all of them, so each prefill slot keeps its
+exact share and a revision gets traffic in proportion to its prefill slots); each revision's
+decode slots form a list of their own, walked by that revision's own counter, so within a
+revision every decode slot gets an exact share of that revision's requests. A revision with
+routable instances on one side only is *unpaired*: its slots are left out of both lists
+(its prefills would have no decode to hand their KV to) and reported.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
 
 from pdserve.routing.table import Instance, Role, RoutingTable
 
@@ -37,6 +46,10 @@ class Slot:
     def url(self) -> str:
         return self.instance.url
 
+    @property
+    def revision(self) -> str:
+        return self.instance.revision
+
 
 def slot_key(instance: str, dp_rank: int) -> str:
     return f"{instance}/{dp_rank}"
@@ -56,20 +69,72 @@ def interleaved_slots(instances: Iterable[Instance]) -> tuple[Slot, ...]:
 
 
 @dataclass(frozen=True)
+class Unpaired:
+    """A revision with routable slots on one side only: they take no traffic."""
+
+    role: Role  # the side that has the slots
+    revision: str
+    slots: int
+
+    def describe(self) -> str:
+        other = Role.DECODE if self.role is Role.PREFILL else Role.PREFILL
+        name = f"revision {self.revision!r}" if self.revision else "the unversioned revision"
+        return (
+            f"{name} has {self.slots} routable {self.role.value} slot(s) but no routable "
+            f"{other.value} instance: its {self.role.value} slots take no traffic"
+        )
+
+
+@dataclass(frozen=True)
 class SlotTable:
     """The proxy's view of one routing-table generation."""
 
     table: RoutingTable
-    prefill: tuple[Slot, ...]
-    decode: tuple[Slot, ...]
+    prefill: tuple[Slot, ...]  # every paired revision's prefill slots, one flat order
+    decode: tuple[Slot, ...]  # every paired revision's decode slots (routing uses decode_for)
+    decode_by_revision: Mapping[str, tuple[Slot, ...]] = field(default_factory=dict)
+    unpaired: tuple[Unpaired, ...] = ()
 
     def slots(self, role: Role) -> tuple[Slot, ...]:
         return self.prefill if role is Role.PREFILL else self.decode
+
+    def decode_for(self, revision: str) -> tuple[Slot, ...]:
+        """The decode slots a prefill of ``revision`` may hand its KV to, in flat order."""
+        return self.decode_by_revision.get(revision, ())
 
     @property
     def serving(self) -> bool:
         return bool(self.prefill) and bool(self.decode)
 
+    def revisions(self) -> dict[str, dict[str, int | bool]]:
+        """Routable slots per revision and side (the /debug/routing view)."""
+        out: dict[str, dict[str, int | bool]] = {}
+        for role in Role:
+            for inst in self.table.instances(role):
+                if inst.routable:
+                    row = out.setdefault(inst.revision, {"prefill_slots": 0, "decode_slots": 0})
+                    row[f"{role.value}_slots"] = int(row[f"{role.value}_slots"]) + inst.dp_size
+        for row in out.values():
+            row["paired"] = bool(row["prefill_slots"]) and bool(row["decode_slots"])
+        return out
+
 
 def build_slot_table(table: RoutingTable) -> SlotTable:
-    return SlotTable(table, interleaved_slots(table.prefill), interleaved_slots(table.decode))
+    prefill_revs = {i.revision for i in table.prefill if i.routable}
+    decode_revs = {i.revision for i in table.decode if i.routable}
+    paired = prefill_revs & decode_revs
+    decode_by_revision = {
+        rev: interleaved_slots(i for i in table.decode if i.revision == rev) for rev in sorted(paired)
+    }
+    unpaired = tuple(
+        Unpaired(role, rev, sum(i.dp_size for i in table.instances(role) if i.routable and i.revision == rev))
+        for role, revs in ((Role.PREFILL, prefill_revs), (Role.DECODE, decode_revs))
+        for rev in sorted(revs - paired)
+    )
+    return SlotTable(
+        table,
+        interleaved_slots(i for i in table.prefill if i.revision in paired),
+        interleaved_slots(i for i in table.decode if i.revision in paired),
+        decode_by_revision,
+        unpaired,
+    )

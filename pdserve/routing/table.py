@@ -68,6 +68,10 @@ class Instance:
     ready: bool = False
     draining: bool = False
     kv_address: str | None = None
+    #: What prefill and decode must agree on to exchange KV (model, image, KV layout, connector),
+    #: as a hash; a prefill is paired only with decodes of its revision. "" (a table written
+    #: before revisions existed) is one revision shared by every such instance.
+    revision: str = ""
 
     @property
     def routable(self) -> bool:
@@ -84,6 +88,8 @@ class Instance:
         }
         if self.kv_address is not None:
             out["kvAddress"] = self.kv_address
+        if self.revision:
+            out["revision"] = self.revision
         return out
 
 
@@ -205,7 +211,12 @@ def _parse_instance(value: object, path: str, connector: Connector) -> Instance:
         raise RoutingTableError(f"{path}.kvAddress", f"expected a string, got {_show(kv_address)}")
     if connector.type == "moriio" and not kv_address:
         raise RoutingTableError(f"{path}.kvAddress", "required for the moriio connector")
-    return Instance(name, url.rstrip("/"), dp_size, tp_size, ready, draining, kv_address)
+    revision = doc.get("revision", "")
+    if revision is None:
+        revision = ""
+    if not isinstance(revision, str):
+        raise RoutingTableError(f"{path}.revision", f"expected a string, got {_show(revision)}")
+    return Instance(name, url.rstrip("/"), dp_size, tp_size, ready, draining, kv_address, revision)
 
 
 def _check_url(url: str, path: str) -> None:

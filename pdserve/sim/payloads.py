@@ -46,6 +46,14 @@ def generated_text(num_tokens: int) -> str:
     return "".join(token_text(i) for i in range(num_tokens))
 
 
+def echoed_prompt(body: Mapping[str, Any], endpoint: Endpoint) -> str:
+    """``echo: true`` on a completion puts its (text) prompt before the output, as vLLM does."""
+    prompt = body.get("prompt")
+    if endpoint == "completions" and body.get("echo") is True and isinstance(prompt, str):
+        return prompt
+    return ""
+
+
 def num_output_tokens(body: Mapping[str, Any], default_tokens: int) -> int:
     """``--tokens`` per request, capped by ``max_tokens`` (or ``max_completion_tokens``)."""
     cap = body.get("max_tokens")
@@ -79,6 +87,16 @@ def count_prompt_tokens(body: Mapping[str, Any], endpoint: Endpoint) -> int:
     if isinstance(prompt, list):
         return max(1, sum(count_prompt_tokens({"prompt": p}, "completions") for p in prompt))
     return 1
+
+
+def sequences(body: Mapping[str, Any], endpoint: Endpoint) -> int:
+    """How many sequences vLLM would make of the request: prompts of a batch times ``n``."""
+    n = body.get("n")
+    count = n if isinstance(n, int) and not isinstance(n, bool) and n > 1 else 1
+    prompt = body.get("prompt") if endpoint == "completions" else None
+    if isinstance(prompt, list) and prompt and all(isinstance(p, str | list) for p in prompt):
+        count *= len(prompt)
+    return count
 
 
 def wants_usage_in_stream(body: Mapping[str, Any]) -> bool:

@@ -80,6 +80,7 @@ class Simulator:
         self._cursor = 0
         self._next_block = [1] * config.dp_size
         self._started = int(time.time())
+        self._running_ids: set[str] = set()  # X-Request-Id of the requests in flight
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=64 * 1024 * 1024)
@@ -191,6 +192,27 @@ class Simulator:
         wrong_role = self._wrong_role(leg)
         if wrong_role is not None:
             return self._reject("wrong_role", wrong_role)
+        sequences = payloads.sequences(body, endpoint)
+        if leg != "plain" and sequences > 1:
+            return self._reject(
+                "multi_sequence_pd",
+                RequestError(
+                    400,
+                    f"this P/D request makes {sequences} sequences (a batched prompt or n > 1) but "
+                    "kv_transfer_params carries one KV handoff (real vLLM would hand over the first "
+                    "one only)",
+                    "BadRequestError",
+                    param="kv_transfer_params",
+                ),
+            )
+        client_id = request.headers.get(REQUEST_ID)
+        if client_id is not None and client_id in self._running_ids:
+            # vLLM keys requests by this id: a second one in flight collides (older vLLM refuses
+            # it like this; newer vLLM salts its internal id but still aborts by this one).
+            return self._reject(
+                "duplicate_request_id",
+                RequestError(400, f"Request id {client_id} already running.", "BadRequestError"),
+            )
 
         rank = header_rank if header_rank is not None else self._pick_rank()
         job = self._admit(request, endpoint, body, leg, rank, header_rank is not None)
@@ -210,6 +232,8 @@ class Simulator:
                     ),
                 )
 
+        if client_id is not None:
+            self._running_ids.add(client_id)
         s = self.stats
         s.requests += 1
         s.last_request_at = time.time()
@@ -231,6 +255,7 @@ class Simulator:
             raise
         finally:
             s.in_flight[rank] -= 1
+            self._running_ids.discard(client_id or "")
         return response
 
     def _reject(self, reason: str, exc: RequestError) -> web.Response:
@@ -285,6 +310,9 @@ class Simulator:
             "max_completion_tokens": body.get("max_completion_tokens"),
             "min_tokens": body.get("min_tokens"),
             "stream_options": body.get("stream_options"),
+            "prompt": body.get("prompt"),
+            "n": body.get("n"),
+            "seed": body.get("seed"),
             "transfer_id": params.get("transfer_id") if isinstance(params, Mapping) else None,
             "moriio_request_id": (
                 None
@@ -296,6 +324,10 @@ class Simulator:
                 }
             ),
             "kv_transfer_params": dict(params) if isinstance(params, Mapping) else None,
+            # which prefill engine (instance and DP rank) a decode's handoff came from
+            "handoff_from": params.get("remote_engine_id")
+            if leg == "decode" and isinstance(params, Mapping)
+            else None,
             "authorization": request.headers.get(AUTHORIZATION),
             "fault": None,
             "outcome": "running",
@@ -359,7 +391,7 @@ class Simulator:
             rid,
             c.identity.model,
             job.created,
-            payloads.generated_text(job.num_tokens),
+            payloads.echoed_prompt(job.body, job.endpoint) + payloads.generated_text(job.num_tokens),
             payloads.finish_reason(job.num_tokens, job.body),
             job.prompt_tokens,
             job.num_tokens,
@@ -389,13 +421,19 @@ class Simulator:
             await response.write(payloads.sse(payloads.chat_role_chunk(rid, model, job.created)))
         reason = payloads.finish_reason(job.num_tokens, job.body)
         stop_after = drop_after_chunks(job.num_tokens) if drop else None
+        echo = payloads.echoed_prompt(job.body, job.endpoint)
         for i in range(job.num_tokens):
             await asyncio.sleep((c.ttft_ms if i == 0 else c.itl_ms) / 1000)
             if stop_after is not None and i == stop_after:
                 return await self._abort(request, job)
             last = i == job.num_tokens - 1
             chunk = payloads.stream_chunk(
-                job.endpoint, rid, model, job.created, payloads.token_text(i), reason if last else None
+                job.endpoint,
+                rid,
+                model,
+                job.created,
+                (echo if i == 0 else "") + payloads.token_text(i),
+                reason if last else None,
             )
             if last and kv_answer is not None:
                 chunk["kv_transfer_params"] = kv_answer

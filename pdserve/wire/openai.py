@@ -1,7 +1,9 @@
 """OpenAI-style request checks and error bodies.
 
 A client's mistake must get a 4xx with ``{"error": {"message", "type", "code"}}``, never a 500,
-from the proxy and from the simulator alike.
+from the proxy and from the simulator alike. vLLM's own shape has an integer ``code`` (the HTTP
+status) and ``type`` names such as ``BadRequestError``; an error made without a specific code
+gets the status as its code.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ class RequestError(Exception):
     code: str | None = None
 
     def body(self) -> dict[str, Any]:
-        return error_body(self.message, self.type, self.code or str(self.status), self.param)
+        return error_body(self.message, self.type, self.code or self.status, self.param)
 
 
 def error_body(
@@ -58,7 +60,7 @@ def check_generation_request(body: object, endpoint: Endpoint) -> Mapping[str, A
             or not all(isinstance(m, Mapping) for m in messages)
         ):
             raise RequestError(400, "'messages' must be a non-empty list of objects", param="messages")
-    for key in ("max_tokens", "max_completion_tokens"):
+    for key in ("max_tokens", "max_completion_tokens", "n"):
         value = body.get(key)
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             raise RequestError(400, f"'{key}' must be an integer >= 1", param=key)

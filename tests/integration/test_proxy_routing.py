@@ -157,10 +157,12 @@ def test_connector_legs(stack: PDStack, connector: str, stream: bool) -> None:
 def check_nixl_legs(
     prefill_legs: list[dict[str, Any]], decode_legs: list[dict[str, Any]], ids: set[str]
 ) -> None:
-    by_id = {leg["request_id"]: leg for leg in prefill_legs}
-    assert set(by_id) == ids  # the client's X-Request-Id reaches both legs
+    # each leg has its own X-Request-Id, made from the client's: <client id>-p1 and <client id>-d1
+    by_id = {leg["request_id"].removesuffix("-p1"): leg for leg in prefill_legs}
+    assert set(by_id) == ids and all(leg["request_id"].endswith("-p1") for leg in prefill_legs)
     for leg in decode_legs:
-        prefill_leg = by_id[leg["request_id"]]
+        assert leg["request_id"].endswith("-d1")
+        prefill_leg = by_id[leg["request_id"].removesuffix("-d1")]
         assert prefill_leg["kv_transfer_params"]["do_remote_decode"] is True
         # forwarded unchanged: every field the prefill answered, nothing renamed or rebuilt
         assert leg["kv_transfer_params"] == prefill_leg["kv_answer"]
@@ -214,3 +216,58 @@ def test_chat_completions_and_models(stack: PDStack) -> None:
     assert stack.sims["ddp0"].stats()["by_leg"]["decode"] == 2
     models = http("GET", stack.url + "/v1/models")
     assert models.status == 200 and models.json()["data"][0]["id"] == "sim-model"
+
+
+# --- revisions ----------------------------------------------------------------------------------
+
+
+def test_prefills_hand_off_only_to_decodes_of_their_revision(stack: PDStack) -> None:
+    """Two revisions mid-rollout, plus one prefill and one decode whose revision the other side
+    lacks: every handoff stays within its revision, each slot gets its exact share (prefill: one
+    counter over all paired prefill slots; decode: each revision's own counter), and the
+    unpaired slots take nothing and are reported."""
+    s = stack.sims
+    revisions = {
+        "ra": (["pdp0"], ["ddp0", "dtp0"]),  # 8 prefill slots, 9 decode slots
+        "rb": (["ptp0", "ptp1"], ["dtp1", "dtp2"]),  # 2 prefill slots, 2 decode slots
+        "rc": (["pdp1"], []),  # prefill only: unpaired
+        "rd": ([], ["dtp3"]),  # decode only: unpaired
+    }
+    prefill = [s[n].instance(revision=rev) for rev, (ps, _) in revisions.items() for n in ps]
+    decode = [s[n].instance(revision=rev) for rev, (_, ds) in revisions.items() for n in ds]
+    stack.route(prefill, decode)
+    n = 90  # 9 per paired prefill slot: revision ra gets 72 requests (8 per decode slot), rb 18 (9 each)
+    for stream, _, answer in send_all(stack, n):
+        assert_answer(stream, answer, tokens=3)
+
+    assert s["pdp0"].stats()["by_rank"] == {str(r): 9 for r in range(8)}
+    assert s["ptp0"].stats()["requests"] == s["ptp1"].stats()["requests"] == 9
+    assert s["ddp0"].stats()["by_rank"] == {str(r): 8 for r in range(8)}
+    assert s["dtp0"].stats()["requests"] == 8
+    assert s["dtp1"].stats()["requests"] == s["dtp2"].stats()["requests"] == 9
+    assert s["pdp1"].stats()["requests"] == s["dtp3"].stats()["requests"] == 0  # unpaired: nothing
+    for rev, (prefills, decodes) in revisions.items():
+        engines = {f"{name}-dp{r}" for name in prefills for r in range(s[name].dp_size)}
+        for name in decodes:
+            sources = {leg["handoff_from"] for leg in s[name].legs()}
+            assert sources <= engines, (rev, name, sources)
+    assert s["ddp0"].stats()["malformed_handoff"] == 0
+
+    assert stack.metric("pdserve_proxy_routing_unpaired_slots", role="prefill", revision="rc") == 8
+    assert stack.metric("pdserve_proxy_routing_unpaired_slots", role="decode", revision="rd") == 1
+    view = stack.debug()
+    assert view["revisions"]["ra"] == {"prefill_slots": 8, "decode_slots": 9, "paired": True}
+    assert view["revisions"]["rc"] == {"prefill_slots": 8, "decode_slots": 0, "paired": False}
+    assert (
+        len(view["unpaired"]) == 2 and "revision 'rc' has 8 routable prefill slot(s)" in view["unpaired"][0]
+    )
+    assert {row["slot"].split("/")[0] for row in view["slots"]["prefill"]} == {"pdp0", "ptp0", "ptp1"}
+    assert stack.proxy is not None
+    assert "revision 'rd' has 1 routable decode slot(s) but no routable prefill instance" in stack.proxy.log()
+    # a revision losing its last decode turns its prefills off, and the metric follows the table
+    stack.route(prefill, [d for d in decode if d["revision"] != "rb"])
+    assert stack.metric("pdserve_proxy_routing_unpaired_slots", role="prefill", revision="rb") == 2
+    for stream, _, answer in send_all(stack, 16):
+        assert_answer(stream, answer, tokens=3)
+    assert s["ptp0"].stats()["requests"] == s["ptp1"].stats()["requests"] == 0
+    assert s["pdp0"].stats()["by_rank"] == {str(r): 2 for r in range(8)}

@@ -128,8 +128,11 @@ def test_client_authorization_is_forwarded_without_a_backend_key(stack: PDStack)
 def test_request_id_is_kept_or_made(stack: PDStack) -> None:
     stack.route([stack.sims["p0"]], [stack.sims["d0"]])
     kept = stack.complete(headers={**AUTH, "X-Request-Id": "client-id-1"})
-    assert kept.headers["x-request-id"] == "client-id-1"
-    assert [r["request_id"] for r in stack.sims["d0"].stats()["recent"]] == ["client-id-1"]
+    assert kept.headers["x-request-id"] == "client-id-1"  # the client's own id comes back
+    # each engine leg gets its own id, made from the client's (vLLM keys requests by it)
+    assert [r["request_id"] for r in stack.sims["p0"].stats()["recent"]] == ["client-id-1-p1"]
+    assert [r["request_id"] for r in stack.sims["d0"].stats()["recent"]] == ["client-id-1-d1"]
+    assert "request id=client-id-1 " in stack.proxy.log() if stack.proxy else False
     made = stack.complete(headers=AUTH)
     assert re.fullmatch(r"[0-9a-f]{32}", made.headers["x-request-id"])
     refused = stack.complete(headers={"X-Request-Id": "client-id-2"})  # 401s carry it too
@@ -142,10 +145,17 @@ def test_ready_needs_a_prefill_and_a_decode_slot(stack: PDStack) -> None:
     ready = http("GET", stack.url + "/ready")
     assert ready.status == 503 and ready.json()["decode_slots"] == 0
     answer = stack.complete(headers=AUTH)
-    assert answer.status == 503 and error_of(answer.body)["code"] == "no_decode_slot"
+    assert answer.status == 503 and answer.headers["retry-after"] == "1"
+    error = error_of(answer.body)  # vLLM's error shape: the status as the code
+    assert (error["code"], error["type"]) == (503, "ServiceUnavailableError")
+    assert error["message"].startswith("no routable decode instance: ")
+    assert stack.sims["p0"].stats()["requests"] == 0  # refused before spending a prefill
     stack.route([p0.instance(draining=True)], [d0])
     answer = stack.complete(headers=AUTH)
-    assert answer.status == 503 and error_of(answer.body)["code"] == "no_prefill_slot"
+    assert answer.status == 503 and answer.headers["retry-after"] == "1"
+    assert error_of(answer.body)["message"] == (
+        "no routable prefill instance: none is ready in the routing table"
+    )
     assert stack.metric("pdserve_proxy_requests_total", outcome="no_slot") >= 2
     stack.route([p0], [d0])
     ready = http("GET", stack.url + "/ready")

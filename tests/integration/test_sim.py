@@ -273,3 +273,50 @@ def test_help_documents_every_flag_and_bad_fault_exits_2() -> None:
     )
     assert bad.returncode == 2
     assert "outside [0, 1]" in bad.stderr
+
+
+async def test_a_second_request_in_flight_with_one_request_id_is_refused(procs: ProcessGroup) -> None:
+    """vLLM keys requests by X-Request-Id: two in flight with one id collide (issue 12)."""
+    sim = procs.start("sim", ["sim", "--ttft-ms", "500", "--tokens", "2"])
+    url = sim.url + "/v1/completions"
+    first = asyncio.ensure_future(post(url, {"prompt": "hi"}, {"X-Request-Id": "dup"}))
+    await asyncio.sleep(0.2)  # the first is in flight
+    status, body = await post(url, {"prompt": "hi"}, {"X-Request-Id": "dup"})
+    assert status == 400
+    assert body["error"] == {
+        "message": "Request id dup already running.",
+        "type": "BadRequestError",
+        "code": 400,
+        "param": None,
+    }
+    assert (await first)[0] == 200
+    assert (await post(url, {"prompt": "hi"}, {"X-Request-Id": "dup"}))[0] == 200  # free again once done
+    stats = await get_json(sim.url + "/sim/stats")
+    assert stats["rejected"] == {"duplicate_request_id": 1} and stats["completed"] == 2
+
+
+@pytest.mark.parametrize(
+    "extra", [{"prompt": ["a", "b"]}, {"prompt": [[1, 2], [3]]}, {"prompt": "a", "n": 2}], ids=str
+)
+async def test_a_pd_leg_that_makes_several_sequences_is_refused(
+    procs: ProcessGroup, extra: dict[str, Any]
+) -> None:
+    """One handoff carries one sequence; real vLLM would hand over the first prompt's KV only."""
+    sim = procs.start("sim", ["sim", "--role", "prefill", *FAST])
+    body = {"max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}, **extra}
+    status, answer = await post(sim.url + "/v1/completions", body)
+    assert status == 400 and answer["error"]["param"] == "kv_transfer_params"
+    assert "makes 2 sequences" in answer["error"]["message"]
+    plain = {k: v for k, v in body.items() if k != "kv_transfer_params"}
+    assert (await post(sim.url + "/v1/completions", plain))[0] == 200  # not a P/D leg: served
+
+
+async def test_echo_puts_the_prompt_before_the_output(procs: ProcessGroup) -> None:
+    sim = procs.start("sim", ["sim", *FAST, "--tokens", "2"])
+    status, body = await post(sim.url + "/v1/completions", {"prompt": "say", "echo": True})
+    assert status == 200 and body["choices"][0]["text"] == "say tok0 tok1"
+    async with aiohttp.ClientSession() as s:
+        request = {"prompt": "say", "echo": True, "stream": True}
+        async with s.post(sim.url + "/v1/completions", json=request) as r:
+            events = sse_events(await r.read())
+    assert [json.loads(e)["choices"][0]["text"] for e in events[:-1]] == ["say tok0", " tok1"]

@@ -89,8 +89,10 @@ class Sim:
         answer = http("POST", self.url + "/sim/faults", {"faults": list(specs)})
         assert answer.status == 200, answer.body
 
-    def instance(self, ready: bool = True, draining: bool = False) -> dict[str, Any]:
-        return {
+    def instance(
+        self, ready: bool = True, draining: bool = False, revision: str | None = None
+    ) -> dict[str, Any]:
+        doc = {
             "name": self.name,
             "url": self.url,
             "dpSize": self.dp_size,
@@ -99,6 +101,13 @@ class Sim:
             "draining": draining,
             "kvAddress": self.kv_address,
         }
+        if revision is not None:
+            doc["revision"] = revision
+        return doc
+
+    def legs(self) -> list[dict[str, Any]]:
+        """The simulator's record of each request it took, oldest first."""
+        return list(self.stats()["recent"])
 
 
 @dataclass

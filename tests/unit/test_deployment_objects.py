@@ -21,6 +21,7 @@ from pdserve.deployment.objects import (
     desired_static_objects,
     engine_service,
     instance_pod,
+    instance_pod_revision,
     pod_parallel_sizes,
     render_all,
     role_selector,
@@ -30,6 +31,7 @@ from pdserve.deployment.objects import (
     selector_string,
     template_hash,
 )
+from pdserve.deployment.revision import pairing_revision
 from pdserve.deployment.routing import ObservedInstance, build_routing_table
 from pdserve.deployment.spec import MAX_NAME_LENGTH, PDDeployment, parse_pddeployment
 from pdserve.routing import Role, build_slot_table, load_routing_table
@@ -191,10 +193,17 @@ def test_pod_identity_and_labels() -> None:
 def test_pod_records_the_sizes_it_runs() -> None:
     pdd = pdd_of(prefill={"instances": 1, "dataParallel": 4, "tensorParallel": 2})
     pod = instance_pod(pdd, Role.PREFILL, 0)
-    assert pod["metadata"]["annotations"] == {"pdserve.io/dp-size": "4", "pdserve.io/tp-size": "2"}
+    assert pod["metadata"]["annotations"] == {
+        "pdserve.io/dp-size": "4",
+        "pdserve.io/tp-size": "2",
+        "pdserve.io/revision": pairing_revision(pdd, Role.PREFILL),
+    }
     assert pod_parallel_sizes(pod) == (4, 2)
+    assert instance_pod_revision(pod) == pairing_revision(pdd, Role.PREFILL)
     # The annotations are not part of the template: adding them rolls no pod.
-    assert "dp-size" not in json.dumps(pod["spec"])
+    assert "dp-size" not in json.dumps(pod["spec"]) and "revision" not in json.dumps(pod["spec"])
+    del pod["metadata"]["annotations"]  # a pod created before revisions: the table uses the spec's
+    assert instance_pod_revision(pod) is None
 
 
 @pytest.mark.parametrize("engine", ["vllm", "sim"])

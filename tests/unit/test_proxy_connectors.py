@@ -68,8 +68,10 @@ def test_registry_builds_connectors_from_the_table() -> None:
 def test_nixl_prefill_leg() -> None:
     c = NixlConnector()
     original = copy.deepcopy(CLIENT)
-    ids = c.ids("req-1", P_DP8, D_DP2, UID)
-    assert ids == LegIds("req-1")
+    ids = c.ids("req-1", 1, 1, P_DP8, D_DP2, UID)
+    assert ids == LegIds("req-1-p1", "req-1-d1")  # each leg its own X-Request-Id
+    assert c.ids("req-1", 2, 3, P_DP8, D_DP2, UID) == LegIds("req-1-p2", "req-1-d3")
+    assert c.reusable_handoff  # the handoff names the prefill only: any decode may pull it
     plan = c.prefill_leg(CLIENT, P_DP8, D_DP2, ids)
     assert plan.dp_rank == 5
     expected = {k: v for k, v in CLIENT.items() if k not in ("stream_options", "min_tokens")}
@@ -89,18 +91,18 @@ def test_nixl_prefill_leg() -> None:
 
 
 def test_nixl_prefill_leg_adds_no_max_completion_tokens_the_client_did_not_send() -> None:
-    plan = NixlConnector().prefill_leg({"prompt": "x"}, P_TP8, D_TP8, LegIds("r"))
+    plan = NixlConnector().prefill_leg({"prompt": "x"}, P_TP8, D_TP8, LegIds("r-p1", "r-d1"))
     assert "max_completion_tokens" not in plan.body and plan.body["max_tokens"] == 1
     assert plan.dp_rank is None  # TP8: one engine, no rank header
 
 
 def test_nixl_decode_leg_forwards_the_handoff_unchanged() -> None:
     c = NixlConnector()
-    plan = c.decode_leg(CLIENT, P_DP8, D_DP2, LegIds("req-1"), NIXL_ANSWER)
+    plan = c.decode_leg(CLIENT, P_DP8, D_DP2, LegIds("req-1-p1", "req-1-d1"), NIXL_ANSWER)
     assert plan.dp_rank == 1
     assert plan.body == {**CLIENT, "kv_transfer_params": NIXL_ANSWER}
     assert plan.body["kv_transfer_params"] is not NIXL_ANSWER  # a copy, equal field for field
-    assert c.decode_leg(CLIENT, P_DP8, D_TP8, LegIds("r"), NIXL_ANSWER).dp_rank is None
+    assert c.decode_leg(CLIENT, P_DP8, D_TP8, LegIds("r-p1", "r-d1"), NIXL_ANSWER).dp_rank is None
 
 
 def test_nixl_handoff_validation() -> None:
@@ -117,10 +119,13 @@ def test_nixl_handoff_validation() -> None:
 
 @pytest.mark.parametrize("mode", ["READ", "WRITE"])
 def test_moriio_ids_encode_both_kv_addresses(mode: str) -> None:
-    ids = MoriioConnector(mode).ids("client-id", P_DP8, D_DP2, UID)
-    assert ids.request_id == f"___prefill_addr_10.0.0.5:6301___decode_addr_10.0.0.9:7001_{UID}"
+    connector = MoriioConnector(mode)
+    ids = connector.ids("client-id", 1, 1, P_DP8, D_DP2, UID)
+    assert ids.prefill == f"___prefill_addr_10.0.0.5:6301___decode_addr_10.0.0.9:7001_{UID}"
+    assert ids.decode == ids.prefill  # MoRIIO pairs the legs by their shared id
     assert ids.transfer_id == UID
-    parsed = parse_moriio_request_id(ids.request_id)
+    assert not connector.reusable_handoff  # the id names one decode: a new decode needs a new prefill
+    parsed = parse_moriio_request_id(ids.prefill)
     assert parsed is not None
     assert (parsed.prefill_kv_address, parsed.decode_kv_address, parsed.uid) == (
         "10.0.0.5:6301",
@@ -132,7 +137,7 @@ def test_moriio_ids_encode_both_kv_addresses(mode: str) -> None:
 @pytest.mark.parametrize("mode", ["READ", "WRITE"])
 def test_moriio_prefill_leg_carries_the_decode_shape_and_the_rank_header(mode: str) -> None:
     c = MoriioConnector(mode)
-    ids = c.ids("x", P_DP8, D_DP2, UID)
+    ids = c.ids("x", 1, 1, P_DP8, D_DP2, UID)
     plan = c.prefill_leg(CLIENT, P_DP8, D_DP2, ids)
     assert plan.dp_rank == 5
     assert plan.body["max_tokens"] == 1 and plan.body["stream"] is False
@@ -150,7 +155,7 @@ def test_moriio_prefill_leg_carries_the_decode_shape_and_the_rank_header(mode: s
 
 def test_moriio_read_decode_leg() -> None:
     c = MoriioConnector("READ")
-    ids = c.ids("x", P_DP8, D_DP2, UID)
+    ids = c.ids("x", 1, 1, P_DP8, D_DP2, UID)
     answer = {"remote_engine_id": "p0-dp5", "remote_block_ids": [[7, 8]], "transfer_id": UID}
     assert c.handoff_problems(answer) == []
     plan = c.decode_leg(CLIENT, P_DP8, D_DP2, ids, answer)
@@ -172,7 +177,7 @@ def test_moriio_read_handoff_validation() -> None:
 
 def test_moriio_write_decode_leg_goes_out_without_the_prefill_answer() -> None:
     c = MoriioConnector("WRITE")
-    ids = c.ids("x", P_TP8, D_TP8, UID)
+    ids = c.ids("x", 1, 1, P_TP8, D_TP8, UID)
     assert c.handoff_problems(None) == []  # WRITE: only the prefill's status matters
     plan = c.decode_leg({"prompt": "x", "max_tokens": 1}, P_TP8, D_TP8, ids, None)
     assert plan.body["max_tokens"] == 1  # never below one
@@ -185,6 +190,6 @@ def test_moriio_write_decode_leg_goes_out_without_the_prefill_answer() -> None:
 
 def test_moriio_decode_without_max_tokens_leaves_it_to_the_server() -> None:
     c = MoriioConnector("READ")
-    ids = c.ids("x", P_TP8, D_TP8, UID)
+    ids = c.ids("x", 1, 1, P_TP8, D_TP8, UID)
     plan = c.decode_leg({"messages": [{"role": "user", "content": "hi"}]}, P_TP8, D_TP8, ids, None)
     assert "max_tokens" not in plan.body

@@ -90,3 +90,14 @@ def test_least_outstanding_ties_follow_the_interleaved_rotation() -> None:
 def test_empty_role_has_no_candidates() -> None:
     for name in POLICIES:
         assert make_policy(name).candidates(Role.PREFILL, (), SlotBook(1)) == []
+
+
+@pytest.mark.parametrize("name", sorted(POLICIES))
+def test_each_group_has_its_own_counter(name: str) -> None:
+    """The decode slots of each revision are walked by a counter of their own."""
+    policy, book = make_policy(name), SlotBook(10)
+    firsts = [policy.candidates(Role.DECODE, slots(), book, "ra")[0].key for _ in range(3)]
+    assert firsts == ["a/0", "b/0", "a/1"]
+    assert policy.candidates(Role.DECODE, slots(), book, "rb")[0].key == "a/0"  # untouched by ra
+    assert policy.candidates(Role.DECODE, slots(), book)[0].key == "a/0"  # nor the default group
+    assert policy.candidates(Role.DECODE, slots(), book, "ra")[0].key == "b/1"

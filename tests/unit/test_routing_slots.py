@@ -6,6 +6,7 @@ draining), through the proxy's default policy, the way requests actually pick sl
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 
 from hypothesis import given, settings
@@ -118,3 +119,102 @@ def test_serving_needs_both_roles() -> None:
     assert not build_slot_table(RoutingTable("x", 1, Connector("nixl"), p, d)).serving
     d_ready = (Instance("d", "http://d:1", 1, 1, True),)
     assert build_slot_table(RoutingTable("x", 1, Connector("nixl"), p, d_ready)).serving
+
+
+# --- revisions ----------------------------------------------------------------------------------
+
+revision_shapes = st.lists(
+    st.tuples(st.integers(1, 8), st.booleans(), st.booleans(), st.sampled_from(["", "ra", "rb"])),
+    min_size=0,
+    max_size=6,
+)  # dpSize, ready, draining, revision
+
+
+def revisioned(shapes: list[tuple[int, bool, bool, str]], role: str) -> tuple[Instance, ...]:
+    return tuple(
+        Instance(f"{role}{i}", f"http://10.0.{ord(role)}.{i + 1}:8000", dp, 1, ready, draining, None, rev)
+        for i, (dp, ready, draining, rev) in enumerate(shapes)
+    )
+
+
+def routable_slots(instances: tuple[Instance, ...], revision: str) -> int:
+    return sum(i.dp_size for i in instances if i.routable and i.revision == revision)
+
+
+@settings(max_examples=80)
+@given(revision_shapes, revision_shapes, st.integers(1, 3), st.integers(0, 40), st.integers(0, 40))
+def test_pairing_is_exact_within_each_revision_and_weighted_by_prefill_slots(
+    prefill: list[tuple[int, bool, bool, str]],
+    decode: list[tuple[int, bool, bool, str]],
+    k: int,
+    prefill_offset: int,
+    decode_offset: int,
+) -> None:
+    """The router's order: the prefill slot from ONE counter over every paired prefill slot,
+    then the decode from that revision's decode slots with that revision's own counter."""
+    p, d = revisioned(prefill, "p"), revisioned(decode, "d")
+    slots = build_slot_table(RoutingTable("x", 1, Connector("nixl"), p, d))
+    paired = {i.revision for i in p if i.routable} & {i.revision for i in d if i.routable}
+    # only paired revisions route; the others are reported with their slot counts
+    assert {s.revision for s in slots.prefill} == {s.revision for s in slots.decode} == paired
+    assert len(slots.prefill) == sum(routable_slots(p, r) for r in paired)
+    expected_unpaired = {
+        (role, rev, routable_slots(insts, rev))
+        for role, insts in ((Role.PREFILL, p), (Role.DECODE, d))
+        for rev in {i.revision for i in insts if i.routable} - paired
+    }
+    assert {(u.role, u.revision, u.slots) for u in slots.unpaired} == expected_unpaired
+    if not paired:
+        assert not slots.serving
+        return
+    policy, book = make_policy("flat-interleaved"), SlotBook(eject_seconds=10)
+    for _ in range(prefill_offset):  # wherever the counters stand, the window below is exact
+        policy.candidates(Role.PREFILL, slots.prefill, book)
+    for rev in paired:
+        for _ in range(decode_offset):
+            policy.candidates(Role.DECODE, slots.decode_for(rev), book, rev)
+    sp = len(slots.prefill)
+    # rounds of the prefill list such that every revision's share divides over its decode slots
+    rounds = k * math.lcm(
+        *(
+            len(slots.decode_for(r)) // math.gcd(len(slots.decode_for(r)), routable_slots(p, r))
+            for r in paired
+        )
+    )
+    prefills: Counter[str] = Counter()
+    decodes: Counter[str] = Counter()
+    for _ in range(rounds * sp):
+        chosen = policy.candidates(Role.PREFILL, slots.prefill, book)[0]
+        pair = policy.candidates(Role.DECODE, slots.decode_for(chosen.revision), book, chosen.revision)[0]
+        assert pair.revision == chosen.revision  # a handoff never crosses revisions
+        prefills[chosen.key] += 1
+        decodes[pair.key] += 1
+    assert prefills == {s.key: rounds for s in slots.prefill}
+    for rev in paired:
+        share = rounds * routable_slots(p, rev) // len(slots.decode_for(rev))
+        assert {s.key: decodes[s.key] for s in slots.decode_for(rev)} == {
+            s.key: share for s in slots.decode_for(rev)
+        }
+
+
+def test_unversioned_tables_pair_everything_as_before() -> None:
+    p = (Instance("p", "http://p:1", 2, 1, True),)
+    d = (Instance("d0", "http://d:1", 1, 1, True), Instance("d1", "http://e:1", 2, 1, True))
+    slots = build_slot_table(RoutingTable("x", 1, Connector("nixl"), p, d))
+    assert slots.decode_for("") == slots.decode == interleaved_slots(d)
+    assert slots.prefill == interleaved_slots(p) and slots.unpaired == ()
+
+
+def test_unpaired_revision_is_described() -> None:
+    p = (Instance("p0", "http://p:1", 8, 1, True, revision="new"), Instance("p1", "http://q:1", 1, 1, True))
+    d = (Instance("d0", "http://d:1", 1, 1, True),)
+    slots = build_slot_table(RoutingTable("x", 1, Connector("nixl"), p, d))
+    assert [s.key for s in slots.prefill] == ["p1/0"]
+    assert [u.describe() for u in slots.unpaired] == [
+        "revision 'new' has 8 routable prefill slot(s) but no routable decode instance: "
+        "its prefill slots take no traffic"
+    ]
+    assert slots.revisions() == {
+        "new": {"prefill_slots": 8, "decode_slots": 0, "paired": False},
+        "": {"prefill_slots": 1, "decode_slots": 1, "paired": True},
+    }

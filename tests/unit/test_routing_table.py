@@ -112,6 +112,18 @@ def test_defaults_of_optional_fields() -> None:
     assert empty.prefill == () and empty.decode == ()
 
 
+def test_revision_is_optional_and_round_trips() -> None:
+    """Tables written before revisions parse as one shared revision ""; the writer's survive."""
+    old = parse_routing_table(doc())
+    assert {i.revision for i in (*old.prefill, *old.decode)} == {""}
+    assert "revision" not in json.loads(old.to_json())["decode"][0]  # nothing added to old tables
+    assert parse_routing_table(with_instance("decode", 0, revision=None)).decode[0].revision == ""
+    new = parse_routing_table(with_instance("decode", 0, revision="a1b2c3d4e5f6"))
+    assert new.decode[0].revision == "a1b2c3d4e5f6"
+    assert load_routing_table(new.to_json()) == new
+    assert not new.same_content(old)  # a revision change is a content change: a new generation
+
+
 def test_moriio_needs_transfer_mode_and_kv_addresses() -> None:
     d = doc(connector={"type": "moriio", "transferMode": "WRITE"})
     d["decode"][0]["kvAddress"] = "10.0.0.9:7000"
@@ -193,6 +205,7 @@ def test_document_errors(changes: dict[str, Any], path: str, reason: str) -> Non
         ("decode", {"ready": "yes"}, "decode[0].ready", "expected true or false"),
         ("decode", {"draining": 1}, "decode[0].draining", "expected true or false"),
         ("prefill", {"kvAddress": 7}, "prefill[0].kvAddress", "expected a string"),
+        ("decode", {"revision": 3}, "decode[0].revision", "expected a string, got 3 (integer)"),
     ],
 )
 def test_instance_errors(role: str, changes: dict[str, Any], path: str, reason: str) -> None:

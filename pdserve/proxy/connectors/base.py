@@ -16,10 +16,20 @@ from pdserve.routing import Slot
 
 @dataclass(frozen=True)
 class LegIds:
-    """Ids both legs of one attempt share."""
+    """The X-Request-Id each leg of an attempt carries, and the transfer id they share.
 
-    request_id: str  # sent as X-Request-Id on both legs
+    vLLM takes its request id from X-Request-Id: two requests in flight with one id collide
+    there (a cancel of one aborts the other), so a retry must never reuse an id.
+    """
+
+    prefill: str
+    decode: str
     transfer_id: str | None = None
+
+
+def leg_id(base: str, role: str, number: int) -> str:
+    """``<base>-p<n>`` / ``<base>-d<n>``: the n-th prefill or decode leg of a request."""
+    return f"{base}-{role[0]}{number}"
 
 
 @dataclass(frozen=True)
@@ -38,7 +48,16 @@ class Connector(Protocol):
         """True when the decode is sent together with the prefill instead of after it."""
         ...
 
-    def ids(self, client_request_id: str, prefill: Slot, decode: Slot, uid: str) -> LegIds: ...
+    @property
+    def reusable_handoff(self) -> bool:
+        """True when a prefill's handoff may go to another decode than the one it was made for."""
+        ...
+
+    def ids(
+        self, base: str, prefill_leg: int, decode_leg: int, prefill: Slot, decode: Slot, uid: str
+    ) -> LegIds:
+        """Ids of an attempt whose legs are the ``prefill_leg``-th and ``decode_leg``-th of the request."""
+        ...
 
     def prefill_leg(self, body: Mapping[str, Any], prefill: Slot, decode: Slot, ids: LegIds) -> LegPlan: ...
 

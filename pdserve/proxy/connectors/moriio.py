@@ -4,7 +4,9 @@ READ: the decode pulls, so it needs the prefill's engine and block ids (serial, 
 WRITE: the prefill pushes into the decode, so both legs go out at once.
 The decode's ``max_tokens`` is one less because the prefill already produced the first token;
 only the prefill leg carries the DP rank header (the decode learns the prefill's rank from
-``remote_dp_rank``).
+``remote_dp_rank``). The request id, shared by both legs, names both peers' KV addresses, so a
+handoff belongs to the one decode it was made for: a failed decode always means a new prefill,
+and every attempt gets a fresh id.
 """
 
 from __future__ import annotations
@@ -30,13 +32,19 @@ class MoriioConnector:
             raise ValueError(f"MoRIIO transfer mode must be READ or WRITE, got {transfer_mode!r}")
         self.transfer_mode = transfer_mode
 
+    reusable_handoff = False
+
     @property
     def concurrent(self) -> bool:
         return self.transfer_mode == "WRITE"
 
-    def ids(self, client_request_id: str, prefill: Slot, decode: Slot, uid: str) -> LegIds:
-        request_id = MoriioRequestId(prefill.instance.kv_address or "", decode.instance.kv_address or "", uid)
-        return LegIds(str(request_id), transfer_id=uid)
+    def ids(
+        self, base: str, prefill_leg: int, decode_leg: int, prefill: Slot, decode: Slot, uid: str
+    ) -> LegIds:
+        request_id = str(
+            MoriioRequestId(prefill.instance.kv_address or "", decode.instance.kv_address or "", uid)
+        )
+        return LegIds(request_id, request_id, transfer_id=uid)
 
     def prefill_leg(self, body: Mapping[str, Any], prefill: Slot, decode: Slot, ids: LegIds) -> LegPlan:
         out = prefill_only(body)

@@ -2,7 +2,8 @@
 
 A policy returns an ordered list of candidates, not a single slot: the first is the choice,
 the rest are the retry order. Each call is one request, so counters advance once per
-request however many retries follow.
+request however many retries follow. ``group`` names an independent counter of the role:
+the decode slots of each revision are walked by their own (see pdserve.routing.slots).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from pdserve.routing import Role, Slot
 class Policy(Protocol):
     name: ClassVar[str]
 
-    def candidates(self, role: Role, slots: Sequence[Slot], book: SlotBook) -> list[Slot]:
+    def candidates(self, role: Role, slots: Sequence[Slot], book: SlotBook, group: str = "") -> list[Slot]:
         """Every slot once, best first; ejected slots last (a last resort, never dropped)."""
         ...
 

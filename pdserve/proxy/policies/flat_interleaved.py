@@ -19,9 +19,9 @@ class FlatInterleaved:
     name: ClassVar[str] = "flat-interleaved"
 
     def __init__(self) -> None:
-        self._counters = {role: 0 for role in Role}
+        self._counters: dict[tuple[Role, str], int] = {}
 
-    def candidates(self, role: Role, slots: Sequence[Slot], book: SlotBook) -> list[Slot]:
-        start = self._counters[role]
-        self._counters[role] = start + 1
+    def candidates(self, role: Role, slots: Sequence[Slot], book: SlotBook, group: str = "") -> list[Slot]:
+        start = self._counters.get((role, group), 0)
+        self._counters[(role, group)] = start + 1
         return healthy_first(role, rotation(slots, start), book)

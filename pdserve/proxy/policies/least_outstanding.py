@@ -19,11 +19,11 @@ class LeastOutstanding:
     name: ClassVar[str] = "least-outstanding"
 
     def __init__(self) -> None:
-        self._counters = {role: 0 for role in Role}
+        self._counters: dict[tuple[Role, str], int] = {}
 
-    def candidates(self, role: Role, slots: Sequence[Slot], book: SlotBook) -> list[Slot]:
-        start = self._counters[role]
-        self._counters[role] = start + 1
+    def candidates(self, role: Role, slots: Sequence[Slot], book: SlotBook, group: str = "") -> list[Slot]:
+        start = self._counters.get((role, group), 0)
+        self._counters[(role, group)] = start + 1
         ordered = rotation(slots, start)
         # sorted() is stable, so equal in-flight counts keep the interleaved rotation order.
         by_load = sorted(ordered, key=lambda s: book.in_flight(role, s.key))

@@ -1,0 +1,156 @@
+"""The relay of a decode's SSE stream to the client, under the stream-idle deadline."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from typing import TYPE_CHECKING, Any
+
+import aiohttp
+
+from pdserve.proxy import codec
+from pdserve.proxy.upstream import OpenStream
+from pdserve.routing import Role, Slot
+from pdserve.wire.openai import error_body
+
+if TYPE_CHECKING:
+    from pdserve.proxy.legs import LegRunner, Trace
+
+
+def sse_error_event(message: str, code: str) -> bytes:
+    event = codec.dumps(error_body(message, "upstream_error", code))
+    return b"data: " + event + b"\n\ndata: [DONE]\n\n"
+
+
+class StreamIdle(Exception):
+    """The decode sent nothing for the whole stream-idle period."""
+
+
+class IdleDeadline:
+    """The stream-idle deadline with one timer per stream instead of one per chunk.
+
+    ``asyncio.timeout`` around every read schedules and cancels a timer per chunk, a visible
+    share of the proxy's CPU. Here a read only stamps the loop's clock; one timer, when it
+    fires, re-arms itself for the latest stamp, or, when the current read has waited the whole
+    period, fails that read by setting :class:`StreamIdle` on the response's stream. Time spent
+    waiting for the client to take a chunk does not count, as before.
+    """
+
+    def __init__(self, stream: aiohttp.StreamReader, seconds: float) -> None:
+        self.seconds = seconds
+        self._stream = stream
+        self._loop = asyncio.get_running_loop()
+        self._since: float | None = None  # when the pending read started; None between reads
+        self._timer: asyncio.TimerHandle | None = None
+
+    def reading(self) -> None:
+        self._since = self._loop.time()
+        if self._timer is None:
+            self._timer = self._loop.call_at(self._since + self.seconds, self._check)
+
+    def waiting_for_client(self) -> None:
+        self._since = None
+
+    def stop(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        self._since = None
+
+    def _check(self) -> None:
+        now = self._loop.time()
+        if self._since is not None and now - self._since >= self.seconds:
+            self._timer = None
+            self._stream.set_exception(StreamIdle(f"no data for {self.seconds:g} s"))
+            return
+        start = self._since if self._since is not None else now
+        self._timer = self._loop.call_at(start + self.seconds, self._check)
+
+
+class RelayStream:
+    """Relays the decode's SSE chunks as they arrive, under the idle deadline.
+
+    A class rather than an async generator so that cleanup (closing the upstream response,
+    counters, the log line) is synchronous and happens even if the HTTP layer drops the
+    response before iterating it.
+    """
+
+    def __init__(
+        self,
+        dispatcher: LegRunner,
+        slot: Slot,
+        opened: OpenStream,
+        trace: Trace,
+        background: asyncio.Task[Any] | None,
+    ) -> None:
+        self._d = dispatcher
+        self._slot = slot
+        self._response = opened.response
+        self._pending: bytes | None = opened.first_chunk
+        self._trace = trace
+        self._background = background
+        self._done = False
+        self._ends_event = True
+        self._idle = IdleDeadline(opened.response.content, dispatcher.deadlines.stream_idle)
+
+    def __aiter__(self) -> RelayStream:
+        return self
+
+    async def __anext__(self) -> bytes:
+        if self._pending is not None:
+            chunk, self._pending = self._pending, None
+            self._ends_event = chunk.endswith(b"\n\n")
+            return chunk
+        if self._done:
+            raise StopAsyncIteration
+        self._idle.reading()
+        try:
+            chunk = await self._response.content.readany()
+        except StreamIdle:
+            self._d.metrics.deadline_expiries.labels("decode", "stream_idle").inc()
+            message = f"no data from the decode for {self._idle.seconds:g} s"
+            return self._fail("timeout", "stream_idle_timeout", message)
+        except aiohttp.ClientError as exc:
+            return self._fail("dropped", "upstream_dropped", f"the decode's stream broke: {exc or type(exc)}")
+        except asyncio.CancelledError:
+            self.close("cancelled")
+            raise
+        finally:
+            self._idle.waiting_for_client()
+        if not chunk:
+            self.close("ok")
+            raise StopAsyncIteration
+        self._ends_event = chunk.endswith(b"\n\n")
+        return chunk
+
+    def _fail(self, outcome: str, code: str, message: str) -> bytes:
+        self._d.metrics.stream_errors.labels(code).inc()
+        self.close(outcome)
+        self._d._eject(Role.DECODE, self._slot, outcome)
+        # Finish any half-sent event first so the error is an event of its own.
+        prefix = b"" if self._ends_event else b"\n\n"
+        return prefix + sse_error_event(f"decode {self._slot.key}: {message}", code)
+
+    async def aclose(self) -> None:
+        self.close("cancelled")
+
+    def close(self, outcome: str) -> None:
+        if self._done and self._trace.closed:
+            return
+        self._done = True
+        self._idle.stop()
+        if outcome == "ok":
+            self._response.release()
+        else:
+            self._response.close()  # the decode sees the disconnect and frees the request's KV
+            if self._background is not None and not self._background.done():
+                self._background.cancel()
+        self._d._leg_finished(Role.DECODE, self._slot, outcome)
+        status = 200
+        request_outcome = {"ok": "ok", "cancelled": "cancelled"}.get(outcome, "stream_error")
+        self._d._close(self._trace, status if request_outcome != "cancelled" else 499, request_outcome)
+
+    def __del__(self) -> None:
+        if not self._done:
+            with contextlib.suppress(Exception):  # never raise from a finalizer
+                self.close("cancelled")
