@@ -25,6 +25,7 @@ from typing import Any
 
 from pdserve import __version__
 from pdserve.deployment.kvconfig import MORIIO, NIXL, kv_transfer_config_json
+from pdserve.deployment.podtemplate import merge_metadata, merge_pod_spec
 from pdserve.deployment.routing import build_routing_table
 from pdserve.deployment.spec import API_VERSION, ENGINE_PORT, KIND, PDDeployment, RoleSpec
 from pdserve.routing import CONFIGMAP_KEY, Role, RoutingTable
@@ -132,6 +133,7 @@ def instance_pod(pdd: PDDeployment, role: Role, index: int) -> dict[str, Any]:
         DP_SIZE_ANNOTATION: str(rs.data_parallel),
         TP_SIZE_ANNOTATION: str(rs.tensor_parallel),
     }
+    meta = merge_metadata(meta, rs.template)
     return {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": _pod_spec(pdd, role, name)}
 
 
@@ -172,7 +174,10 @@ def template_hash(pdd: PDDeployment, role: Role) -> str:
     changes exactly when a pod would come out different: image, args, env, resources, DP/TP,
     connector, and pdserve's own rendering. The instance count is not part of a pod.
     """
-    spec = _pod_spec(pdd, role, "{instance}")
+    spec: dict[str, Any] = _pod_spec(pdd, role, "{instance}")
+    template_metadata = pdd.spec.role(role).template.metadata
+    if template_metadata:  # labels and annotations of a template are part of the pod too
+        spec = {"spec": spec, "metadata": template_metadata}
     digest = hashlib.sha256(json.dumps(spec, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
     return digest[:10]
 
@@ -218,7 +223,7 @@ def _pod_spec(pdd: PDDeployment, role: Role, pod_name: str) -> dict[str, Any]:
         pod["tolerations"] = [_plain(t) for t in rs.tolerations]
     if rs.affinity:
         pod["affinity"] = _plain(rs.affinity)
-    return pod
+    return merge_pod_spec(pod, rs.template.spec)
 
 
 def _health() -> dict[str, Any]:
@@ -298,6 +303,16 @@ def _engine_resources(gpu_resource: str, rs: RoleSpec, gpus: bool) -> dict[str, 
 
 
 def router_deployment(pdd: PDDeployment) -> dict[str, Any]:
+    """The router Deployment, with ``spec.router.template`` merged onto its pod template."""
+    deployment = _router_deployment(pdd)
+    pod = deployment["spec"]["template"]
+    template = pdd.spec.router.template
+    pod["metadata"] = merge_metadata(pod["metadata"], template)
+    pod["spec"] = merge_pod_spec(pod["spec"], template.spec)
+    return deployment
+
+
+def _router_deployment(pdd: PDDeployment) -> dict[str, Any]:
     router = pdd.spec.router
     selector = {DEPLOYMENT_LABEL: pdd.name, COMPONENT: "router"}
     container = {

@@ -13,16 +13,31 @@ Rules the schema cannot express (a node's GPU count, flags that pdserve owns) li
 
 from __future__ import annotations
 
-import json
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from pdserve.routing import Connector, FieldError, Role
+from pdserve.deployment.podtemplate import PodTemplate, parse_template
+from pdserve.deployment.readers import SpecError
+from pdserve.deployment.readers import no_unknown as _no_unknown
+from pdserve.deployment.readers import plain as _plain
+from pdserve.deployment.readers import read_boolean as _boolean
+from pdserve.deployment.readers import read_choice as _choice
+from pdserve.deployment.readers import read_env_list as _env_list
+from pdserve.deployment.readers import read_integer as _integer
+from pdserve.deployment.readers import read_object as _object
+from pdserve.deployment.readers import read_object_list as _object_list
+from pdserve.deployment.readers import read_string as _string
+from pdserve.deployment.readers import read_string_list as _string_list
+from pdserve.deployment.readers import read_string_map as _string_map
+from pdserve.deployment.readers import show as _show
+from pdserve.routing import Connector, Role
+
+__all__ = ["SpecError"]
 
 GROUP = "pdserve.io"
 VERSION = "v1alpha1"
@@ -44,7 +59,6 @@ MAX_NAME_LENGTH = 50
 _DNS_1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 _DNS_1123 = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 _RESOURCE_NAME = re.compile(r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?/[-._a-zA-Z0-9]+$")
-_ENV_NAME = re.compile(r"^[-._a-zA-Z][-._a-zA-Z0-9]*$")
 
 # Defaults; equal to the CRD schema's (tests/unit/test_deployment_spec.py checks it).
 DEFAULT_ENGINE = "vllm"
@@ -64,10 +78,6 @@ MAX_PARALLEL = 64
 MAX_ROUTER_REPLICAS = 64
 MAX_BACKLOG = 1_000_000
 MAX_DRAIN_SECONDS = 3600
-
-
-class SpecError(FieldError):
-    """A PDDeployment that must not be acted on; the message names the field and the reason."""
 
 
 @dataclass(frozen=True)
@@ -99,6 +109,8 @@ class RoleSpec:
     affinity: Mapping[str, Any] = field(default_factory=dict)
     #: Reserved for instances spanning nodes (DP or TP across nodes); only 1 is accepted today.
     nodes_per_instance: int = 1
+    #: Merged onto the rendered pod last (podtemplate.py); fields pdserve owns are refused.
+    template: PodTemplate = field(default_factory=PodTemplate)
 
     @property
     def gpus_per_instance(self) -> int:
@@ -118,6 +130,7 @@ class RouterSpec:
     backlog: int = DEFAULT_BACKLOG
     port: int = DEFAULT_ROUTER_PORT
     service_type: str = DEFAULT_SERVICE_TYPE
+    template: PodTemplate = field(default_factory=PodTemplate)
 
 
 @dataclass(frozen=True)
@@ -305,6 +318,7 @@ _ROLE_FIELDS = (
     "nodeSelector",
     "tolerations",
     "affinity",
+    "template",
 )
 
 
@@ -343,12 +357,13 @@ def _parse_role(value: object, path: str) -> RoleSpec:
         tolerations=tolerations,
         affinity=_plain(affinity, f"{path}.affinity"),
         nodes_per_instance=nodes,
+        template=parse_template(doc.get("template"), f"{path}.template"),
     )
 
 
 def _parse_router(value: object, path: str) -> RouterSpec:
     doc = _object(value, path)
-    _no_unknown(doc, path, ("replicas", "image", "policy", "backlog", "port", "serviceType"))
+    _no_unknown(doc, path, ("replicas", "image", "policy", "backlog", "port", "serviceType", "template"))
     return RouterSpec(
         replicas=_integer(doc, "replicas", path, DEFAULT_ROUTER_REPLICAS, 0, MAX_ROUTER_REPLICAS),
         image=_string(doc, "image", path, default=""),
@@ -356,6 +371,7 @@ def _parse_router(value: object, path: str) -> RouterSpec:
         backlog=_integer(doc, "backlog", path, DEFAULT_BACKLOG, 1, MAX_BACKLOG),
         port=_integer(doc, "port", path, DEFAULT_ROUTER_PORT, 1, 65535),
         service_type=_choice(doc, "serviceType", path, SERVICE_TYPES, DEFAULT_SERVICE_TYPE),
+        template=parse_template(doc.get("template"), f"{path}.template"),
     )
 
 
@@ -366,126 +382,3 @@ def _parse_rollout(value: object, path: str) -> RolloutSpec:
         max_unavailable=_integer(doc, "maxUnavailable", path, DEFAULT_MAX_UNAVAILABLE, 1, MAX_INSTANCES),
         drain_seconds=_integer(doc, "drainSeconds", path, DEFAULT_DRAIN_SECONDS, 0, MAX_DRAIN_SECONDS),
     )
-
-
-# --- small typed readers -----------------------------------------------------------------------
-
-
-def _object(value: object, path: str) -> Mapping[str, Any]:
-    if not isinstance(value, Mapping):
-        raise SpecError(path, f"expected an object, got {_show(value)}")
-    for key in value:
-        if not isinstance(key, str):
-            raise SpecError(path, f"keys must be strings, got {_show(key)}")
-    return value
-
-
-def _no_unknown(doc: Mapping[str, Any], path: str, known: Sequence[str]) -> None:
-    for key in doc:
-        if key not in known:
-            hint = next((k for k in known if k.lower() == key.lower()), None)
-            suffix = f' (did you mean "{hint}"?)' if hint else f"; known fields: {', '.join(known)}"
-            raise SpecError(f"{path}.{key}", f"unknown field{suffix}")
-
-
-def _string(doc: Mapping[str, Any], key: str, path: str, default: str = "", required: bool = False) -> str:
-    full = f"{path}.{key}"
-    if key not in doc or doc[key] is None:
-        if required:
-            raise SpecError(full, "required field is missing")
-        return default
-    value = doc[key]
-    if not isinstance(value, str):
-        raise SpecError(full, f"expected a string, got {_show(value)}")
-    if required and not value:
-        raise SpecError(full, "must not be empty")
-    return value
-
-
-def _choice(doc: Mapping[str, Any], key: str, path: str, choices: Sequence[str], default: str | None) -> str:
-    full = f"{path}.{key}"
-    value = doc.get(key, default)
-    if value not in choices:
-        listed = ", ".join(f'"{c}"' for c in choices)
-        raise SpecError(full, f"expected one of {listed}, got {_show(value)}")
-    return str(value)
-
-
-def _integer(doc: Mapping[str, Any], key: str, path: str, default: int, minimum: int, maximum: int) -> int:
-    full = f"{path}.{key}"
-    value = doc.get(key, default)
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise SpecError(full, f"expected an integer >= {minimum}, got {_show(value)}")
-    if value > maximum:
-        raise SpecError(full, f"expected an integer <= {maximum}, got {_show(value)}")
-    return value
-
-
-def _boolean(doc: Mapping[str, Any], key: str, path: str, default: bool) -> bool:
-    value = doc.get(key, default)
-    if not isinstance(value, bool):
-        raise SpecError(f"{path}.{key}", f"expected true or false, got {_show(value)}")
-    return value
-
-
-def _list(doc: Mapping[str, Any], key: str, path: str) -> list[Any]:
-    value = doc.get(key, [])
-    if not isinstance(value, list):
-        raise SpecError(f"{path}.{key}", f"expected a list, got {_show(value)}")
-    return value
-
-
-def _string_list(doc: Mapping[str, Any], key: str, path: str) -> tuple[str, ...]:
-    items = _list(doc, key, path)
-    for i, item in enumerate(items):
-        if not isinstance(item, str):
-            raise SpecError(f"{path}.{key}[{i}]", f"expected a string, got {_show(item)}")
-    return tuple(items)
-
-
-def _object_list(doc: Mapping[str, Any], key: str, path: str) -> tuple[Mapping[str, Any], ...]:
-    out = []
-    for i, item in enumerate(_list(doc, key, path)):
-        item_path = f"{path}.{key}[{i}]"
-        out.append(_plain(_object(item, item_path), item_path))
-    return tuple(out)
-
-
-def _env_list(doc: Mapping[str, Any], key: str, path: str) -> tuple[Mapping[str, Any], ...]:
-    env = _object_list(doc, key, path)
-    for i, var in enumerate(env):
-        name = var.get("name")
-        if not isinstance(name, str) or not _ENV_NAME.match(name):
-            raise SpecError(
-                f"{path}.{key}[{i}].name", f"expected an environment variable name, got {_show(name)}"
-            )
-    return env
-
-
-def _string_map(doc: Mapping[str, Any], key: str, path: str) -> dict[str, str]:
-    full = f"{path}.{key}"
-    value = _object(doc.get(key) or {}, full)
-    for k, v in value.items():
-        if not isinstance(v, str):
-            raise SpecError(f"{full}.{k}", f"expected a string, got {_show(v)}")
-    return dict(value)
-
-
-def _plain(value: Any, path: str) -> Any:
-    """A deep copy made of plain dicts and lists, so the typed spec never aliases the caller's data."""
-    try:
-        return json.loads(json.dumps(value))
-    except (TypeError, ValueError) as exc:
-        raise SpecError(path, f"holds a value that is not JSON ({exc}); quote dates and timestamps") from exc
-
-
-def _show(value: object) -> str:
-    names = {str: "string", bool: "boolean", int: "integer", float: "number", list: "list", dict: "object"}
-    kind = (
-        "null"
-        if value is None
-        else names.get(type(value), "object" if isinstance(value, Mapping) else "value")
-    )
-    if isinstance(value, str | int | float | bool):
-        return f"{json.dumps(value)} ({kind})"
-    return kind

@@ -7,9 +7,11 @@ the field and says what to change.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from pdserve.deployment.objects import OWNED_ENV
+from pdserve.deployment.podtemplate import ENGINE_CONTAINER, ROUTER_CONTAINER, Reserved, owned_problems
 from pdserve.deployment.spec import ENGINE_PORT, PDDeployment, PDDeploymentSpec
 from pdserve.routing import Role
 
@@ -46,8 +48,10 @@ def problems(pdd: PDDeployment, node_gpu_allocatable: Sequence[int] | None) -> l
         found += _owned_args(spec, role, path)
         found += _owned_env(spec, role, path)
         found += _gpu_resources(spec, role, path)
+        found += _template(spec, role, path)
         if node_gpu_allocatable is not None:
             found += _fits_a_node(spec, role, path, node_gpu_allocatable)
+    found += owned_problems(spec.router.template, "spec.router", ROUTER_CONTAINER, router_reserved(spec))
     if (
         spec.engine == "vllm"
         and spec.kv_transfer.connector == "MoRIIOConnector"
@@ -71,27 +75,51 @@ def _owned_args(spec: PDDeploymentSpec, role: Role, path: str) -> list[str]:
 
 
 def _owned_env(spec: PDDeploymentSpec, role: Role, path: str) -> list[str]:
+    reserved = {name: "is set by pdserve to the pod IP" for name in OWNED_ENV} | dict(
+        engine_reserved(spec).env
+    )
     out = []
     for i, var in enumerate(spec.role(role).env):
-        if var.get("name") in OWNED_ENV:
-            out.append(f"{path}.env[{i}]: {var['name']} is set by pdserve to the pod IP; remove it from env")
+        name = var.get("name")
+        if name in reserved:
+            out.append(f"{path}.env[{i}]: {name} {reserved[name]}; remove it from env")
     return out
 
 
 def _gpu_resources(spec: PDDeploymentSpec, role: Role, path: str) -> list[str]:
+    return _gpu_count(spec, role, spec.role(role).resources, f"{path}.resources")
+
+
+def _gpu_count(spec: PDDeploymentSpec, role: Role, resources: Mapping[str, Any], path: str) -> list[str]:
     if spec.engine == "sim":
         return []
     rs = spec.role(role)
     out = []
     for section in ("requests", "limits"):
-        values = rs.resources.get(section) or {}
+        values = resources.get(section) or {}
         if spec.gpu_resource in values and str(values[spec.gpu_resource]) != str(rs.gpus_per_instance):
             out.append(
-                f"{path}.resources.{section}[{spec.gpu_resource}]: pdserve requests dataParallel x "
+                f"{path}.{section}[{spec.gpu_resource}]: pdserve requests dataParallel x "
                 f"tensorParallel = {rs.gpus_per_instance} GPUs per instance, got "
                 f"{values[spec.gpu_resource]!s}; remove it from resources"
             )
     return out
+
+
+def engine_reserved(spec: PDDeploymentSpec) -> Reserved:
+    """What an engine pod renders because the spec asks for it (model cache, Secrets)."""
+    return Reserved()
+
+
+def router_reserved(spec: PDDeploymentSpec) -> Reserved:
+    return Reserved()
+
+
+def _template(spec: PDDeploymentSpec, role: Role, path: str) -> list[str]:
+    def gpus(resources: Mapping[str, Any], where: str) -> list[str]:
+        return _gpu_count(spec, role, resources, where)
+
+    return owned_problems(spec.role(role).template, path, ENGINE_CONTAINER, engine_reserved(spec), gpus)
 
 
 def _fits_a_node(spec: PDDeploymentSpec, role: Role, path: str, allocatable: Sequence[int]) -> list[str]:

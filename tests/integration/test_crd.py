@@ -12,9 +12,11 @@ from typing import Any
 
 import pytest
 
+from pdserve.deployment import podtemplate as pt
 from pdserve.deployment.objects import render_all
 from pdserve.deployment.routing import build_routing_table
 from pdserve.deployment.spec import SpecError, parse_pddeployment
+from pdserve.deployment.validate import problems
 from tests.support.kube import KubeCluster, eventually
 from tests.unit.test_deployment_objects import CONNECTORS, SHAPES, all_ready, shape_manifest
 
@@ -293,3 +295,193 @@ def test_rendered_manifests_are_valid_kubernetes_objects(crd: KubeCluster, kube_
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.count("(server dry run)") == len(items)
+
+
+# --- pod templates ---------------------------------------------------------------------------------
+
+PRODUCTION_TEMPLATE: dict[str, Any] = {
+    "metadata": {"labels": {"team": "ml"}, "annotations": {"example.com/owner": "inference"}},
+    "spec": {
+        "nodeSelector": {"node.kubernetes.io/instance-type": "p5.48xlarge"},
+        "tolerations": [
+            {"key": "dedicated", "operator": "Equal", "value": "inference", "effect": "NoSchedule"}
+        ],
+        "affinity": {
+            "nodeAffinity": {
+                "requiredDuringSchedulingIgnoredDuringExecution": {
+                    "nodeSelectorTerms": [
+                        {"matchExpressions": [{"key": "gpu", "operator": "In", "values": ["h100"]}]}
+                    ]
+                }
+            }
+        },
+        "topologySpreadConstraints": [
+            {
+                "maxSkew": 1,
+                "topologyKey": "topology.kubernetes.io/zone",
+                "whenUnsatisfiable": "ScheduleAnyway",
+            }
+        ],
+        "priorityClassName": "inference-critical",
+        "serviceAccountName": "engines",
+        "imagePullSecrets": [{"name": "regcred"}],
+        "runtimeClassName": "nvidia",
+        "schedulerName": "default-scheduler",
+        "securityContext": {"fsGroup": 1000},
+        "volumes": [{"name": "extra", "emptyDir": {}}],
+        "initContainers": [{"name": "warm", "image": "busybox", "command": ["true"]}],
+        "containers": [
+            {
+                "name": "engine",
+                "env": [{"name": "NCCL_DEBUG", "value": "INFO"}],
+                "envFrom": [{"secretRef": {"name": "extra-env"}}],
+                "volumeMounts": [{"name": "extra", "mountPath": "/extra"}],
+                "resources": {"requests": {"memory": "400Gi"}, "limits": {"rdma/ib": "8"}},
+                "securityContext": {"capabilities": {"add": ["SYS_NICE"]}},
+            },
+            {
+                "name": "shipper",
+                "image": "fluent/fluent-bit:3.0",
+                "args": ["-c", "/x"],
+                "ports": [{"containerPort": 2020}],
+            },
+        ],
+    },
+}
+
+
+def test_a_production_pod_template_is_stored_as_written_and_renders_valid_pods(
+    crd: KubeCluster, kube_namespace: str
+) -> None:
+    obj = manifest(prefill={"template": PRODUCTION_TEMPLATE}, decode={"template": PRODUCTION_TEMPLATE})
+    create(crd, kube_namespace, obj)
+    stored = get(crd, kube_namespace, "r1")
+    assert stored["spec"]["prefill"]["template"] == PRODUCTION_TEMPLATE
+    pdd = parse_pddeployment(stored)
+    assert problems(pdd, None) == []
+    items = [o for o in render_all(pdd) if o["kind"] == "Pod"]
+    # Admission checks that what the template names exists (cluster-scoped ones applied idempotently).
+    crd.kubectl("create", "serviceaccount", "engines", "-n", kube_namespace)
+    cluster_objects = [
+        {
+            "apiVersion": "scheduling.k8s.io/v1",
+            "kind": "PriorityClass",
+            "metadata": {"name": "inference-critical"},
+            "value": 1000000,
+        },
+        {
+            "apiVersion": "node.k8s.io/v1",
+            "kind": "RuntimeClass",
+            "metadata": {"name": "nvidia"},
+            "handler": "nvidia",
+        },
+    ]
+    crd.kubectl(
+        "apply", "-f", "-", input=json.dumps({"apiVersion": "v1", "kind": "List", "items": cluster_objects})
+    )
+    proc = crd.kubectl(
+        "apply", "--dry-run=server", "--server-side", "-n", kube_namespace, "-f", "-",
+        input=json.dumps({"apiVersion": "v1", "kind": "List", "items": items}), check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+
+
+def _owned_cases() -> list[Any]:
+    engine = [
+        ("hostname", {"spec": {"hostname": "x"}}, pt.ENGINE_POD_OWNED["hostname"]),
+        ("subdomain", {"spec": {"subdomain": "x"}}, pt.ENGINE_POD_OWNED["subdomain"]),
+        ("restartPolicy", {"spec": {"restartPolicy": "Never"}}, pt.ENGINE_POD_OWNED["restartPolicy"]),
+        *[
+            (key, {"spec": {"containers": [{"name": "engine", key: value}]}}, pt.ENGINE_OWNED[key])
+            for key, value in [
+                ("image", "x"),
+                ("command", ["sh"]),
+                ("args", ["--port", "1"]),
+                ("ports", [{"containerPort": 1}]),
+                ("startupProbe", {"exec": {"command": ["true"]}}),
+                ("readinessProbe", {"exec": {"command": ["true"]}}),
+                ("livenessProbe", {"exec": {"command": ["true"]}}),
+            ]
+        ],
+        (
+            "env",
+            {"spec": {"containers": [{"name": "engine", "env": [{"name": "VLLM_HOST_IP", "value": "1"}]}]}},
+            pt.ENGINE_ENV_OWNED.owned,
+        ),
+        (
+            "mount",
+            {
+                "spec": {
+                    "containers": [
+                        {"name": "engine", "volumeMounts": [{"name": "x", "mountPath": "/dev/shm"}]}
+                    ]
+                }
+            },
+            pt.ENGINE_MOUNTS_OWNED.owned,
+        ),
+        ("volume", {"spec": {"volumes": [{"name": "dshm", "emptyDir": {}}]}}, pt.ENGINE_VOLUMES_OWNED.owned),
+        ("label", {"metadata": {"labels": {"pdserve.io/role": "x"}}}, pt.LABELS_OWNED),
+        ("annotation", {"metadata": {"annotations": {"pdserve.io/dp-size": "9"}}}, pt.ANNOTATIONS_OWNED),
+    ]
+    router = [
+        ("router-sa", {"spec": {"serviceAccountName": "x"}}, pt.ROUTER_POD_OWNED["serviceAccountName"]),
+        *[
+            (
+                f"router-{key}",
+                {"spec": {"containers": [{"name": "router", key: value}]}},
+                pt.ROUTER_OWNED[key],
+            )
+            for key, value in [
+                ("image", "x"),
+                ("args", ["--port", "1"]),
+                ("readinessProbe", {"tcpSocket": {"port": 1}}),
+            ]
+        ],
+        (
+            "router-volume",
+            {"spec": {"volumes": [{"name": "routing", "emptyDir": {}}]}},
+            pt.ROUTER_VOLUMES_OWNED.owned,
+        ),
+    ]
+    cases = [pytest.param("decode", t, o, id=n) for n, t, o in engine]
+    return cases + [pytest.param("router", t, o, id=n) for n, t, o in router]
+
+
+@pytest.mark.parametrize(("section", "template", "owned"), _owned_cases())
+def test_an_owned_template_field_is_refused_by_the_api_server_and_by_pdserve_alike(
+    crd: KubeCluster, kube_namespace: str, section: str, template: dict[str, Any], owned: pt.Owned
+) -> None:
+    obj = manifest(**{section: {"template": template}})
+    proc = create(crd, kube_namespace, obj, check=False)
+    assert proc.returncode != 0, f"accepted: {template}"
+    assert owned.message in " ".join(proc.stderr.split()), proc.stderr
+    # The operator and `pdserve render` refuse the same object with the same words, after the role's path.
+    assert problems(parse_pddeployment(obj), None) == [f"spec.{section}.{owned.message}"]
+
+
+def test_kubectl_explain_documents_the_pod_template(crd: KubeCluster) -> None:
+    def explain() -> str | None:
+        out = crd.kubectl("explain", "pdd.spec.decode.template.spec", check=False)
+        return out.stdout if out.returncode == 0 and "tolerations" in out.stdout else None
+
+    text = " ".join(
+        eventually(explain, timeout=60, message="kubectl explain pdd.spec.decode.template.spec").split()
+    )
+    assert "strategic-merge" in text
+    for field in (
+        "containers",
+        "volumes",
+        "nodeSelector",
+        "tolerations",
+        "affinity",
+        "imagePullSecrets",
+        "priorityClassName",
+        "runtimeClassName",
+        "schedulerName",
+        "topologySpreadConstraints",
+    ):
+        assert field in text, field
+    engine = " ".join(crd.kubectl("explain", "pdd.spec.decode.template.spec.containers").stdout.split())
+    assert "engine is pdserve's container" in engine
+    router = " ".join(crd.kubectl("explain", "pdd.spec.router.template").stdout.split())
+    assert "each router pod" in router

@@ -1,0 +1,91 @@
+"""Golden renders of one small deployment per production feature (pod templates, model storage,
+KV-transfer pod settings, router security, engine defaults).
+
+Regenerate with ``PDSERVE_UPDATE_GOLDEN=1 pytest tests/unit/test_deployment_features.py`` and review
+the diff: it is exactly what changes in users' clusters.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from pdserve.deployment.cli import to_yaml
+from pdserve.deployment.objects import render_all
+from pdserve.deployment.spec import parse_pddeployment
+from pdserve.deployment.validate import problems
+
+GOLDEN = Path(__file__).resolve().parents[1] / "golden" / "render" / "features"
+UPDATE = os.environ.get("PDSERVE_UPDATE_GOLDEN") == "1"
+
+BASE: dict[str, Any] = {
+    "model": "meta-llama/Llama-3.3-70B-Instruct",
+    "servedModelName": "llama-3.3-70b",
+    "image": "vllm/vllm-openai:v0.12.0",
+    "prefill": {"instances": 1, "tensorParallel": 4},
+    "decode": {"instances": 1, "dataParallel": 2, "tensorParallel": 2},
+}
+
+ENGINE_TEMPLATE = {
+    "metadata": {"labels": {"team": "ml"}, "annotations": {"example.com/owner": "inference"}},
+    "spec": {
+        "nodeSelector": {"node.kubernetes.io/instance-type": "p5.48xlarge"},
+        "tolerations": [
+            {"key": "dedicated", "operator": "Equal", "value": "inference", "effect": "NoSchedule"}
+        ],
+        "priorityClassName": "inference-critical",
+        "imagePullSecrets": [{"name": "regcred"}],
+        "containers": [
+            {
+                "name": "engine",
+                "env": [{"name": "UCX_NET_DEVICES", "value": "mlx5_0:1,mlx5_1:1"}],
+                "resources": {"requests": {"memory": "400Gi"}, "limits": {"rdma/ib": "8"}},
+            }
+        ],
+    },
+}
+
+FEATURES: dict[str, dict[str, Any]] = {
+    "pod-template": {
+        "prefill": {**BASE["prefill"], "template": ENGINE_TEMPLATE},
+        "decode": {**BASE["decode"], "template": ENGINE_TEMPLATE},
+        "router": {
+            "template": {
+                "spec": {
+                    "imagePullSecrets": [{"name": "regcred"}],
+                    "containers": [{"name": "router", "resources": {"limits": {"memory": "1Gi"}}}],
+                }
+            }
+        },
+    },
+}
+
+
+def manifest(extra: dict[str, Any]) -> dict[str, Any]:
+    spec = copy.deepcopy(BASE)
+    spec.update(copy.deepcopy(extra))
+    return {
+        "apiVersion": "pdserve.io/v1alpha1",
+        "kind": "PDDeployment",
+        "metadata": {"name": "llama", "namespace": "serving", "uid": "0d9f6b3c-4c1e-4f5a-9a53-2b7d3c9e8f10"},
+        "spec": spec,
+    }
+
+
+@pytest.mark.parametrize("feature", sorted(FEATURES))
+def test_feature_golden_render(feature: str) -> None:
+    pdd = parse_pddeployment(manifest(FEATURES[feature]))
+    assert problems(pdd, None) == []
+    text = to_yaml(render_all(pdd))
+    golden = GOLDEN / f"{feature}.yaml"
+    if UPDATE:
+        golden.parent.mkdir(parents=True, exist_ok=True)
+        golden.write_text(text)
+    assert golden.exists(), f"missing {golden}; run with PDSERVE_UPDATE_GOLDEN=1"
+    assert text == golden.read_text(), (
+        f"{golden.name} differs; review and regenerate with PDSERVE_UPDATE_GOLDEN=1"
+    )
