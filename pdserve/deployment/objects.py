@@ -28,6 +28,7 @@ from pdserve.deployment.kvconfig import MORIIO, NIXL, kv_transfer_config_json
 from pdserve.deployment.podtemplate import merge_metadata, merge_pod_spec
 from pdserve.deployment.routing import build_routing_table
 from pdserve.deployment.spec import API_VERSION, ENGINE_PORT, KIND, PDDeployment, RoleSpec
+from pdserve.deployment.storage import model_argument, storage_env, storage_mounts, storage_volumes
 from pdserve.routing import CONFIGMAP_KEY, Role, RoutingTable
 
 DEFAULT_IMAGE = f"ghcr.io/pdserve/pdserve:{__version__}"
@@ -223,6 +224,9 @@ def _pod_spec(pdd: PDDeployment, role: Role, pod_name: str) -> dict[str, Any]:
         pod["tolerations"] = [_plain(t) for t in rs.tolerations]
     if rs.affinity:
         pod["affinity"] = _plain(rs.affinity)
+    if not sim:  # the model's storage; the simulator loads none
+        container["volumeMounts"] += storage_mounts(spec.model, spec.model_cache)
+        pod["volumes"] += storage_volumes(spec.model, spec.model_cache)
     return merge_pod_spec(pod, rs.template.spec)
 
 
@@ -234,7 +238,7 @@ def _vllm_args(pdd: PDDeployment, role: Role) -> list[str]:
     spec = pdd.spec
     rs = spec.role(role)
     args = [
-        spec.model,
+        model_argument(spec.model),
         "--served-model-name",
         spec.served_model_name,
         "--port",
@@ -283,6 +287,8 @@ def _engine_env(pdd: PDDeployment) -> list[dict[str, Any]]:
         env.append(pod_ip("VLLM_NIXL_SIDE_CHANNEL_HOST"))
     elif connector == MORIIO:
         env.append(pod_ip("VLLM_HOST_IP"))
+    if pdd.spec.engine != "sim":
+        env += storage_env(pdd.spec.model, pdd.spec.model_cache, pdd.spec.hf_token_secret_ref)
     return env
 
 

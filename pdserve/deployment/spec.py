@@ -22,7 +22,7 @@ from typing import Any
 import yaml
 
 from pdserve.deployment.podtemplate import PodTemplate, parse_template
-from pdserve.deployment.readers import SpecError
+from pdserve.deployment.readers import SecretKeyRef, SpecError, read_secret_ref
 from pdserve.deployment.readers import no_unknown as _no_unknown
 from pdserve.deployment.readers import plain as _plain
 from pdserve.deployment.readers import read_boolean as _boolean
@@ -35,9 +35,10 @@ from pdserve.deployment.readers import read_string as _string
 from pdserve.deployment.readers import read_string_list as _string_list
 from pdserve.deployment.readers import read_string_map as _string_map
 from pdserve.deployment.readers import show as _show
+from pdserve.deployment.storage import ModelCache, parse_model, parse_model_cache
 from pdserve.routing import Connector, Role
 
-__all__ = ["SpecError"]
+__all__ = ["ModelCache", "SecretKeyRef", "SpecError"]
 
 GROUP = "pdserve.io"
 VERSION = "v1alpha1"
@@ -151,6 +152,9 @@ class PDDeploymentSpec:
     decode: RoleSpec
     router: RouterSpec = RouterSpec()
     rollout: RolloutSpec = RolloutSpec()
+    # Model storage and credentials (storage.py); engine vllm only.
+    model_cache: ModelCache | None = None
+    hf_token_secret_ref: SecretKeyRef | None = None
 
     def role(self, role: Role) -> RoleSpec:
         return self.prefill if role is Role.PREFILL else self.decode
@@ -246,9 +250,11 @@ def parse_spec(spec: Mapping[str, Any] | object) -> PDDeploymentSpec:
             "decode",
             "router",
             "rollout",
+            "modelCache",
+            "hfTokenSecretRef",
         ),
     )
-    model = _string(doc, "model", path, required=True)
+    model = parse_model(_string(doc, "model", path, required=True), f"{path}.model")
     served = _string(doc, "servedModelName", path, default="") or model
     image = _string(doc, "image", path, default="")
     engine = _choice(doc, "engine", path, ENGINES, DEFAULT_ENGINE)
@@ -267,7 +273,20 @@ def parse_spec(spec: Mapping[str, Any] | object) -> PDDeploymentSpec:
     decode = _parse_role(doc.get("decode", {}), f"{path}.decode")
     router = _parse_router(doc.get("router", {}), f"{path}.router")
     rollout = _parse_rollout(doc.get("rollout", {}), f"{path}.rollout")
-    return PDDeploymentSpec(model, served, image, engine, gpu_resource, kv, prefill, decode, router, rollout)
+    return PDDeploymentSpec(
+        model,
+        served,
+        image,
+        engine,
+        gpu_resource,
+        kv,
+        prefill,
+        decode,
+        router,
+        rollout,
+        model_cache=parse_model_cache(doc.get("modelCache"), f"{path}.modelCache"),
+        hf_token_secret_ref=read_secret_ref(doc.get("hfTokenSecretRef"), f"{path}.hfTokenSecretRef"),
+    )
 
 
 # --- sections ----------------------------------------------------------------------------------

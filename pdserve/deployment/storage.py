@@ -24,6 +24,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from pdserve.deployment.podtemplate import Reserved
 from pdserve.deployment.readers import (
     SecretKeyRef,
     SpecError,
@@ -177,24 +178,16 @@ def model_argument(model: str) -> str:
     return pvc.local_path if pvc is not None else model
 
 
-def reserved_volumes() -> dict[str, str]:
-    return {
-        CACHE_VOLUME: "is pdserve's volume for spec.modelCache",
-        MODEL_VOLUME: "is pdserve's volume for a pvc:// spec.model",
-    }
-
-
-def reserved_mounts() -> dict[str, str]:
-    return {
-        HF_CACHE: "is where pdserve mounts spec.modelCache (the Hugging Face cache)",
-        MODEL_MOUNT: "is where pdserve mounts a pvc:// spec.model",
-    }
-
-
-def reserved_env(cache: ModelCache | None, hf_token: SecretKeyRef | None) -> dict[str, str]:
-    out = {}
+def reserved(model: str, cache: ModelCache | None, hf_token: SecretKeyRef | None) -> Reserved:
+    """The volumes, mount paths and variables that the fields above make pdserve's."""
+    volumes, mounts, env = {}, {}, {}
     if cache is not None:
-        out["HF_HOME"] = f"is set by pdserve to {HF_CACHE}, where spec.modelCache is mounted"
+        volumes[CACHE_VOLUME] = "is pdserve's volume for spec.modelCache"
+        mounts[HF_CACHE] = "is where pdserve mounts spec.modelCache (the Hugging Face cache)"
+        env["HF_HOME"] = f"is set by pdserve to {HF_CACHE}, where spec.modelCache is mounted"
+    if pvc_model(model) is not None:
+        volumes[MODEL_VOLUME] = "is pdserve's volume for a pvc:// spec.model"
+        mounts[MODEL_MOUNT] = "is where pdserve mounts a pvc:// spec.model"
     if hf_token is not None:
-        out["HF_TOKEN"] = "is set by pdserve from spec.hfTokenSecretRef"
-    return out
+        env["HF_TOKEN"] = "is set by pdserve from spec.hfTokenSecretRef"
+    return Reserved(volumes=volumes, mounts=mounts, env=env)

@@ -13,6 +13,7 @@ from typing import Any
 from pdserve.deployment.objects import OWNED_ENV
 from pdserve.deployment.podtemplate import ENGINE_CONTAINER, ROUTER_CONTAINER, Reserved, owned_problems
 from pdserve.deployment.spec import ENGINE_PORT, PDDeployment, PDDeploymentSpec
+from pdserve.deployment.storage import reserved as storage_reserved
 from pdserve.routing import Role
 
 #: Flags of ``vllm serve`` that pdserve sets itself; a second copy in ``args`` would silently
@@ -108,7 +109,9 @@ def _gpu_count(spec: PDDeploymentSpec, role: Role, resources: Mapping[str, Any],
 
 def engine_reserved(spec: PDDeploymentSpec) -> Reserved:
     """What an engine pod renders because the spec asks for it (model cache, Secrets)."""
-    return Reserved()
+    if spec.engine == "sim":
+        return Reserved()
+    return storage_reserved(spec.model, spec.model_cache, spec.hf_token_secret_ref)
 
 
 def router_reserved(spec: PDDeploymentSpec) -> Reserved:

@@ -485,3 +485,83 @@ def test_kubectl_explain_documents_the_pod_template(crd: KubeCluster) -> None:
     assert "engine is pdserve's container" in engine
     router = " ".join(crd.kubectl("explain", "pdd.spec.router.template").stdout.split())
     assert "each router pod" in router
+
+
+# --- model storage and credentials -------------------------------------------------------------
+
+STORAGE_REFUSED = [
+    pytest.param(
+        {"modelCache": {}},
+        "modelCache: set exactly one of persistentVolumeClaim, ephemeral, hostPath, emptyDir",
+        id="cache-none",
+    ),
+    pytest.param(
+        {"modelCache": {"emptyDir": {}, "hostPath": {"path": "/x"}}},
+        "modelCache: set exactly one of persistentVolumeClaim, ephemeral, hostPath, emptyDir",
+        id="cache-two",
+    ),
+    pytest.param(
+        {"modelCache": {"hostPath": {"path": "x"}}}, "should match '^/'", id="cache-relative-host-path"
+    ),
+    pytest.param(
+        {"modelCache": {"persistentVolumeClaim": {}}}, "claimName: Required value", id="cache-no-claim"
+    ),
+    pytest.param({"hfTokenSecretRef": {"name": "hf"}}, "key: Required value", id="token-no-key"),
+    pytest.param({"hfTokenSecretRef": {"name": "hf", "key": "a b"}}, "should match", id="token-bad-key"),
+    pytest.param(
+        {"model": "pvc://weights/../etc"},
+        "model: expected pvc://<claim>/<path inside the claim> (a PVC name, no '..')",
+        id="pvc-model-parent",
+    ),
+    pytest.param(
+        {"model": "pvc://Weights/x"},
+        "model: expected pvc://<claim>/<path inside the claim> (a PVC name, no '..')",
+        id="pvc-model-bad-claim",
+    ),
+]
+
+
+@pytest.mark.parametrize(("spec", "message"), STORAGE_REFUSED)
+def test_invalid_storage_is_refused_by_the_api_server_and_the_parser(
+    crd: KubeCluster, kube_namespace: str, spec: dict[str, Any], message: str
+) -> None:
+    obj = manifest(**spec)
+    proc = create(crd, kube_namespace, obj, check=False)
+    assert proc.returncode != 0, f"accepted: {spec}"
+    assert message in proc.stderr, proc.stderr
+    with pytest.raises(SpecError):
+        parse_pddeployment(obj)
+
+
+def test_storage_fields_are_stored_and_render_valid_pods(crd: KubeCluster, kube_namespace: str) -> None:
+    caches = [
+        {"persistentVolumeClaim": {"claimName": "hf-cache", "readOnly": True}},
+        {
+            "ephemeral": {
+                "volumeClaimTemplate": {
+                    "spec": {"accessModes": ["ReadWriteOnce"], "resources": {"requests": {"storage": "1Gi"}}}
+                }
+            }
+        },
+        {"hostPath": {"path": "/mnt/hf", "type": "DirectoryOrCreate"}},
+        {"emptyDir": {"sizeLimit": "10Gi"}},
+    ]
+    items: list[dict[str, Any]] = []
+    for n, cache in enumerate(caches):
+        obj = manifest(
+            f"s{n}",
+            model="pvc://weights/Llama-3.3-70B-Instruct" if n % 2 else "meta-llama/Llama-3.3-70B-Instruct",
+            modelCache=cache,
+            hfTokenSecretRef={"name": "hf-token", "key": "token"},
+        )
+        create(crd, kube_namespace, obj)
+        stored = get(crd, kube_namespace, f"s{n}")
+        assert stored["spec"]["modelCache"] == cache
+        pdd = parse_pddeployment(stored)
+        assert pdd.spec == parse_pddeployment(obj).spec
+        items += [o for o in render_all(pdd) if o["kind"] == "Pod"]
+    proc = crd.kubectl(
+        "apply", "--dry-run=server", "--server-side", "-n", kube_namespace, "-f", "-",
+        input=json.dumps({"apiVersion": "v1", "kind": "List", "items": items}), check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr

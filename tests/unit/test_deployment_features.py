@@ -50,6 +50,14 @@ ENGINE_TEMPLATE = {
 }
 
 FEATURES: dict[str, dict[str, Any]] = {
+    "model-cache-and-token": {
+        "modelCache": {"persistentVolumeClaim": {"claimName": "hf-cache"}},
+        "hfTokenSecretRef": {"name": "hf-token", "key": "token"},
+    },
+    "model-from-pvc": {
+        "model": "pvc://llama-weights/Llama-3.3-70B-Instruct",
+        "modelCache": {"emptyDir": {"sizeLimit": "10Gi"}},
+    },
     "pod-template": {
         "prefill": {**BASE["prefill"], "template": ENGINE_TEMPLATE},
         "decode": {**BASE["decode"], "template": ENGINE_TEMPLATE},
