@@ -25,7 +25,8 @@ from typing import Any
 
 from pdserve import __version__
 from pdserve.deployment.kvconfig import MORIIO, NIXL, kv_transfer_config_json
-from pdserve.deployment.podtemplate import merge_metadata, merge_pod_spec
+from pdserve.deployment.kvpod import kv_pod_settings
+from pdserve.deployment.podtemplate import ENGINE_ENV_OWNED, merge_metadata, merge_pod_spec
 from pdserve.deployment.routing import build_routing_table
 from pdserve.deployment.spec import API_VERSION, ENGINE_PORT, KIND, PDDeployment, RoleSpec
 from pdserve.deployment.storage import model_argument, storage_env, storage_mounts, storage_volumes
@@ -216,7 +217,7 @@ def _pod_spec(pdd: PDDeployment, role: Role, pod_name: str) -> dict[str, Any]:
         "enableServiceLinks": False,
         "terminationGracePeriodSeconds": 60,
         "containers": [container],
-        "volumes": [{"name": "dshm", "emptyDir": {"medium": "Memory"}}],
+        "volumes": [{"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": rs.shm_size}}],
     }
     if rs.node_selector:
         pod["nodeSelector"] = dict(rs.node_selector)
@@ -224,10 +225,25 @@ def _pod_spec(pdd: PDDeployment, role: Role, pod_name: str) -> dict[str, Any]:
         pod["tolerations"] = [_plain(t) for t in rs.tolerations]
     if rs.affinity:
         pod["affinity"] = _plain(rs.affinity)
-    if not sim:  # the model's storage; the simulator loads none
+    if not sim:  # the model's storage and the KV connector's needs; the simulator has neither
         container["volumeMounts"] += storage_mounts(spec.model, spec.model_cache)
         pod["volumes"] += storage_volumes(spec.model, spec.model_cache)
+        kv = kv_pod_settings(spec.kv_transfer, rs.data_parallel, rs.tensor_parallel)
+        container["ports"] += kv.ports
+        container["env"] = _last_wins(kv.env + container["env"])  # the role's env overrides defaults
+        if kv.capabilities:
+            container["securityContext"] = {"capabilities": {"add": list(kv.capabilities)}}
     return merge_pod_spec(pod, rs.template.spec)
+
+
+def _last_wins(env: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One entry per variable name, the last given, in order of first appearance."""
+    last = {var["name"]: var for var in env}
+    seen: list[str] = []
+    for var in env:
+        if var["name"] not in seen:
+            seen.append(var["name"])
+    return [last[name] for name in seen]
 
 
 def _health() -> dict[str, Any]:
@@ -293,7 +309,7 @@ def _engine_env(pdd: PDDeployment) -> list[dict[str, Any]]:
 
 
 #: Names of the environment variables the renderer sets on engine pods (validate.py refuses them).
-OWNED_ENV = ("POD_IP", "VLLM_NIXL_SIDE_CHANNEL_HOST", "VLLM_HOST_IP")
+OWNED_ENV = ENGINE_ENV_OWNED.names
 
 
 def _engine_resources(gpu_resource: str, rs: RoleSpec, gpus: bool) -> dict[str, Any]:

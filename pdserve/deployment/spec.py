@@ -72,6 +72,11 @@ DEFAULT_ROUTER_PORT = 8000
 DEFAULT_SERVICE_TYPE = "ClusterIP"
 DEFAULT_MAX_UNAVAILABLE = 1
 DEFAULT_DRAIN_SECONDS = 30
+#: /dev/shm of an engine pod (a memory-backed emptyDir). vLLM's Kubernetes guide gives 2Gi to a
+#: one-GPU pod and 8Gi to its ROCm example; NCCL's SHM transport and vLLM's shared-memory queues
+#: grow with the ranks of an instance. It counts against the pod's memory limit when used.
+DEFAULT_SHM_SIZE = "8Gi"
+_QUANTITY = re.compile(r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E)?$")
 
 # Bounds; equal to the CRD schema's.
 MAX_INSTANCES = 1024
@@ -112,6 +117,7 @@ class RoleSpec:
     nodes_per_instance: int = 1
     #: Merged onto the rendered pod last (podtemplate.py); fields pdserve owns are refused.
     template: PodTemplate = field(default_factory=PodTemplate)
+    shm_size: str = DEFAULT_SHM_SIZE
 
     @property
     def gpus_per_instance(self) -> int:
@@ -338,6 +344,7 @@ _ROLE_FIELDS = (
     "tolerations",
     "affinity",
     "template",
+    "shmSize",
 )
 
 
@@ -377,7 +384,15 @@ def _parse_role(value: object, path: str) -> RoleSpec:
         affinity=_plain(affinity, f"{path}.affinity"),
         nodes_per_instance=nodes,
         template=parse_template(doc.get("template"), f"{path}.template"),
+        shm_size=_quantity(doc, "shmSize", path, DEFAULT_SHM_SIZE),
     )
+
+
+def _quantity(doc: Mapping[str, Any], key: str, path: str, default: str) -> str:
+    value = _string(doc, key, path, default=default)
+    if not _QUANTITY.match(value):
+        raise SpecError(f"{path}.{key}", f"expected a quantity such as 8Gi or 512Mi, got {_show(value)}")
+    return value
 
 
 def _parse_router(value: object, path: str) -> RouterSpec:

@@ -10,6 +10,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from pdserve.deployment.kvconfig import moriio_ports
+from pdserve.deployment.kvpod import NIXL_SIDE_CHANNEL_PORT
 from pdserve.deployment.objects import OWNED_ENV
 from pdserve.deployment.podtemplate import ENGINE_CONTAINER, ROUTER_CONTAINER, Reserved, owned_problems
 from pdserve.deployment.spec import ENGINE_PORT, PDDeployment, PDDeploymentSpec
@@ -50,6 +52,7 @@ def problems(pdd: PDDeployment, node_gpu_allocatable: Sequence[int] | None) -> l
         found += _owned_env(spec, role, path)
         found += _gpu_resources(spec, role, path)
         found += _template(spec, role, path)
+        found += _kv_port_range(spec, role, path)
         if node_gpu_allocatable is not None:
             found += _fits_a_node(spec, role, path, node_gpu_allocatable)
     found += owned_problems(spec.router.template, "spec.router", ROUTER_CONTAINER, router_reserved(spec))
@@ -76,9 +79,11 @@ def _owned_args(spec: PDDeploymentSpec, role: Role, path: str) -> list[str]:
 
 
 def _owned_env(spec: PDDeploymentSpec, role: Role, path: str) -> list[str]:
-    reserved = {name: "is set by pdserve to the pod IP" for name in OWNED_ENV} | dict(
-        engine_reserved(spec).env
+    reserved = {name: "is set by pdserve to the pod IP" for name in OWNED_ENV}
+    reserved["VLLM_NIXL_SIDE_CHANNEL_PORT"] = (
+        f"is set by pdserve to {NIXL_SIDE_CHANNEL_PORT} (the engines listen from there, one port per DP rank)"
     )
+    reserved |= engine_reserved(spec).env
     out = []
     for i, var in enumerate(spec.role(role).env):
         name = var.get("name")
@@ -116,6 +121,22 @@ def engine_reserved(spec: PDDeploymentSpec) -> Reserved:
 
 def router_reserved(spec: PDDeploymentSpec) -> Reserved:
     return Reserved()
+
+
+def _kv_port_range(spec: PDDeploymentSpec, role: Role, path: str) -> list[str]:
+    """MoRIIO's per-rank ports (base + rank) must stay ports."""
+    if spec.engine == "sim" or spec.kv_transfer.connector != "MoRIIOConnector":
+        return []
+    rs = spec.role(role)
+    ranks = rs.data_parallel * rs.tensor_parallel
+    out = []
+    for key, base in zip(("handshake_port", "notify_port"), moriio_ports(spec.kv_transfer), strict=True):
+        if base + ranks - 1 > 65535:
+            out.append(
+                f"spec.kvTransfer.extraConfig.{key}: {path} needs {ranks} ports from {base} (one per rank), "
+                f"past 65535; lower {key}"
+            )
+    return out
 
 
 def _template(spec: PDDeploymentSpec, role: Role, path: str) -> list[str]:

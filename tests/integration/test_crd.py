@@ -83,6 +83,7 @@ def test_valid_manifest_is_accepted_and_defaulted_like_the_parser(
         "nodeSelector": {},
         "tolerations": [],
         "affinity": {},
+        "shmSize": "8Gi",
     }
     assert spec["decode"] == spec["prefill"]
     assert spec["router"] == {
@@ -565,3 +566,12 @@ def test_storage_fields_are_stored_and_render_valid_pods(crd: KubeCluster, kube_
         input=json.dumps({"apiVersion": "v1", "kind": "List", "items": items}), check=False,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
+
+
+def test_shm_size_must_be_a_quantity(crd: KubeCluster, kube_namespace: str) -> None:
+    obj = manifest(decode={"shmSize": "8GB"})
+    proc = create(crd, kube_namespace, obj, check=False)
+    assert proc.returncode != 0
+    assert "spec.decode.shmSize: Invalid value" in proc.stderr, proc.stderr
+    with pytest.raises(SpecError):
+        parse_pddeployment(obj)

@@ -178,7 +178,7 @@ def test_pod_identity_and_labels() -> None:
         "r1-engines",
         "Always",
     )
-    assert spec["volumes"] == [{"name": "dshm", "emptyDir": {"medium": "Memory"}}]
+    assert spec["volumes"] == [{"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "8Gi"}}]
     assert {"name": "dshm", "mountPath": "/dev/shm"} in spec["containers"][0]["volumeMounts"]
     # The role selector (scale subresource) matches exactly this role's pods.
     selector = role_selector(pdd, Role.DECODE)
@@ -297,9 +297,11 @@ def test_nixl_kv_transfer_config() -> None:
     args = instance_pod(pdd, Role.DECODE, 0)["spec"]["containers"][0]["args"]
     assert json.loads(_flag(args, "--kv-transfer-config")) == {
         "kv_connector": "NixlConnector",
-        "kv_role": "kv_both",
+        "kv_role": "kv_consumer",  # vLLM 0.32 deprecates kv_both with NIXL
         "kv_connector_extra_config": {"backends": ["UCX"]},
     }
+    prefill = instance_pod(pdd, Role.PREFILL, 0)["spec"]["containers"][0]["args"]
+    assert json.loads(_flag(prefill, "--kv-transfer-config"))["kv_role"] == "kv_producer"
 
 
 def test_sim_engine_pod() -> None:
