@@ -28,6 +28,7 @@ from pdserve.deployment.kvconfig import MORIIO, NIXL, kv_transfer_config_json
 from pdserve.deployment.kvpod import kv_pod_settings
 from pdserve.deployment.podtemplate import ENGINE_ENV_OWNED, merge_metadata, merge_pod_spec
 from pdserve.deployment.routing import build_routing_table
+from pdserve.deployment.security import engine_key_env, router_admin_args, router_admin_port, router_key_env
 from pdserve.deployment.spec import API_VERSION, ENGINE_PORT, KIND, PDDeployment, RoleSpec
 from pdserve.deployment.storage import model_argument, storage_env, storage_mounts, storage_volumes
 from pdserve.routing import CONFIGMAP_KEY, Role, RoutingTable
@@ -305,7 +306,7 @@ def _engine_env(pdd: PDDeployment) -> list[dict[str, Any]]:
         env.append(pod_ip("VLLM_HOST_IP"))
     if pdd.spec.engine != "sim":
         env += storage_env(pdd.spec.model, pdd.spec.model_cache, pdd.spec.hf_token_secret_ref)
-    return env
+    return env + engine_key_env(pdd.spec)  # the simulator checks VLLM_API_KEY like vLLM
 
 
 #: Names of the environment variables the renderer sets on engine pods (validate.py refuses them).
@@ -325,9 +326,14 @@ def _engine_resources(gpu_resource: str, rs: RoleSpec, gpus: bool) -> dict[str, 
 
 
 def router_deployment(pdd: PDDeployment) -> dict[str, Any]:
-    """The router Deployment, with ``spec.router.template`` merged onto its pod template."""
+    """The router Deployment: its admin port and keys (security.py), then ``spec.router.template``."""
     deployment = _router_deployment(pdd)
     pod = deployment["spec"]["template"]
+    router = next(c for c in pod["spec"]["containers"] if c["name"] == "router")
+    router["args"] += router_admin_args(pdd.spec)
+    router["ports"].append(router_admin_port(pdd.spec))
+    if router_key_env(pdd.spec):
+        router["env"] = router.get("env", []) + router_key_env(pdd.spec)
     template = pdd.spec.router.template
     pod["metadata"] = merge_metadata(pod["metadata"], template)
     pod["spec"] = merge_pod_spec(pod["spec"], template.spec)

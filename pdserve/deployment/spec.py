@@ -69,6 +69,7 @@ DEFAULT_ROUTER_REPLICAS = 1
 DEFAULT_POLICY = "flat-interleaved"
 DEFAULT_BACKLOG = 4096
 DEFAULT_ROUTER_PORT = 8000
+DEFAULT_ADMIN_PORT = 9000
 DEFAULT_SERVICE_TYPE = "ClusterIP"
 DEFAULT_MAX_UNAVAILABLE = 1
 DEFAULT_DRAIN_SECONDS = 30
@@ -138,6 +139,9 @@ class RouterSpec:
     port: int = DEFAULT_ROUTER_PORT
     service_type: str = DEFAULT_SERVICE_TYPE
     template: PodTemplate = field(default_factory=PodTemplate)
+    # Router security: the clients' key, and the port of /metrics, /debug/* and profiling.
+    admin_port: int = DEFAULT_ADMIN_PORT
+    api_key_secret_ref: SecretKeyRef | None = None
 
 
 @dataclass(frozen=True)
@@ -161,6 +165,8 @@ class PDDeploymentSpec:
     # Model storage and credentials (storage.py); engine vllm only.
     model_cache: ModelCache | None = None
     hf_token_secret_ref: SecretKeyRef | None = None
+    #: The engines' VLLM_API_KEY, which the router sends them.
+    engine_api_key_secret_ref: SecretKeyRef | None = None
 
     def role(self, role: Role) -> RoleSpec:
         return self.prefill if role is Role.PREFILL else self.decode
@@ -258,6 +264,7 @@ def parse_spec(spec: Mapping[str, Any] | object) -> PDDeploymentSpec:
             "rollout",
             "modelCache",
             "hfTokenSecretRef",
+            "engineApiKeySecretRef",
         ),
     )
     model = parse_model(_string(doc, "model", path, required=True), f"{path}.model")
@@ -292,6 +299,9 @@ def parse_spec(spec: Mapping[str, Any] | object) -> PDDeploymentSpec:
         rollout,
         model_cache=parse_model_cache(doc.get("modelCache"), f"{path}.modelCache"),
         hf_token_secret_ref=read_secret_ref(doc.get("hfTokenSecretRef"), f"{path}.hfTokenSecretRef"),
+        engine_api_key_secret_ref=read_secret_ref(
+            doc.get("engineApiKeySecretRef"), f"{path}.engineApiKeySecretRef"
+        ),
     )
 
 
@@ -397,15 +407,22 @@ def _quantity(doc: Mapping[str, Any], key: str, path: str, default: str) -> str:
 
 def _parse_router(value: object, path: str) -> RouterSpec:
     doc = _object(value, path)
-    _no_unknown(doc, path, ("replicas", "image", "policy", "backlog", "port", "serviceType", "template"))
+    known = ("replicas", "image", "policy", "backlog", "port", "serviceType", "template")
+    _no_unknown(doc, path, (*known, "adminPort", "apiKeySecretRef"))
+    port = _integer(doc, "port", path, DEFAULT_ROUTER_PORT, 1, 65535)
+    admin_port = _integer(doc, "adminPort", path, DEFAULT_ADMIN_PORT, 1, 65535)
+    if admin_port == port:
+        raise SpecError(f"{path}.adminPort", f"must differ from port ({port}): clients must not reach it")
     return RouterSpec(
         replicas=_integer(doc, "replicas", path, DEFAULT_ROUTER_REPLICAS, 0, MAX_ROUTER_REPLICAS),
         image=_string(doc, "image", path, default=""),
         policy=_choice(doc, "policy", path, POLICIES, DEFAULT_POLICY),
         backlog=_integer(doc, "backlog", path, DEFAULT_BACKLOG, 1, MAX_BACKLOG),
-        port=_integer(doc, "port", path, DEFAULT_ROUTER_PORT, 1, 65535),
+        port=port,
         service_type=_choice(doc, "serviceType", path, SERVICE_TYPES, DEFAULT_SERVICE_TYPE),
         template=parse_template(doc.get("template"), f"{path}.template"),
+        admin_port=admin_port,
+        api_key_secret_ref=read_secret_ref(doc.get("apiKeySecretRef"), f"{path}.apiKeySecretRef"),
     )
 
 

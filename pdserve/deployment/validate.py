@@ -14,6 +14,7 @@ from pdserve.deployment.kvconfig import moriio_ports
 from pdserve.deployment.kvpod import NIXL_SIDE_CHANNEL_PORT
 from pdserve.deployment.objects import OWNED_ENV
 from pdserve.deployment.podtemplate import ENGINE_CONTAINER, ROUTER_CONTAINER, Reserved, owned_problems
+from pdserve.deployment.security import engine_reserved_env, router_reserved
 from pdserve.deployment.spec import ENGINE_PORT, PDDeployment, PDDeploymentSpec
 from pdserve.deployment.storage import reserved as storage_reserved
 from pdserve.routing import Role
@@ -30,6 +31,7 @@ VLLM_OWNED_FLAGS = {
     "--enable-expert-parallel": "set expertParallel",
     "--kv-transfer-config": "set spec.kvTransfer",
     "--model": "set spec.model",
+    "--api-key": "use spec.engineApiKeySecretRef: a command line is visible in the pod spec and to ps",
 }
 SIM_OWNED_FLAGS = {
     "--role": "set by the role",
@@ -114,13 +116,11 @@ def _gpu_count(spec: PDDeploymentSpec, role: Role, resources: Mapping[str, Any],
 
 def engine_reserved(spec: PDDeploymentSpec) -> Reserved:
     """What an engine pod renders because the spec asks for it (model cache, Secrets)."""
+    keys = engine_reserved_env(spec)
     if spec.engine == "sim":
-        return Reserved()
-    return storage_reserved(spec.model, spec.model_cache, spec.hf_token_secret_ref)
-
-
-def router_reserved(spec: PDDeploymentSpec) -> Reserved:
-    return Reserved()
+        return Reserved(env=keys)
+    storage = storage_reserved(spec.model, spec.model_cache, spec.hf_token_secret_ref)
+    return Reserved(storage.volumes, storage.mounts, {**storage.env, **keys})
 
 
 def _kv_port_range(spec: PDDeploymentSpec, role: Role, path: str) -> list[str]:

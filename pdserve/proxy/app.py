@@ -233,7 +233,7 @@ def create_app(settings: ProxySettings) -> GenerationApp:
     async def stop_profile() -> Response:
         return await fan_out("/stop_profile")
 
-    return GenerationApp(dispatcher, app, settings.api_key, settings.max_body_bytes)
+    return GenerationApp(dispatcher, app, settings.api_key, settings.max_body_bytes, settings.admin_port)
 
 
 def _unique(slots: Any) -> list[Instance]:

@@ -9,8 +9,8 @@ flat-interleaved counter is the process's only counter.
 Environment variables give defaults for the main flags (a flag wins): PDSERVE_ROUTING_FILE,
 PDSERVE_PROXY_HOST, PDSERVE_PROXY_PORT, PDSERVE_PROXY_POLICY, PROXY_HTTP_SERVER, PROXY_LISTEN_BACKLOG,
 PDSERVE_PROXY_MAX_RETRIES, PDSERVE_PROXY_API_KEY, PDSERVE_BACKEND_API_KEY,
-PDSERVE_PROXY_LOG_LEVEL. Prefer the environment for keys: command lines are visible to
-every user of the machine.
+PDSERVE_PROXY_LOG_LEVEL, PDSERVE_PROXY_ADMIN_PORT. Prefer the environment for keys: command
+lines are visible to every user of the machine.
 """
 
 from __future__ import annotations
@@ -56,6 +56,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=int(_env("PDSERVE_PROXY_PORT", "8000") or 8000),
         help="port to listen on (default %(default)s) [env PDSERVE_PROXY_PORT]",
+    )
+    add(
+        "--admin-port",
+        type=int,
+        default=int(_env("PDSERVE_PROXY_ADMIN_PORT", "0") or 0) or None,
+        help="also listen here, and serve /metrics, /debug/* and profiling only here (the client port "
+        "answers 404 for them; /health, /ready and /routing/served answer on both) "
+        "[env PDSERVE_PROXY_ADMIN_PORT]",
     )
     add(
         "--policy",
@@ -184,12 +192,16 @@ def settings_from_args(args: argparse.Namespace) -> ProxySettings:
         grace_seconds=args.grace_seconds,
         reload_interval=args.reload_interval,
         log_level=args.log_level,
+        admin_port=args.admin_port,
     )
 
 
 def run(args: argparse.Namespace) -> int:
     if args.routing_file is None:
         print("pdserve proxy: --routing-file (or PDSERVE_ROUTING_FILE) is required", file=sys.stderr)
+        return 2
+    if args.admin_port is not None and args.admin_port == args.port:
+        print(f"pdserve proxy: --admin-port must differ from --port ({args.port})", file=sys.stderr)
         return 2
     settings = settings_from_args(args)
     logging.basicConfig(

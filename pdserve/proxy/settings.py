@@ -39,3 +39,5 @@ class ProxySettings:
     grace_seconds: float = 30.0
     reload_interval: float = 0.2
     log_level: str = "info"
+    #: Metrics, /debug/* and profiling on this port only (ports.py); None: all on ``port``.
+    admin_port: int | None = None

@@ -93,6 +93,7 @@ def test_valid_manifest_is_accepted_and_defaulted_like_the_parser(
         "backlog": 4096,
         "port": 8000,
         "serviceType": "ClusterIP",
+        "adminPort": 9000,
     }
     assert spec["rollout"] == {"maxUnavailable": 1, "drainSeconds": 30}
     # The operator's view of the stored object equals the file's view without an API server.
@@ -575,3 +576,60 @@ def test_shm_size_must_be_a_quantity(crd: KubeCluster, kube_namespace: str) -> N
     assert "spec.decode.shmSize: Invalid value" in proc.stderr, proc.stderr
     with pytest.raises(SpecError):
         parse_pddeployment(obj)
+
+
+# --- router security -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        pytest.param(
+            {"router": {"port": 9000}},
+            "adminPort must differ from port: the client Service must not reach the admin endpoints",
+            id="admin-port-default-collides",
+        ),
+        pytest.param(
+            {"router": {"adminPort": 8000}},
+            "adminPort must differ from port: the client Service must not reach the admin endpoints",
+            id="admin-port-collides",
+        ),
+        pytest.param(
+            {"router": {"apiKeySecretRef": {"name": "k"}}}, "key: Required value", id="router-key-no-key"
+        ),
+        pytest.param(
+            {"engineApiKeySecretRef": {"key": "k"}}, "name: Required value", id="engine-key-no-name"
+        ),
+        pytest.param(
+            {"router": {"adminPort": 0}}, "should be greater than or equal to 1", id="admin-port-bound"
+        ),
+    ],
+)
+def test_invalid_router_security_is_refused(
+    crd: KubeCluster, kube_namespace: str, spec: dict[str, Any], message: str
+) -> None:
+    obj = manifest(**spec)
+    proc = create(crd, kube_namespace, obj, check=False)
+    assert proc.returncode != 0, f"accepted: {spec}"
+    assert message in proc.stderr, proc.stderr
+    with pytest.raises(SpecError):
+        parse_pddeployment(obj)
+
+
+def test_keys_are_stored_as_references_and_render_valid_objects(
+    crd: KubeCluster, kube_namespace: str
+) -> None:
+    obj = manifest(
+        router={"apiKeySecretRef": {"name": "router-key", "key": "api-key"}, "port": 8080, "adminPort": 9100},
+        engineApiKeySecretRef={"name": "engine-key", "key": "api-key"},
+    )
+    create(crd, kube_namespace, obj)
+    stored = get(crd, kube_namespace, "r1")
+    pdd = parse_pddeployment(stored)
+    assert pdd.spec == parse_pddeployment(obj).spec
+    items = [o for o in render_all(pdd) if o["kind"] in ("Pod", "Deployment", "Service")]
+    proc = crd.kubectl(
+        "apply", "--dry-run=server", "--server-side", "-n", kube_namespace, "-f", "-",
+        input=json.dumps({"apiVersion": "v1", "kind": "List", "items": items}), check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr

@@ -50,6 +50,10 @@ ENGINE_TEMPLATE = {
 }
 
 FEATURES: dict[str, dict[str, Any]] = {
+    "router-security": {
+        "router": {"apiKeySecretRef": {"name": "router-key", "key": "api-key"}, "adminPort": 9100},
+        "engineApiKeySecretRef": {"name": "engine-key", "key": "api-key"},
+    },
     "model-cache-and-token": {
         "modelCache": {"persistentVolumeClaim": {"claimName": "hf-cache"}},
         "hfTokenSecretRef": {"name": "hf-token", "key": "token"},
