@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from pdserve.deployment.admission import problems as vllm_problems
 from pdserve.deployment.kvconfig import moriio_ports
 from pdserve.deployment.kvpod import NIXL_SIDE_CHANNEL_PORT
 from pdserve.deployment.objects import OWNED_ENV
@@ -58,15 +59,7 @@ def problems(pdd: PDDeployment, node_gpu_allocatable: Sequence[int] | None) -> l
         if node_gpu_allocatable is not None:
             found += _fits_a_node(spec, role, path, node_gpu_allocatable)
     found += owned_problems(spec.router.template, "spec.router", ROUTER_CONTAINER, router_reserved(spec))
-    if (
-        spec.engine == "vllm"
-        and spec.kv_transfer.connector == "MoRIIOConnector"
-        and "amd" not in spec.gpu_resource
-    ):
-        found.append(
-            "spec.kvTransfer.connector: MoRIIOConnector moves KV between AMD GPUs (ROCm), but "
-            f'spec.gpuResource is "{spec.gpu_resource}"; use amd.com/gpu, or NixlConnector on NVIDIA GPUs'
-        )
+    found += vllm_problems(spec)
     return found
 
 

@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 
+from pdserve.deployment import admission
 from pdserve.deployment import podtemplate as pt
 from pdserve.deployment.objects import render_all
 from pdserve.deployment.routing import build_routing_table
@@ -633,3 +634,67 @@ def test_keys_are_stored_as_references_and_render_valid_objects(
         input=json.dumps({"apiVersion": "v1", "kind": "List", "items": items}), check=False,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
+
+
+# --- what vLLM accepts between prefill and decode (admission.py) ------------------------------------
+
+ADMISSION_REFUSED = [
+    pytest.param(
+        {"prefill": {"tensorParallel": 8}, "decode": {"tensorParallel": 3}}, admission.TP_RATIO, id="tp-8-3"
+    ),
+    pytest.param(
+        {"prefill": {"tensorParallel": 4}, "decode": {"tensorParallel": 6}}, admission.TP_RATIO, id="tp-4-6"
+    ),
+    pytest.param(
+        {"kvTransfer": {"connector": "MoRIIOConnector", "transferMode": "READ"}},
+        admission.MORIIO_AMD,
+        id="moriio-nvidia",
+    ),
+    pytest.param(
+        {
+            "kvTransfer": {"connector": "MoRIIOConnector", "transferMode": "WRITE"},
+            "gpuResource": "amd.com/gpu",
+            "decode": {"dataParallel": 2, "tensorParallel": 2},
+        },
+        admission.MORIIO_DP_TP,
+        id="moriio-dp-and-tp",
+    ),
+]
+
+
+@pytest.mark.parametrize(("spec", "rule"), ADMISSION_REFUSED)
+def test_an_admission_rule_is_refused_by_the_api_server_and_by_pdserve_alike(
+    crd: KubeCluster, kube_namespace: str, spec: dict[str, Any], rule: admission.Rule
+) -> None:
+    obj = manifest(**spec)
+    proc = create(crd, kube_namespace, obj, check=False)
+    assert proc.returncode != 0, f"accepted: {spec}"
+    assert rule.message in " ".join(proc.stderr.split()), proc.stderr
+    assert problems(parse_pddeployment(obj), None) == [f"spec.{rule.message}"]
+
+
+ADMISSION_ACCEPTED = [
+    pytest.param({"prefill": {"tensorParallel": 8}, "decode": {"tensorParallel": 1}}, id="tp-8-1"),
+    pytest.param({"prefill": {"tensorParallel": 2}, "decode": {"tensorParallel": 4}}, id="tp-2-4"),
+    pytest.param(
+        {"engine": "sim", "image": "", "prefill": {"tensorParallel": 3}, "decode": {"tensorParallel": 2}},
+        id="sim-exempt",
+    ),
+    pytest.param(
+        {
+            "kvTransfer": {"connector": "MoRIIOConnector", "transferMode": "READ"},
+            "gpuResource": "amd.com/gpu",
+            "prefill": {"dataParallel": 8, "expertParallel": True},
+            "decode": {"tensorParallel": 8},
+        },
+        id="moriio-amd-dp8-tp8",
+    ),
+    pytest.param({"prefill": {"dataParallel": 2, "tensorParallel": 4}}, id="nixl-dp-and-tp"),
+]
+
+
+@pytest.mark.parametrize("spec", ADMISSION_ACCEPTED)
+def test_what_vllm_accepts_is_accepted(crd: KubeCluster, kube_namespace: str, spec: dict[str, Any]) -> None:
+    obj = manifest(**spec)
+    create(crd, kube_namespace, obj)
+    assert problems(parse_pddeployment(get(crd, kube_namespace, "r1")), None) == []
