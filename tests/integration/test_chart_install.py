@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.support.kube import REPO, KubeCluster, eventually
+from tests.support.kube import REPO, KubeCluster, eventually, gpu_pool
 
 pytestmark = pytest.mark.cluster
 
@@ -204,41 +204,10 @@ def _operator(
 PRODUCTION_VALUES = CHART / "ci" / "production-values.yaml"
 
 
-def _pool_nodes(prefix: str, count: int) -> list[dict[str, Any]]:
-    """kwok GPU nodes of a dedicated pool: labelled, tainted, 8 GPUs each."""
-    status = {"cpu": "96", "memory": "1Ti", "pods": "110", "nvidia.com/gpu": "8"}
-    return [
-        {
-            "apiVersion": "v1",
-            "kind": "Node",
-            "metadata": {
-                "name": f"{prefix}-{i}",
-                "annotations": {"kwok.x-k8s.io/node": "fake", "node.alpha.kubernetes.io/ttl": "0"},
-                "labels": {
-                    "type": "kwok-pool",
-                    "node-pool.example.com/name": "h100",
-                    "kubernetes.io/os": "linux",
-                },
-            },
-            "spec": {"taints": [{"key": "dedicated", "value": "inference", "effect": "NoSchedule"}]},
-            "status": {"capacity": status, "allocatable": status},
-        }
-        for i in range(count)
-    ]
-
-
 @pytest.fixture
 def pool_nodes(kube_cluster: KubeCluster) -> Iterator[list[str]]:
-    prefix = f"pool-{secrets.token_hex(3)}"
-    nodes = _pool_nodes(prefix, 2)
-    kube_cluster.kubectl(
-        "create", "-f", "-", input=json.dumps({"apiVersion": "v1", "kind": "List", "items": nodes})
-    )
-    try:
-        yield [n["metadata"]["name"] for n in nodes]
-    finally:
-        for node in nodes:
-            kube_cluster.kubectl("delete", "node", node["metadata"]["name"], "--wait=false", check=False)
+    with gpu_pool(kube_cluster, 2, labels={"node-pool.example.com/name": "h100"}) as names:
+        yield names
 
 
 def test_a_production_values_file_installs_and_serves_without_leaking_secrets(
