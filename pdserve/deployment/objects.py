@@ -24,6 +24,13 @@ from collections.abc import Mapping
 from typing import Any
 
 from pdserve import __version__
+from pdserve.deployment.defaults import (
+    STARTUP_PERIOD_SECONDS,
+    default_requests,
+    engine_security_context,
+    startup_failure_threshold,
+    with_default_requests,
+)
 from pdserve.deployment.kvconfig import MORIIO, NIXL, kv_transfer_config_json
 from pdserve.deployment.kvpod import kv_pod_settings
 from pdserve.deployment.podtemplate import ENGINE_ENV_OWNED, merge_metadata, merge_pod_spec
@@ -54,9 +61,8 @@ DP_SIZE_ANNOTATION = "pdserve.io/dp-size"
 TP_SIZE_ANNOTATION = "pdserve.io/tp-size"
 MANAGER = "pdserve-operator"
 
-# Probes. The startup probe allows 30 minutes of model loading (180 x 10 s) before the
-# liveness probe may restart the pod; the simulator starts in well under a second.
-_VLLM_STARTUP = {"periodSeconds": 10, "failureThreshold": 180}
+# Probes. The startup probe allows startupTimeoutSeconds of model loading (defaults.py) before
+# the liveness probe may restart the pod; the simulator starts in well under a second.
 _SIM_STARTUP = {"periodSeconds": 1, "failureThreshold": 120}
 
 
@@ -200,10 +206,15 @@ def _pod_spec(pdd: PDDeployment, role: Role, pod_name: str) -> dict[str, Any]:
         "volumeMounts": [{"name": "dshm", "mountPath": SHM_MOUNT}],
         "startupProbe": {
             "httpGet": _health(),
-            **(_SIM_STARTUP if sim else _VLLM_STARTUP),
+            **(_SIM_STARTUP if sim else _vllm_startup(rs)),
             "timeoutSeconds": 5,
         },
-        "readinessProbe": {"httpGet": _health(), "periodSeconds": 2 if sim else 5, "failureThreshold": 3},
+        "readinessProbe": {
+            "httpGet": _health(),
+            "periodSeconds": 2 if sim else 5,
+            "failureThreshold": 3,
+            "timeoutSeconds": 2 if sim else 5,
+        },
         "livenessProbe": {
             "httpGet": _health(),
             "periodSeconds": 10,
@@ -216,6 +227,7 @@ def _pod_spec(pdd: PDDeployment, role: Role, pod_name: str) -> dict[str, Any]:
         "subdomain": engine_service_name(pdd),
         "restartPolicy": "Always",
         "enableServiceLinks": False,
+        "automountServiceAccountToken": False,  # an engine never calls the API (defaults.py)
         "terminationGracePeriodSeconds": 60,
         "containers": [container],
         "volumes": [{"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": rs.shm_size}}],
@@ -234,7 +246,23 @@ def _pod_spec(pdd: PDDeployment, role: Role, pod_name: str) -> dict[str, Any]:
         container["env"] = _last_wins(kv.env + container["env"])  # the role's env overrides defaults
         if kv.capabilities:
             container["securityContext"] = {"capabilities": {"add": list(kv.capabilities)}}
-    return merge_pod_spec(pod, rs.template.spec)
+        container["securityContext"] = {
+            "allowPrivilegeEscalation": False,
+            **container.get("securityContext", {}),
+        }
+    else:
+        pod["securityContext"] = engine_security_context(sim)
+    merged = merge_pod_spec(pod, rs.template.spec)
+    engine = next(c for c in merged["containers"] if c["name"] == "engine")
+    with_default_requests(engine, default_requests(rs.gpus_per_instance, sim))
+    return merged
+
+
+def _vllm_startup(rs: RoleSpec) -> dict[str, Any]:
+    return {
+        "periodSeconds": STARTUP_PERIOD_SECONDS,
+        "failureThreshold": startup_failure_threshold(rs.startup_timeout_seconds),
+    }
 
 
 def _last_wins(env: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -334,6 +362,13 @@ def router_deployment(pdd: PDDeployment) -> dict[str, Any]:
     router["ports"].append(router_admin_port(pdd.spec))
     if router_key_env(pdd.spec):
         router["env"] = router.get("env", []) + router_key_env(pdd.spec)
+    # pdserve's own image runs as user 10001 and needs no privilege.
+    pod["spec"].setdefault(
+        "securityContext", {"runAsNonRoot": True, "seccompProfile": {"type": "RuntimeDefault"}}
+    )
+    router.setdefault(
+        "securityContext", {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}
+    )
     template = pdd.spec.router.template
     pod["metadata"] = merge_metadata(pod["metadata"], template)
     pod["spec"] = merge_pod_spec(pod["spec"], template.spec)

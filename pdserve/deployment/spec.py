@@ -77,6 +77,9 @@ DEFAULT_DRAIN_SECONDS = 30
 #: one-GPU pod and 8Gi to its ROCm example; NCCL's SHM transport and vLLM's shared-memory queues
 #: grow with the ranks of an instance. It counts against the pod's memory limit when used.
 DEFAULT_SHM_SIZE = "8Gi"
+#: Seconds the startup probe allows a vLLM engine to load its model (defaults.py).
+DEFAULT_STARTUP_TIMEOUT = 3600
+MAX_STARTUP_TIMEOUT = 86400
 _QUANTITY = re.compile(r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E)?$")
 
 # Bounds; equal to the CRD schema's.
@@ -119,6 +122,7 @@ class RoleSpec:
     #: Merged onto the rendered pod last (podtemplate.py); fields pdserve owns are refused.
     template: PodTemplate = field(default_factory=PodTemplate)
     shm_size: str = DEFAULT_SHM_SIZE
+    startup_timeout_seconds: int = DEFAULT_STARTUP_TIMEOUT
 
     @property
     def gpus_per_instance(self) -> int:
@@ -355,6 +359,7 @@ _ROLE_FIELDS = (
     "affinity",
     "template",
     "shmSize",
+    "startupTimeoutSeconds",
 )
 
 
@@ -395,6 +400,9 @@ def _parse_role(value: object, path: str) -> RoleSpec:
         nodes_per_instance=nodes,
         template=parse_template(doc.get("template"), f"{path}.template"),
         shm_size=_quantity(doc, "shmSize", path, DEFAULT_SHM_SIZE),
+        startup_timeout_seconds=_integer(
+            doc, "startupTimeoutSeconds", path, DEFAULT_STARTUP_TIMEOUT, 10, MAX_STARTUP_TIMEOUT
+        ),
     )
 
 

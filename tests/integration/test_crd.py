@@ -85,6 +85,7 @@ def test_valid_manifest_is_accepted_and_defaulted_like_the_parser(
         "tolerations": [],
         "affinity": {},
         "shmSize": "8Gi",
+        "startupTimeoutSeconds": 3600,
     }
     assert spec["decode"] == spec["prefill"]
     assert spec["router"] == {

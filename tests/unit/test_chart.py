@@ -364,3 +364,39 @@ def test_production_values_render_a_valid_pddeployment_and_policies_that_fit_its
 def test_network_policies_and_deployments_are_opt_in(helm: str) -> None:
     docs = objects(render(helm))
     assert not by_kind(docs, "NetworkPolicy") and not by_kind(docs, "PDDeployment")
+
+
+def test_the_grafana_dashboard_ships_behind_a_value_and_queries_real_metrics(helm: str) -> None:
+    import json
+    import re
+
+    from pdserve.proxy.metrics import ProxyMetrics
+
+    assert not [
+        d for d in by_kind(objects(render(helm)), "ConfigMap") if d["metadata"]["name"].endswith("dashboard")
+    ]
+    (config,) = [d for d in by_kind(objects(render(helm, CASES["production"])), "ConfigMap")]
+    assert config["metadata"]["labels"]["grafana_dashboard"] == "1"
+    dashboard = json.loads(config["data"]["pdserve.json"])
+    assert dashboard == json.loads((CHART / "files" / "dashboards" / "pdserve.json").read_text())
+    titles = {p["title"] for p in dashboard["panels"]}
+    for wanted in (
+        "Requests per slot",
+        "Time to first token",
+        "Errors",
+        "Engine queue",
+        "Served routing generation",
+    ):
+        assert wanted in titles
+    # Every series a panel asks for is one the router (or vLLM's engine, for vllm:*) exports.
+    families = {m.name for m in ProxyMetrics().registry.collect()}
+    exported = set()
+    for name in families:
+        exported |= {name, f"{name}_total", f"{name}_bucket", f"{name}_count", f"{name}_sum"}
+    for panel in dashboard["panels"]:
+        for target in panel["targets"]:
+            for metric in re.findall(r"\b(pdserve_[a-z_]+|vllm:[a-z_]+)\{", target["expr"]):
+                assert metric in exported or metric in (
+                    "vllm:num_requests_waiting",
+                    "vllm:num_requests_running",
+                ), metric

@@ -50,6 +50,15 @@ ENGINE_TEMPLATE = {
 }
 
 FEATURES: dict[str, dict[str, Any]] = {
+    "engine-defaults": {
+        "prefill": {**BASE["prefill"], "startupTimeoutSeconds": 7200, "shmSize": "32Gi"},
+        "decode": {**BASE["decode"], "resources": {"requests": {"cpu": "16"}, "limits": {"memory": "300Gi"}}},
+    },
+    "moriio": {
+        "kvTransfer": {"connector": "MoRIIOConnector", "transferMode": "WRITE"},
+        "gpuResource": "amd.com/gpu",
+        "decode": {"instances": 1, "dataParallel": 4},
+    },
     "router-security": {
         "router": {"apiKeySecretRef": {"name": "router-key", "key": "api-key"}, "adminPort": 9100},
         "engineApiKeySecretRef": {"name": "engine-key", "key": "api-key"},
