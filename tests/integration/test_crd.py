@@ -171,12 +171,7 @@ REFUSED = [
 def test_invalid_manifest_is_refused_with_the_rules_message(
     crd: KubeCluster, kube_namespace: str, spec: dict[str, Any], message: str
 ) -> None:
-    obj = manifest(**spec)
-    proc = create(crd, kube_namespace, obj, check=False)
-    assert proc.returncode != 0, f"accepted: {spec}"
-    assert message in proc.stderr, proc.stderr
-    with pytest.raises(SpecError):
-        parse_pddeployment(obj)
+    assert_refused(crd, kube_namespace, spec, message)
 
 
 def test_name_rule(crd: KubeCluster, kube_namespace: str) -> None:
@@ -383,11 +378,7 @@ def test_a_production_pod_template_is_stored_as_written_and_renders_valid_pods(
     crd.kubectl(
         "apply", "-f", "-", input=json.dumps({"apiVersion": "v1", "kind": "List", "items": cluster_objects})
     )
-    proc = crd.kubectl(
-        "apply", "--dry-run=server", "--server-side", "-n", kube_namespace, "-f", "-",
-        input=json.dumps({"apiVersion": "v1", "kind": "List", "items": items}), check=False,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr
+    dry_run(crd, kube_namespace, items)
 
 
 def _owned_cases() -> list[Any]:
@@ -529,12 +520,7 @@ STORAGE_REFUSED = [
 def test_invalid_storage_is_refused_by_the_api_server_and_the_parser(
     crd: KubeCluster, kube_namespace: str, spec: dict[str, Any], message: str
 ) -> None:
-    obj = manifest(**spec)
-    proc = create(crd, kube_namespace, obj, check=False)
-    assert proc.returncode != 0, f"accepted: {spec}"
-    assert message in proc.stderr, proc.stderr
-    with pytest.raises(SpecError):
-        parse_pddeployment(obj)
+    assert_refused(crd, kube_namespace, spec, message)
 
 
 def test_storage_fields_are_stored_and_render_valid_pods(crd: KubeCluster, kube_namespace: str) -> None:
@@ -564,11 +550,7 @@ def test_storage_fields_are_stored_and_render_valid_pods(crd: KubeCluster, kube_
         pdd = parse_pddeployment(stored)
         assert pdd.spec == parse_pddeployment(obj).spec
         items += [o for o in render_all(pdd) if o["kind"] == "Pod"]
-    proc = crd.kubectl(
-        "apply", "--dry-run=server", "--server-side", "-n", kube_namespace, "-f", "-",
-        input=json.dumps({"apiVersion": "v1", "kind": "List", "items": items}), check=False,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr
+    dry_run(crd, kube_namespace, items)
 
 
 def test_shm_size_must_be_a_quantity(crd: KubeCluster, kube_namespace: str) -> None:
@@ -610,12 +592,7 @@ def test_shm_size_must_be_a_quantity(crd: KubeCluster, kube_namespace: str) -> N
 def test_invalid_router_security_is_refused(
     crd: KubeCluster, kube_namespace: str, spec: dict[str, Any], message: str
 ) -> None:
-    obj = manifest(**spec)
-    proc = create(crd, kube_namespace, obj, check=False)
-    assert proc.returncode != 0, f"accepted: {spec}"
-    assert message in proc.stderr, proc.stderr
-    with pytest.raises(SpecError):
-        parse_pddeployment(obj)
+    assert_refused(crd, kube_namespace, spec, message)
 
 
 def test_keys_are_stored_as_references_and_render_valid_objects(
@@ -630,11 +607,7 @@ def test_keys_are_stored_as_references_and_render_valid_objects(
     pdd = parse_pddeployment(stored)
     assert pdd.spec == parse_pddeployment(obj).spec
     items = [o for o in render_all(pdd) if o["kind"] in ("Pod", "Deployment", "Service")]
-    proc = crd.kubectl(
-        "apply", "--dry-run=server", "--server-side", "-n", kube_namespace, "-f", "-",
-        input=json.dumps({"apiVersion": "v1", "kind": "List", "items": items}), check=False,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr
+    dry_run(crd, kube_namespace, items)
 
 
 # --- what vLLM accepts between prefill and decode (admission.py) ------------------------------------
@@ -699,3 +672,22 @@ def test_what_vllm_accepts_is_accepted(crd: KubeCluster, kube_namespace: str, sp
     obj = manifest(**spec)
     create(crd, kube_namespace, obj)
     assert problems(parse_pddeployment(get(crd, kube_namespace, "r1")), None) == []
+
+
+def dry_run(crd: KubeCluster, namespace: str, items: list[dict[str, Any]]) -> None:
+    """Every object passes the API server's validation and admission (nothing is stored)."""
+    proc = crd.kubectl(
+        "apply", "--dry-run=server", "--server-side", "-n", namespace, "-f", "-",
+        input=json.dumps({"apiVersion": "v1", "kind": "List", "items": items}), check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+
+
+def assert_refused(crd: KubeCluster, namespace: str, spec: dict[str, Any], message: str) -> None:
+    """The API server refuses the spec with ``message``, and so does the parser (files mean the same)."""
+    obj = manifest(**spec)
+    proc = create(crd, namespace, obj, check=False)
+    assert proc.returncode != 0, f"accepted: {spec}"
+    assert message in proc.stderr, proc.stderr
+    with pytest.raises(SpecError):
+        parse_pddeployment(obj)

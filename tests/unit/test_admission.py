@@ -3,32 +3,19 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import pytest
 import yaml
 
 from pdserve.deployment import admission
-from pdserve.deployment.spec import PDDeployment, load_manifest_file, parse_pddeployment
+from pdserve.deployment.spec import load_manifest_file
 from pdserve.deployment.validate import problems
+from tests.support.specs import pdd_of
 
 REPO = Path(__file__).resolve().parents[2]
 CRD = yaml.safe_load((REPO / "crds" / "pddeployments.pdserve.io.yaml").read_text())
 SPEC = CRD["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
 MORIIO = {"connector": "MoRIIOConnector", "transferMode": "READ"}
-
-
-def pdd_of(**spec: Any) -> PDDeployment:
-    body: dict[str, Any] = {"model": "m", "image": "vllm/vllm-openai:v0.12.0"}
-    body.update(spec)
-    return parse_pddeployment(
-        {
-            "apiVersion": "pdserve.io/v1alpha1",
-            "kind": "PDDeployment",
-            "metadata": {"name": "r1"},
-            "spec": body,
-        }
-    )
 
 
 @pytest.mark.parametrize(("p", "d"), [(1, 8), (8, 1), (4, 2), (2, 4), (3, 3), (2, 6)])

@@ -8,21 +8,9 @@ from typing import Any
 import pytest
 
 from pdserve.deployment.objects import instance_pod, router_deployment
-from pdserve.deployment.spec import PDDeployment, SpecError, parse_pddeployment
+from pdserve.deployment.spec import PDDeployment, SpecError
 from pdserve.routing import Role
-
-
-def pdd_of(**spec: Any) -> PDDeployment:
-    body: dict[str, Any] = {"model": "m", "image": "vllm/vllm-openai:v0.12.0"}
-    body.update(spec)
-    return parse_pddeployment(
-        {
-            "apiVersion": "pdserve.io/v1alpha1",
-            "kind": "PDDeployment",
-            "metadata": {"name": "r1"},
-            "spec": body,
-        }
-    )
+from tests.support.specs import pdd_of
 
 
 def pod(pdd: PDDeployment, role: Role = Role.DECODE) -> dict[str, Any]:

@@ -8,7 +8,6 @@ the diff: it is exactly what changes in users' clusters.
 from __future__ import annotations
 
 import copy
-import os
 from pathlib import Path
 from typing import Any
 
@@ -18,9 +17,9 @@ from pdserve.deployment.cli import to_yaml
 from pdserve.deployment.objects import render_all
 from pdserve.deployment.spec import parse_pddeployment
 from pdserve.deployment.validate import problems
+from tests.support.specs import check_golden
 
 GOLDEN = Path(__file__).resolve().parents[1] / "golden" / "render" / "features"
-UPDATE = os.environ.get("PDSERVE_UPDATE_GOLDEN") == "1"
 
 BASE: dict[str, Any] = {
     "model": "meta-llama/Llama-3.3-70B-Instruct",
@@ -101,12 +100,4 @@ def manifest(extra: dict[str, Any]) -> dict[str, Any]:
 def test_feature_golden_render(feature: str) -> None:
     pdd = parse_pddeployment(manifest(FEATURES[feature]))
     assert problems(pdd, None) == []
-    text = to_yaml(render_all(pdd))
-    golden = GOLDEN / f"{feature}.yaml"
-    if UPDATE:
-        golden.parent.mkdir(parents=True, exist_ok=True)
-        golden.write_text(text)
-    assert golden.exists(), f"missing {golden}; run with PDSERVE_UPDATE_GOLDEN=1"
-    assert text == golden.read_text(), (
-        f"{golden.name} differs; review and regenerate with PDSERVE_UPDATE_GOLDEN=1"
-    )
+    check_golden(GOLDEN / f"{feature}.yaml", to_yaml(render_all(pdd)))

@@ -12,9 +12,10 @@ import yaml
 from pdserve.deployment import podtemplate as pt
 from pdserve.deployment.objects import instance_pod, router_deployment, template_hash
 from pdserve.deployment.podtemplate import PodTemplate, merge_metadata, merge_pod_spec, parse_template
-from pdserve.deployment.spec import PDDeployment, SpecError, parse_pddeployment
+from pdserve.deployment.spec import SpecError
 from pdserve.deployment.validate import problems
 from pdserve.routing import Role
+from tests.support.specs import pdd_of
 
 CRD = yaml.safe_load(
     (Path(__file__).resolve().parents[2] / "crds" / "pddeployments.pdserve.io.yaml").read_text()
@@ -37,19 +38,6 @@ RENDERED: dict[str, Any] = {
     "tolerations": [{"key": "a", "operator": "Exists"}],
     "nodeSelector": {"pool": "gpu"},
 }
-
-
-def pdd_of(**spec: Any) -> PDDeployment:
-    body: dict[str, Any] = {"model": "m", "image": "vllm/vllm-openai:v0.11.0"}
-    body.update(spec)
-    return parse_pddeployment(
-        {
-            "apiVersion": "pdserve.io/v1alpha1",
-            "kind": "PDDeployment",
-            "metadata": {"name": "r1"},
-            "spec": body,
-        }
-    )
 
 
 # --- the merge ---------------------------------------------------------------------------------

@@ -8,25 +8,13 @@ from typing import Any
 import pytest
 
 from pdserve.deployment.objects import instance_pod, render_all, router_deployment, router_service
-from pdserve.deployment.spec import PDDeployment, SpecError, parse_pddeployment
+from pdserve.deployment.spec import PDDeployment, SpecError
 from pdserve.deployment.validate import problems
 from pdserve.routing import Role
+from tests.support.specs import pdd_of
 
 CLIENT = {"name": "router-key", "key": "api-key"}
 ENGINE = {"name": "engine-key", "key": "api-key"}
-
-
-def pdd_of(**spec: Any) -> PDDeployment:
-    body: dict[str, Any] = {"model": "m", "image": "vllm/vllm-openai:v0.12.0"}
-    body.update(spec)
-    return parse_pddeployment(
-        {
-            "apiVersion": "pdserve.io/v1alpha1",
-            "kind": "PDDeployment",
-            "metadata": {"name": "r1"},
-            "spec": body,
-        }
-    )
 
 
 def router_of(pdd: PDDeployment) -> dict[str, Any]:

@@ -7,23 +7,15 @@ from typing import Any
 import pytest
 
 from pdserve.deployment.objects import instance_pod
-from pdserve.deployment.spec import PDDeployment, SpecError, parse_pddeployment
+from pdserve.deployment.spec import PDDeployment, SpecError
 from pdserve.deployment.storage import HF_CACHE
 from pdserve.deployment.validate import problems
 from pdserve.routing import Role
+from tests.support import specs
 
 
 def pdd_of(**spec: Any) -> PDDeployment:
-    body: dict[str, Any] = {"model": "meta-llama/Llama-3.1-8B-Instruct", "image": "vllm/vllm-openai:v0.12.0"}
-    body.update(spec)
-    return parse_pddeployment(
-        {
-            "apiVersion": "pdserve.io/v1alpha1",
-            "kind": "PDDeployment",
-            "metadata": {"name": "r1"},
-            "spec": body,
-        }
-    )
+    return specs.pdd_of(**{"model": "meta-llama/Llama-3.1-8B-Instruct", **spec})
 
 
 def engine(pdd: PDDeployment, role: Role = Role.DECODE) -> tuple[dict[str, Any], dict[str, Any]]:
