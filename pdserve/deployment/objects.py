@@ -33,7 +33,8 @@ from pdserve.deployment.defaults import (
 )
 from pdserve.deployment.kvconfig import MORIIO, NIXL, kv_transfer_config_json
 from pdserve.deployment.kvpod import kv_pod_settings
-from pdserve.deployment.podtemplate import ENGINE_ENV_OWNED, merge_metadata, merge_pod_spec
+from pdserve.deployment.owned import ENGINE_ENV_OWNED
+from pdserve.deployment.podtemplate import merge_metadata, merge_pod_spec
 from pdserve.deployment.routing import build_routing_table
 from pdserve.deployment.security import engine_key_env, router_admin_args, router_admin_port, router_key_env
 from pdserve.deployment.spec import API_VERSION, ENGINE_PORT, KIND, PDDeployment, RoleSpec

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pdserve.deployment.podtemplate import Reserved
+from pdserve.deployment.owned import Reserved
 from pdserve.deployment.spec import PDDeploymentSpec
 
 ADMIN_PORT_NAME = "admin"

@@ -24,7 +24,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from pdserve.deployment.podtemplate import Reserved
+from pdserve.deployment.owned import Reserved
 from pdserve.deployment.readers import (
     SecretKeyRef,
     SpecError,

@@ -14,7 +14,7 @@ from pdserve.deployment.admission import problems as vllm_problems
 from pdserve.deployment.kvconfig import moriio_ports
 from pdserve.deployment.kvpod import NIXL_SIDE_CHANNEL_PORT
 from pdserve.deployment.objects import OWNED_ENV
-from pdserve.deployment.podtemplate import ENGINE_CONTAINER, ROUTER_CONTAINER, Reserved, owned_problems
+from pdserve.deployment.owned import ENGINE_CONTAINER, ROUTER_CONTAINER, Reserved, owned_problems
 from pdserve.deployment.security import engine_reserved_env, router_reserved
 from pdserve.deployment.spec import ENGINE_PORT, PDDeployment, PDDeploymentSpec
 from pdserve.deployment.storage import reserved as storage_reserved

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from pdserve.deployment import admission
-from pdserve.deployment import podtemplate as pt
+from pdserve.deployment import owned as pt
 from pdserve.deployment.objects import render_all
 from pdserve.deployment.routing import build_routing_table
 from pdserve.deployment.spec import SpecError, parse_pddeployment

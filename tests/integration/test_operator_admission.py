@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from pdserve.deployment.podtemplate import DIRECTIVE_REASON
+from pdserve.deployment.owned import DIRECTIVE_REASON
 from pdserve.deployment.spec import parse_pddeployment
 from pdserve.deployment.validate import problems
 from tests.integration.test_operator import (  # noqa: F401  (fixtures)

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import yaml
 
-from pdserve.deployment import podtemplate as pt
+from pdserve.deployment import owned as pt
 from pdserve.deployment.objects import instance_pod, router_deployment, template_hash
 from pdserve.deployment.podtemplate import PodTemplate, merge_metadata, merge_pod_spec, parse_template
 from pdserve.deployment.spec import SpecError
