@@ -188,7 +188,38 @@ def render_reference(crd: Mapping[str, Any], source: str) -> str:
             ]
             out += [f"| {_code(where)} | {_code(rule)} | {_cell(msg)} |" for where, rule, msg in rules]
             out.append("")
+    out += _vllm_rules()
     return "\n".join(out).rstrip() + "\n"
+
+
+def _vllm_rules() -> list[str]:
+    """The prefill/decode constraints read from vLLM, with where each comes from (admission.py)."""
+    from pdserve.deployment.admission import RULES
+
+    out = [
+        "## What vLLM accepts between prefill and decode",
+        "",
+        "Read from the vLLM version pdserve targets (0.32), for engine `vllm`; earlier releases were "
+        "stricter. CEL rules are refused by `kubectl apply`; the others make the operator report "
+        "`Degraded=True, reason InvalidSpec` (with a Warning Event) and `pdserve render` exit 2.",
+        "",
+        "| Rule | Fields | Constraint | Enforced by | vLLM source |",
+        "|---|---|---|---|---|",
+    ]
+    for r in RULES:
+        out.append(
+            f"| `{r.id}` | {_cell(r.where)} | {_cell(r.rule)} | {_cell(r.enforced_by)} | {_cell(r.source)} |"
+        )
+    out += [
+        "",
+        "Not checked (the model decides, not the spec): MoRIIO with different prefill and decode "
+        "tensorParallel needs replicated KV heads (`min(TP) >= num_kv_heads`) or an MLA model "
+        "(`moriio_connector.py validate_moriio_heterogeneous_tp_kv_heads`); NIXL with hybrid SSM "
+        "(Mamba) models needs equal TP and equal block sizes "
+        "(docs/features/nixl_connector_compatibility.md).",
+        "",
+    ]
+    return out
 
 
 def generate(crd_file: Path = CRD_FILE) -> str:

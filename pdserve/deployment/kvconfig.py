@@ -3,9 +3,10 @@
 Field names and semantics follow vLLM's connectors
 (``vllm/distributed/kv_transfer/kv_connector/v1/nixl_connector.py`` and ``.../moriio/``):
 
-* NixlConnector: ``kv_role: kv_both`` on both roles, as vLLM's NIXL examples do; which side
-  sends is decided per request by ``kv_transfer_params``. The side channel is advertised at
-  ``VLLM_NIXL_SIDE_CHANNEL_HOST`` (set to the pod IP by the renderer).
+* NixlConnector: ``kv_role`` kv_producer (prefill) / kv_consumer (decode), as vLLM's NIXL guide
+  does for instances on separate machines; vLLM 0.32 warns that ``kv_both`` with NixlConnector is
+  deprecated. Which side sends is still decided per request by ``kv_transfer_params``. The side
+  channel is advertised at ``VLLM_NIXL_SIDE_CHANNEL_HOST`` (the pod IP; see kvpod.py).
 * MoRIIOConnector: ``kv_role`` kv_producer (prefill) / kv_consumer (decode); vLLM sets its
   producer/consumer role from it. Its ``kv_connector_extra_config`` must carry
   ``handshake_port``, ``notify_port``, ``http_port``, ``proxy_ip`` and ``proxy_ping_port``
@@ -39,9 +40,7 @@ MORIIO = "MoRIIOConnector"
 
 
 def kv_role(kv: KVTransferSpec, role: Role) -> str:
-    if kv.connector == MORIIO:
-        return "kv_producer" if role is Role.PREFILL else "kv_consumer"
-    return "kv_both"
+    return "kv_producer" if role is Role.PREFILL else "kv_consumer"
 
 
 def kv_transfer_config(kv: KVTransferSpec, role: Role) -> dict[str, Any]:

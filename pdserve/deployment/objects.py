@@ -23,10 +23,22 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
+from pdserve.deployment.defaults import (
+    STARTUP_PERIOD_SECONDS,
+    default_requests,
+    engine_security_context,
+    startup_failure_threshold,
+    with_default_requests,
+)
 from pdserve.deployment.kvconfig import MORIIO, NIXL, kv_transfer_config_json
+from pdserve.deployment.kvpod import kv_pod_settings
+from pdserve.deployment.owned import ENGINE_ENV_OWNED
+from pdserve.deployment.podtemplate import merge_metadata, merge_pod_spec
 from pdserve.deployment.revision import pairing_revision
 from pdserve.deployment.routing import build_routing_table
+from pdserve.deployment.security import engine_key_env, router_admin_args, router_admin_port, router_key_env
 from pdserve.deployment.spec import API_VERSION, DEFAULT_IMAGE, ENGINE_PORT, KIND, PDDeployment, RoleSpec
+from pdserve.deployment.storage import model_argument, storage_env, storage_mounts, storage_volumes
 from pdserve.routing import CONFIGMAP_KEY, Role, RoutingTable
 
 ROUTING_MOUNT = "/etc/pdserve/routing"
@@ -51,9 +63,8 @@ TP_SIZE_ANNOTATION = "pdserve.io/tp-size"
 REVISION_ANNOTATION = "pdserve.io/revision"
 MANAGER = "pdserve-operator"
 
-# Probes. The startup probe allows 30 minutes of model loading (180 x 10 s) before the
-# liveness probe may restart the pod; the simulator starts in well under a second.
-_VLLM_STARTUP = {"periodSeconds": 10, "failureThreshold": 180}
+# Probes. The startup probe allows startupTimeoutSeconds of model loading (defaults.py) before
+# the liveness probe may restart the pod; the simulator starts in well under a second.
 _SIM_STARTUP = {"periodSeconds": 1, "failureThreshold": 120}
 
 
@@ -134,6 +145,7 @@ def instance_pod(pdd: PDDeployment, role: Role, index: int) -> dict[str, Any]:
         TP_SIZE_ANNOTATION: str(rs.tensor_parallel),
         REVISION_ANNOTATION: pairing_revision(pdd, role),
     }
+    meta = merge_metadata(meta, rs.template)
     return {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": _pod_spec(pdd, role, name)}
 
 
@@ -180,7 +192,10 @@ def template_hash(pdd: PDDeployment, role: Role) -> str:
     changes exactly when a pod would come out different: image, args, env, resources, DP/TP,
     connector, and pdserve's own rendering. The instance count is not part of a pod.
     """
-    spec = _pod_spec(pdd, role, "{instance}")
+    spec: dict[str, Any] = _pod_spec(pdd, role, "{instance}")
+    template_metadata = pdd.spec.role(role).template.metadata
+    if template_metadata:  # labels and annotations of a template are part of the pod too
+        spec = {"spec": spec, "metadata": template_metadata}
     digest = hashlib.sha256(json.dumps(spec, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
     return digest[:10]
 
@@ -200,10 +215,15 @@ def _pod_spec(pdd: PDDeployment, role: Role, pod_name: str) -> dict[str, Any]:
         "volumeMounts": [{"name": "dshm", "mountPath": SHM_MOUNT}],
         "startupProbe": {
             "httpGet": _health(),
-            **(_SIM_STARTUP if sim else _VLLM_STARTUP),
+            **(_SIM_STARTUP if sim else _vllm_startup(rs)),
             "timeoutSeconds": 5,
         },
-        "readinessProbe": {"httpGet": _health(), "periodSeconds": 2 if sim else 5, "failureThreshold": 3},
+        "readinessProbe": {
+            "httpGet": _health(),
+            "periodSeconds": 2 if sim else 5,
+            "failureThreshold": 3,
+            "timeoutSeconds": 2 if sim else 5,
+        },
         "livenessProbe": {
             "httpGet": _health(),
             "periodSeconds": 10,
@@ -216,9 +236,10 @@ def _pod_spec(pdd: PDDeployment, role: Role, pod_name: str) -> dict[str, Any]:
         "subdomain": engine_service_name(pdd),
         "restartPolicy": "Always",
         "enableServiceLinks": False,
+        "automountServiceAccountToken": False,  # an engine never calls the API (defaults.py)
         "terminationGracePeriodSeconds": 60,
         "containers": [container],
-        "volumes": [{"name": "dshm", "emptyDir": {"medium": "Memory"}}],
+        "volumes": [{"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": rs.shm_size}}],
     }
     if rs.node_selector:
         pod["nodeSelector"] = dict(rs.node_selector)
@@ -226,7 +247,41 @@ def _pod_spec(pdd: PDDeployment, role: Role, pod_name: str) -> dict[str, Any]:
         pod["tolerations"] = [_plain(t) for t in rs.tolerations]
     if rs.affinity:
         pod["affinity"] = _plain(rs.affinity)
-    return pod
+    if not sim:  # the model's storage and the KV connector's needs; the simulator has neither
+        container["volumeMounts"] += storage_mounts(spec.model, spec.model_cache)
+        pod["volumes"] += storage_volumes(spec.model, spec.model_cache)
+        kv = kv_pod_settings(spec.kv_transfer, rs.data_parallel, rs.tensor_parallel)
+        container["ports"] += kv.ports
+        container["env"] = _last_wins(kv.env + container["env"])  # the role's env overrides defaults
+        if kv.capabilities:
+            container["securityContext"] = {"capabilities": {"add": list(kv.capabilities)}}
+        container["securityContext"] = {
+            "allowPrivilegeEscalation": False,
+            **container.get("securityContext", {}),
+        }
+    else:
+        pod["securityContext"] = engine_security_context(sim)
+    merged = merge_pod_spec(pod, rs.template.spec)
+    engine = next(c for c in merged["containers"] if c["name"] == "engine")
+    with_default_requests(engine, default_requests(rs.gpus_per_instance, sim))
+    return merged
+
+
+def _vllm_startup(rs: RoleSpec) -> dict[str, Any]:
+    return {
+        "periodSeconds": STARTUP_PERIOD_SECONDS,
+        "failureThreshold": startup_failure_threshold(rs.startup_timeout_seconds),
+    }
+
+
+def _last_wins(env: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One entry per variable name, the last given, in order of first appearance."""
+    last = {var["name"]: var for var in env}
+    seen: list[str] = []
+    for var in env:
+        if var["name"] not in seen:
+            seen.append(var["name"])
+    return [last[name] for name in seen]
 
 
 def _health() -> dict[str, Any]:
@@ -237,7 +292,7 @@ def _vllm_args(pdd: PDDeployment, role: Role) -> list[str]:
     spec = pdd.spec
     rs = spec.role(role)
     args = [
-        spec.model,
+        model_argument(spec.model),
         "--served-model-name",
         spec.served_model_name,
         "--port",
@@ -286,11 +341,13 @@ def _engine_env(pdd: PDDeployment) -> list[dict[str, Any]]:
         env.append(pod_ip("VLLM_NIXL_SIDE_CHANNEL_HOST"))
     elif connector == MORIIO:
         env.append(pod_ip("VLLM_HOST_IP"))
-    return env
+    if pdd.spec.engine != "sim":
+        env += storage_env(pdd.spec.model, pdd.spec.model_cache, pdd.spec.hf_token_secret_ref)
+    return env + engine_key_env(pdd.spec)  # the simulator checks VLLM_API_KEY like vLLM
 
 
 #: Names of the environment variables the renderer sets on engine pods (validate.py refuses them).
-OWNED_ENV = ("POD_IP", "VLLM_NIXL_SIDE_CHANNEL_HOST", "VLLM_HOST_IP")
+OWNED_ENV = ENGINE_ENV_OWNED.names
 
 
 def _engine_resources(gpu_resource: str, rs: RoleSpec, gpus: bool) -> dict[str, Any]:
@@ -306,6 +363,28 @@ def _engine_resources(gpu_resource: str, rs: RoleSpec, gpus: bool) -> dict[str, 
 
 
 def router_deployment(pdd: PDDeployment) -> dict[str, Any]:
+    """The router Deployment: its admin port and keys (security.py), then ``spec.router.template``."""
+    deployment = _router_deployment(pdd)
+    pod = deployment["spec"]["template"]
+    router = next(c for c in pod["spec"]["containers"] if c["name"] == "router")
+    router["args"] += router_admin_args(pdd.spec)
+    router["ports"].append(router_admin_port(pdd.spec))
+    if router_key_env(pdd.spec):
+        router["env"] = router.get("env", []) + router_key_env(pdd.spec)
+    # pdserve's own image runs as user 10001 and needs no privilege.
+    pod["spec"].setdefault(
+        "securityContext", {"runAsNonRoot": True, "seccompProfile": {"type": "RuntimeDefault"}}
+    )
+    router.setdefault(
+        "securityContext", {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}
+    )
+    template = pdd.spec.router.template
+    pod["metadata"] = merge_metadata(pod["metadata"], template)
+    pod["spec"] = merge_pod_spec(pod["spec"], template.spec)
+    return deployment
+
+
+def _router_deployment(pdd: PDDeployment) -> dict[str, Any]:
     router = pdd.spec.router
     selector = {DEPLOYMENT_LABEL: pdd.name, COMPONENT: "router"}
     container = {

@@ -13,9 +13,8 @@ Rules the schema cannot express (a node's GPU count, flags that pdserve owns) li
 
 from __future__ import annotations
 
-import json
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -23,7 +22,24 @@ from typing import Any
 import yaml
 
 from pdserve import __version__
-from pdserve.routing import Connector, FieldError, Role
+from pdserve.deployment.podtemplate import PodTemplate, parse_template
+from pdserve.deployment.readers import SecretKeyRef, SpecError, read_secret_ref
+from pdserve.deployment.readers import no_unknown as _no_unknown
+from pdserve.deployment.readers import plain as _plain
+from pdserve.deployment.readers import read_boolean as _boolean
+from pdserve.deployment.readers import read_choice as _choice
+from pdserve.deployment.readers import read_env_list as _env_list
+from pdserve.deployment.readers import read_integer as _integer
+from pdserve.deployment.readers import read_object as _object
+from pdserve.deployment.readers import read_object_list as _object_list
+from pdserve.deployment.readers import read_string as _string
+from pdserve.deployment.readers import read_string_list as _string_list
+from pdserve.deployment.readers import read_string_map as _string_map
+from pdserve.deployment.readers import show as _show
+from pdserve.deployment.storage import ModelCache, parse_model, parse_model_cache
+from pdserve.routing import Connector, Role
+
+__all__ = ["ModelCache", "SecretKeyRef", "SpecError"]
 
 GROUP = "pdserve.io"
 VERSION = "v1alpha1"
@@ -47,7 +63,6 @@ MAX_NAME_LENGTH = 50
 _DNS_1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 _DNS_1123 = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 _RESOURCE_NAME = re.compile(r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?/[-._a-zA-Z0-9]+$")
-_ENV_NAME = re.compile(r"^[-._a-zA-Z][-._a-zA-Z0-9]*$")
 
 # Defaults; equal to the CRD schema's (tests/unit/test_deployment_spec.py checks it).
 DEFAULT_ENGINE = "vllm"
@@ -57,9 +72,18 @@ DEFAULT_ROUTER_REPLICAS = 1
 DEFAULT_POLICY = "flat-interleaved"
 DEFAULT_BACKLOG = 4096
 DEFAULT_ROUTER_PORT = 8000
+DEFAULT_ADMIN_PORT = 9000
 DEFAULT_SERVICE_TYPE = "ClusterIP"
 DEFAULT_MAX_UNAVAILABLE = 1
 DEFAULT_DRAIN_SECONDS = 30
+#: /dev/shm of an engine pod (a memory-backed emptyDir). vLLM's Kubernetes guide gives 2Gi to a
+#: one-GPU pod and 8Gi to its ROCm example; NCCL's SHM transport and vLLM's shared-memory queues
+#: grow with the ranks of an instance. It counts against the pod's memory limit when used.
+DEFAULT_SHM_SIZE = "8Gi"
+#: Seconds the startup probe allows a vLLM engine to load its model (defaults.py).
+DEFAULT_STARTUP_TIMEOUT = 3600
+MAX_STARTUP_TIMEOUT = 86400
+_QUANTITY = re.compile(r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E)?$")
 
 # Bounds; equal to the CRD schema's.
 MAX_INSTANCES = 1024
@@ -67,10 +91,6 @@ MAX_PARALLEL = 64
 MAX_ROUTER_REPLICAS = 64
 MAX_BACKLOG = 1_000_000
 MAX_DRAIN_SECONDS = 3600
-
-
-class SpecError(FieldError):
-    """A PDDeployment that must not be acted on; the message names the field and the reason."""
 
 
 @dataclass(frozen=True)
@@ -102,6 +122,10 @@ class RoleSpec:
     affinity: Mapping[str, Any] = field(default_factory=dict)
     #: Reserved for instances spanning nodes (DP or TP across nodes); only 1 is accepted today.
     nodes_per_instance: int = 1
+    #: Merged onto the rendered pod last (podtemplate.py); fields pdserve owns are refused.
+    template: PodTemplate = field(default_factory=PodTemplate)
+    shm_size: str = DEFAULT_SHM_SIZE
+    startup_timeout_seconds: int = DEFAULT_STARTUP_TIMEOUT
 
     @property
     def gpus_per_instance(self) -> int:
@@ -121,6 +145,10 @@ class RouterSpec:
     backlog: int = DEFAULT_BACKLOG
     port: int = DEFAULT_ROUTER_PORT
     service_type: str = DEFAULT_SERVICE_TYPE
+    template: PodTemplate = field(default_factory=PodTemplate)
+    # Router security: the clients' key, and the port of /metrics, /debug/* and profiling.
+    admin_port: int = DEFAULT_ADMIN_PORT
+    api_key_secret_ref: SecretKeyRef | None = None
 
 
 @dataclass(frozen=True)
@@ -141,6 +169,11 @@ class PDDeploymentSpec:
     decode: RoleSpec
     router: RouterSpec = RouterSpec()
     rollout: RolloutSpec = RolloutSpec()
+    # Model storage and credentials (storage.py); engine vllm only.
+    model_cache: ModelCache | None = None
+    hf_token_secret_ref: SecretKeyRef | None = None
+    #: The engines' VLLM_API_KEY, which the router sends them.
+    engine_api_key_secret_ref: SecretKeyRef | None = None
 
     @property
     def engine_image(self) -> str:
@@ -241,9 +274,12 @@ def parse_spec(spec: Mapping[str, Any] | object) -> PDDeploymentSpec:
             "decode",
             "router",
             "rollout",
+            "modelCache",
+            "hfTokenSecretRef",
+            "engineApiKeySecretRef",
         ),
     )
-    model = _string(doc, "model", path, required=True)
+    model = parse_model(_string(doc, "model", path, required=True), f"{path}.model")
     served = _string(doc, "servedModelName", path, default="") or model
     image = _string(doc, "image", path, default="")
     engine = _choice(doc, "engine", path, ENGINES, DEFAULT_ENGINE)
@@ -262,7 +298,23 @@ def parse_spec(spec: Mapping[str, Any] | object) -> PDDeploymentSpec:
     decode = _parse_role(doc.get("decode", {}), f"{path}.decode")
     router = _parse_router(doc.get("router", {}), f"{path}.router")
     rollout = _parse_rollout(doc.get("rollout", {}), f"{path}.rollout")
-    return PDDeploymentSpec(model, served, image, engine, gpu_resource, kv, prefill, decode, router, rollout)
+    return PDDeploymentSpec(
+        model,
+        served,
+        image,
+        engine,
+        gpu_resource,
+        kv,
+        prefill,
+        decode,
+        router,
+        rollout,
+        model_cache=parse_model_cache(doc.get("modelCache"), f"{path}.modelCache"),
+        hf_token_secret_ref=read_secret_ref(doc.get("hfTokenSecretRef"), f"{path}.hfTokenSecretRef"),
+        engine_api_key_secret_ref=read_secret_ref(
+            doc.get("engineApiKeySecretRef"), f"{path}.engineApiKeySecretRef"
+        ),
+    )
 
 
 # --- sections ----------------------------------------------------------------------------------
@@ -313,6 +365,9 @@ _ROLE_FIELDS = (
     "nodeSelector",
     "tolerations",
     "affinity",
+    "template",
+    "shmSize",
+    "startupTimeoutSeconds",
 )
 
 
@@ -351,19 +406,39 @@ def _parse_role(value: object, path: str) -> RoleSpec:
         tolerations=tolerations,
         affinity=_plain(affinity, f"{path}.affinity"),
         nodes_per_instance=nodes,
+        template=parse_template(doc.get("template"), f"{path}.template"),
+        shm_size=_quantity(doc, "shmSize", path, DEFAULT_SHM_SIZE),
+        startup_timeout_seconds=_integer(
+            doc, "startupTimeoutSeconds", path, DEFAULT_STARTUP_TIMEOUT, 10, MAX_STARTUP_TIMEOUT
+        ),
     )
+
+
+def _quantity(doc: Mapping[str, Any], key: str, path: str, default: str) -> str:
+    value = _string(doc, key, path, default=default)
+    if not _QUANTITY.match(value):
+        raise SpecError(f"{path}.{key}", f"expected a quantity such as 8Gi or 512Mi, got {_show(value)}")
+    return value
 
 
 def _parse_router(value: object, path: str) -> RouterSpec:
     doc = _object(value, path)
-    _no_unknown(doc, path, ("replicas", "image", "policy", "backlog", "port", "serviceType"))
+    known = ("replicas", "image", "policy", "backlog", "port", "serviceType", "template")
+    _no_unknown(doc, path, (*known, "adminPort", "apiKeySecretRef"))
+    port = _integer(doc, "port", path, DEFAULT_ROUTER_PORT, 1, 65535)
+    admin_port = _integer(doc, "adminPort", path, DEFAULT_ADMIN_PORT, 1, 65535)
+    if admin_port == port:
+        raise SpecError(f"{path}.adminPort", f"must differ from port ({port}): clients must not reach it")
     return RouterSpec(
         replicas=_integer(doc, "replicas", path, DEFAULT_ROUTER_REPLICAS, 0, MAX_ROUTER_REPLICAS),
         image=_string(doc, "image", path, default=""),
         policy=_choice(doc, "policy", path, POLICIES, DEFAULT_POLICY),
         backlog=_integer(doc, "backlog", path, DEFAULT_BACKLOG, 1, MAX_BACKLOG),
-        port=_integer(doc, "port", path, DEFAULT_ROUTER_PORT, 1, 65535),
+        port=port,
         service_type=_choice(doc, "serviceType", path, SERVICE_TYPES, DEFAULT_SERVICE_TYPE),
+        template=parse_template(doc.get("template"), f"{path}.template"),
+        admin_port=admin_port,
+        api_key_secret_ref=read_secret_ref(doc.get("apiKeySecretRef"), f"{path}.apiKeySecretRef"),
     )
 
 
@@ -374,126 +449,3 @@ def _parse_rollout(value: object, path: str) -> RolloutSpec:
         max_unavailable=_integer(doc, "maxUnavailable", path, DEFAULT_MAX_UNAVAILABLE, 1, MAX_INSTANCES),
         drain_seconds=_integer(doc, "drainSeconds", path, DEFAULT_DRAIN_SECONDS, 0, MAX_DRAIN_SECONDS),
     )
-
-
-# --- small typed readers -----------------------------------------------------------------------
-
-
-def _object(value: object, path: str) -> Mapping[str, Any]:
-    if not isinstance(value, Mapping):
-        raise SpecError(path, f"expected an object, got {_show(value)}")
-    for key in value:
-        if not isinstance(key, str):
-            raise SpecError(path, f"keys must be strings, got {_show(key)}")
-    return value
-
-
-def _no_unknown(doc: Mapping[str, Any], path: str, known: Sequence[str]) -> None:
-    for key in doc:
-        if key not in known:
-            hint = next((k for k in known if k.lower() == key.lower()), None)
-            suffix = f' (did you mean "{hint}"?)' if hint else f"; known fields: {', '.join(known)}"
-            raise SpecError(f"{path}.{key}", f"unknown field{suffix}")
-
-
-def _string(doc: Mapping[str, Any], key: str, path: str, default: str = "", required: bool = False) -> str:
-    full = f"{path}.{key}"
-    if key not in doc or doc[key] is None:
-        if required:
-            raise SpecError(full, "required field is missing")
-        return default
-    value = doc[key]
-    if not isinstance(value, str):
-        raise SpecError(full, f"expected a string, got {_show(value)}")
-    if required and not value:
-        raise SpecError(full, "must not be empty")
-    return value
-
-
-def _choice(doc: Mapping[str, Any], key: str, path: str, choices: Sequence[str], default: str | None) -> str:
-    full = f"{path}.{key}"
-    value = doc.get(key, default)
-    if value not in choices:
-        listed = ", ".join(f'"{c}"' for c in choices)
-        raise SpecError(full, f"expected one of {listed}, got {_show(value)}")
-    return str(value)
-
-
-def _integer(doc: Mapping[str, Any], key: str, path: str, default: int, minimum: int, maximum: int) -> int:
-    full = f"{path}.{key}"
-    value = doc.get(key, default)
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise SpecError(full, f"expected an integer >= {minimum}, got {_show(value)}")
-    if value > maximum:
-        raise SpecError(full, f"expected an integer <= {maximum}, got {_show(value)}")
-    return value
-
-
-def _boolean(doc: Mapping[str, Any], key: str, path: str, default: bool) -> bool:
-    value = doc.get(key, default)
-    if not isinstance(value, bool):
-        raise SpecError(f"{path}.{key}", f"expected true or false, got {_show(value)}")
-    return value
-
-
-def _list(doc: Mapping[str, Any], key: str, path: str) -> list[Any]:
-    value = doc.get(key, [])
-    if not isinstance(value, list):
-        raise SpecError(f"{path}.{key}", f"expected a list, got {_show(value)}")
-    return value
-
-
-def _string_list(doc: Mapping[str, Any], key: str, path: str) -> tuple[str, ...]:
-    items = _list(doc, key, path)
-    for i, item in enumerate(items):
-        if not isinstance(item, str):
-            raise SpecError(f"{path}.{key}[{i}]", f"expected a string, got {_show(item)}")
-    return tuple(items)
-
-
-def _object_list(doc: Mapping[str, Any], key: str, path: str) -> tuple[Mapping[str, Any], ...]:
-    out = []
-    for i, item in enumerate(_list(doc, key, path)):
-        item_path = f"{path}.{key}[{i}]"
-        out.append(_plain(_object(item, item_path), item_path))
-    return tuple(out)
-
-
-def _env_list(doc: Mapping[str, Any], key: str, path: str) -> tuple[Mapping[str, Any], ...]:
-    env = _object_list(doc, key, path)
-    for i, var in enumerate(env):
-        name = var.get("name")
-        if not isinstance(name, str) or not _ENV_NAME.match(name):
-            raise SpecError(
-                f"{path}.{key}[{i}].name", f"expected an environment variable name, got {_show(name)}"
-            )
-    return env
-
-
-def _string_map(doc: Mapping[str, Any], key: str, path: str) -> dict[str, str]:
-    full = f"{path}.{key}"
-    value = _object(doc.get(key) or {}, full)
-    for k, v in value.items():
-        if not isinstance(v, str):
-            raise SpecError(f"{full}.{k}", f"expected a string, got {_show(v)}")
-    return dict(value)
-
-
-def _plain(value: Any, path: str) -> Any:
-    """A deep copy made of plain dicts and lists, so the typed spec never aliases the caller's data."""
-    try:
-        return json.loads(json.dumps(value))
-    except (TypeError, ValueError) as exc:
-        raise SpecError(path, f"holds a value that is not JSON ({exc}); quote dates and timestamps") from exc
-
-
-def _show(value: object) -> str:
-    names = {str: "string", bool: "boolean", int: "integer", float: "number", list: "list", dict: "object"}
-    kind = (
-        "null"
-        if value is None
-        else names.get(type(value), "object" if isinstance(value, Mapping) else "value")
-    )
-    if isinstance(value, str | int | float | bool):
-        return f"{json.dumps(value)} ({kind})"
-    return kind

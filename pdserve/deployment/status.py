@@ -11,8 +11,9 @@ Conditions:
   left, and the router has an available replica: the deployment serves at its declared size.
 * ``Progressing``: the operator is still moving the cluster towards the spec (creating, rolling,
   scaling). False once Ready, and False while the spec is invalid (nothing will move).
-* ``Degraded``: the spec cannot be served as written (problems beyond the schema) or the last
-  reconcile failed; the message says what to fix.
+* ``Degraded``: the spec cannot be served as written (problems beyond the schema), the last
+  reconcile failed, or the scheduler cannot place a pod (reason ``PodsUnschedulable``, with the
+  scheduler's own message); the message says what to fix.
 """
 
 from __future__ import annotations
@@ -104,6 +105,7 @@ class Observation:
     router_available: int
     problems: Sequence[str] = ()  # spec problems beyond the schema: nothing is rendered
     error: str | None = None  # the last reconcile failed with this
+    unschedulable: Sequence[str] = ()  # pods the scheduler cannot place, with its message
 
 
 def compute_status(obs: Observation, previous: Mapping[str, Any] | None, now: str) -> dict[str, Any]:
@@ -140,7 +142,12 @@ def _conditions(obs: Observation, roles: Sequence[RoleStatus]) -> list[tuple[boo
     else:
         ready = (False, _not_ready_reason(roles, router_ok), _summary(roles) + _router_note(obs, router_ok))
         progressing = (True, *_progress(roles, router_ok))
-    degraded = (True, "ReconcileError", obs.error) if obs.error else (False, "AsExpected", "")
+    if obs.error:
+        degraded = (True, "ReconcileError", obs.error)
+    elif obs.unschedulable:
+        degraded = (True, "PodsUnschedulable", "; ".join(obs.unschedulable))
+    else:
+        degraded = (False, "AsExpected", "")
     return [ready, progressing, degraded]
 
 

@@ -7,10 +7,17 @@ the field and says what to change.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
+from pdserve.deployment.admission import problems as vllm_problems
+from pdserve.deployment.kvconfig import moriio_ports
+from pdserve.deployment.kvpod import NIXL_SIDE_CHANNEL_PORT
 from pdserve.deployment.objects import OWNED_ENV
+from pdserve.deployment.owned import ENGINE_CONTAINER, ROUTER_CONTAINER, Reserved, owned_problems
+from pdserve.deployment.security import engine_reserved_env, router_reserved
 from pdserve.deployment.spec import ENGINE_PORT, PDDeployment, PDDeploymentSpec
+from pdserve.deployment.storage import reserved as storage_reserved
 from pdserve.routing import Role
 
 #: Flags of ``vllm serve`` that pdserve sets itself; a second copy in ``args`` would silently
@@ -25,6 +32,7 @@ VLLM_OWNED_FLAGS = {
     "--enable-expert-parallel": "set expertParallel",
     "--kv-transfer-config": "set spec.kvTransfer",
     "--model": "set spec.model",
+    "--api-key": "use spec.engineApiKeySecretRef: a command line is visible in the pod spec and to ps",
 }
 SIM_OWNED_FLAGS = {
     "--role": "set by the role",
@@ -46,17 +54,12 @@ def problems(pdd: PDDeployment, node_gpu_allocatable: Sequence[int] | None) -> l
         found += _owned_args(spec, role, path)
         found += _owned_env(spec, role, path)
         found += _gpu_resources(spec, role, path)
+        found += _template(spec, role, path)
+        found += _kv_port_range(spec, role, path)
         if node_gpu_allocatable is not None:
             found += _fits_a_node(spec, role, path, node_gpu_allocatable)
-    if (
-        spec.engine == "vllm"
-        and spec.kv_transfer.connector == "MoRIIOConnector"
-        and "amd" not in spec.gpu_resource
-    ):
-        found.append(
-            "spec.kvTransfer.connector: MoRIIOConnector moves KV between AMD GPUs (ROCm), but "
-            f'spec.gpuResource is "{spec.gpu_resource}"; use amd.com/gpu, or NixlConnector on NVIDIA GPUs'
-        )
+    found += owned_problems(spec.router.template, "spec.router", ROUTER_CONTAINER, router_reserved(spec))
+    found += vllm_problems(spec)
     return found
 
 
@@ -71,27 +74,69 @@ def _owned_args(spec: PDDeploymentSpec, role: Role, path: str) -> list[str]:
 
 
 def _owned_env(spec: PDDeploymentSpec, role: Role, path: str) -> list[str]:
+    reserved = {name: "is set by pdserve to the pod IP" for name in OWNED_ENV}
+    reserved["VLLM_NIXL_SIDE_CHANNEL_PORT"] = (
+        f"is set by pdserve to {NIXL_SIDE_CHANNEL_PORT} (the engines listen from there, one port per DP rank)"
+    )
+    reserved |= engine_reserved(spec).env
     out = []
     for i, var in enumerate(spec.role(role).env):
-        if var.get("name") in OWNED_ENV:
-            out.append(f"{path}.env[{i}]: {var['name']} is set by pdserve to the pod IP; remove it from env")
+        name = var.get("name")
+        if name in reserved:
+            out.append(f"{path}.env[{i}]: {name} {reserved[name]}; remove it from env")
     return out
 
 
 def _gpu_resources(spec: PDDeploymentSpec, role: Role, path: str) -> list[str]:
+    return _gpu_count(spec, role, spec.role(role).resources, f"{path}.resources")
+
+
+def _gpu_count(spec: PDDeploymentSpec, role: Role, resources: Mapping[str, Any], path: str) -> list[str]:
     if spec.engine == "sim":
         return []
     rs = spec.role(role)
     out = []
     for section in ("requests", "limits"):
-        values = rs.resources.get(section) or {}
+        values = resources.get(section) or {}
         if spec.gpu_resource in values and str(values[spec.gpu_resource]) != str(rs.gpus_per_instance):
             out.append(
-                f"{path}.resources.{section}[{spec.gpu_resource}]: pdserve requests dataParallel x "
+                f"{path}.{section}[{spec.gpu_resource}]: pdserve requests dataParallel x "
                 f"tensorParallel = {rs.gpus_per_instance} GPUs per instance, got "
                 f"{values[spec.gpu_resource]!s}; remove it from resources"
             )
     return out
+
+
+def engine_reserved(spec: PDDeploymentSpec) -> Reserved:
+    """What an engine pod renders because the spec asks for it (model cache, Secrets)."""
+    keys = engine_reserved_env(spec)
+    if spec.engine == "sim":
+        return Reserved(env=keys)
+    storage = storage_reserved(spec.model, spec.model_cache, spec.hf_token_secret_ref)
+    return Reserved(storage.volumes, storage.mounts, {**storage.env, **keys})
+
+
+def _kv_port_range(spec: PDDeploymentSpec, role: Role, path: str) -> list[str]:
+    """MoRIIO's per-rank ports (base + rank) must stay ports."""
+    if spec.engine == "sim" or spec.kv_transfer.connector != "MoRIIOConnector":
+        return []
+    rs = spec.role(role)
+    ranks = rs.data_parallel * rs.tensor_parallel
+    out = []
+    for key, base in zip(("handshake_port", "notify_port"), moriio_ports(spec.kv_transfer), strict=True):
+        if base + ranks - 1 > 65535:
+            out.append(
+                f"spec.kvTransfer.extraConfig.{key}: {path} needs {ranks} ports from {base} (one per rank), "
+                f"past 65535; lower {key}"
+            )
+    return out
+
+
+def _template(spec: PDDeploymentSpec, role: Role, path: str) -> list[str]:
+    def gpus(resources: Mapping[str, Any], where: str) -> list[str]:
+        return _gpu_count(spec, role, resources, where)
+
+    return owned_problems(spec.role(role).template, path, ENGINE_CONTAINER, engine_reserved(spec), gpus)
 
 
 def _fits_a_node(spec: PDDeploymentSpec, role: Role, path: str, allocatable: Sequence[int]) -> list[str]:

@@ -148,8 +148,24 @@ def plan_local_run(
     router_args = list(router_container["args"])
     for flag, value in (("--routing-file", routing_file), ("--host", LOOPBACK), ("--port", str(router_port))):
         router_args = _with_flag(router_args, flag, value)
+    # One router on loopback serves every path on its one port (no Service to keep admin paths from).
+    router_args = _without_flag(router_args, "--admin-port")
     router = RouterProcess(router_port, (python, "-m", "pdserve.cli", *router_args))
     return LocalPlan(run_pdd, tuple(engines), router, tuple(dict.fromkeys(notes)))
+
+
+def _without_flag(args: list[str], flag: str) -> list[str]:
+    """``args`` without ``flag`` and its value (``--flag v`` or ``--flag=v``)."""
+    out: list[str] = []
+    skip = False
+    for arg in args:
+        if skip:
+            skip = False
+        elif arg == flag:
+            skip = True
+        elif not arg.startswith(flag + "="):
+            out.append(arg)
+    return out
 
 
 def _with_flag(args: list[str], flag: str, value: str) -> list[str]:

@@ -52,6 +52,15 @@ from pdserve.deployment.objects import (
 )
 from pdserve.deployment.rollout import Action, ActionKind, ObservedPod, RolePlan, apply_drains, plan_role
 from pdserve.deployment.routing import ObservedInstance, build_routing_table
+from pdserve.deployment.scheduling import (
+    GATE,
+    Placement,
+    gate_new,
+    placement_of,
+    to_ungate,
+    unschedulable_messages,
+    with_gate,
+)
 from pdserve.deployment.spec import PDDeployment, SpecError, parse_pddeployment
 from pdserve.deployment.status import Observation, RoleObservation, compute_status
 from pdserve.deployment.validate import problems as spec_problems
@@ -328,11 +337,13 @@ class Reconciler:
         # The routing table first: it is what users wait for; then everything else at once.
         table = self._write_routing_table(pdd, pods, verified, live, outcome)
         # Each step sends its calls now and returns a function that waits for the answers.
-        creates = self._create(pdd, plans, outcome)
+        placements = _placements(pdd, raw_pods, pods)  # largest pods first (deployment/scheduling.py)
+        creates = self._create(pdd, plans, outcome, placements)
         deletes = self._delete(pdd, pods, plans, outcome)
         statics = self._apply_static(pdd, verified, live, outcome)
         statics()
         pods = deletes() + creates()  # creates are for indices without a pod
+        self._ungate(pdd, raw_pods, placements, outcome)
 
         rechecks = [p.recheck_after for p in plans.values() if p.recheck_after is not None]
         outcome.recheck_after = min(rechecks) if rechecks else None
@@ -343,6 +354,7 @@ class Reconciler:
             roles,
             router_replicas=pdd.spec.router.replicas,
             router_available=self._cache.router_available((pdd.namespace, pdd.name)) or 0,
+            unschedulable=unschedulable_messages(placements),
         )
         self._write_status(body, obs, outcome)
 
@@ -546,11 +558,17 @@ class Reconciler:
         return finish
 
     def _create(
-        self, pdd: PDDeployment, plans: Mapping[Role, RolePlan], outcome: Outcome
+        self,
+        pdd: PDDeployment,
+        plans: Mapping[Role, RolePlan],
+        outcome: Outcome,
+        placements: Sequence[Placement] = (),
     ) -> Callable[[], list[PodView]]:
-        """Creates the missing pods; the views of the new pods come back."""
+        """Creates the missing pods, smaller ones gated while larger ones wait; the new views come back."""
         todo = [(role, a) for role, plan in plans.items() for a in plan.of(ActionKind.CREATE)]
         manifests = [instance_pod(pdd, role, a.index) for role, a in todo]
+        gated = gate_new([placement_of(m, pdd.spec.gpu_resource) for m in manifests], placements)
+        manifests = [with_gate(m) if m["metadata"]["name"] in gated else m for m in manifests]
         answers = self._io.map(self._kube.create, manifests)
 
         def finish() -> list[PodView]:
@@ -569,6 +587,24 @@ class Reconciler:
             return out
 
         return finish
+
+    def _ungate(
+        self, pdd: PDDeployment, raw_pods: Sequence[Body], placements: Sequence[Placement], outcome: Outcome
+    ) -> None:
+        """Lifts the gate of pods that no larger pod waits ahead of any more."""
+        names = set(to_ungate(placements))
+        pods = [p for p in raw_pods if p["metadata"]["name"] in names]
+
+        def lift(pod: Body) -> dict[str, Any]:
+            rest = [g for g in pod["spec"].get("schedulingGates") or [] if g.get("name") != GATE]
+            patch = {"metadata": {"resourceVersion": pod["metadata"]["resourceVersion"]}}
+            patch["spec"] = {"schedulingGates": rest or None}
+            return self._kube.merge_patch("Pod", pdd.namespace, pod["metadata"]["name"], patch)
+
+        for pod, patched in zip(pods, self._io.map(lift, pods), strict=True):
+            self._cache.pod_event("MODIFIED", patched)
+            message = f"Pod {pod['metadata']['name']} may be scheduled: no larger pod of {pdd.name} waits"
+            outcome.events.append(Event("Normal", "Ungated", message))
 
     def _role_observation(
         self, pdd: PDDeployment, role: Role, pods: Sequence[ObservedPod]
@@ -680,6 +716,11 @@ def _pod_view(pdd: PDDeployment, pod: Mapping[str, Any]) -> PodView | None:
     )
     ip = status.get("podIP") or None
     return PodView(role, observed, str(meta.get("uid", "")), ip, tp_size, instance_pod_revision(pod))
+
+
+def _placements(pdd: PDDeployment, raw_pods: Sequence[Body], views: Sequence[PodView]) -> list[Placement]:
+    names = {v.observed.name for v in views}
+    return [placement_of(p, pdd.spec.gpu_resource) for p in raw_pods if p["metadata"]["name"] in names]
 
 
 def _owned_object_names(pdd: PDDeployment) -> list[tuple[str, str]]:

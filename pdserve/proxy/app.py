@@ -280,7 +280,7 @@ def create_app(settings: ProxySettings, lifecycle: Lifecycle | None = None) -> G
     async def stop_profile() -> Response:
         return await fan_out("/stop_profile")
 
-    return GenerationApp(dispatcher, app, settings.api_key, settings.max_body_bytes)
+    return GenerationApp(dispatcher, app, settings.api_key, settings.max_body_bytes, settings.admin_port)
 
 
 def _unique(slots: Any) -> list[Instance]:

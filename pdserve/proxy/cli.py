@@ -11,8 +11,8 @@ Environment variables give defaults for the main flags (a flag wins): PDSERVE_RO
 PDSERVE_ROUTING_CONFIGMAP, KUBECONFIG, PDSERVE_PROXY_HOST, PDSERVE_PROXY_PORT, PDSERVE_PROXY_POLICY,
 PROXY_HTTP_SERVER, PROXY_LISTEN_BACKLOG, PDSERVE_PROXY_MAX_RETRIES, PDSERVE_PROXY_API_KEY,
 PDSERVE_BACKEND_API_KEY, PDSERVE_PROXY_SHUTDOWN_GRACE_SECONDS, PDSERVE_PROXY_SHUTDOWN_DELAY_SECONDS,
-PDSERVE_PROXY_LOG_LEVEL. Prefer the environment for keys: command lines are visible to every
-user of the machine.
+PDSERVE_PROXY_LOG_LEVEL, PDSERVE_PROXY_ADMIN_PORT. Prefer the environment for keys: command lines
+are visible to every user of the machine.
 """
 
 from __future__ import annotations
@@ -80,6 +80,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=int(_env("PDSERVE_PROXY_PORT", "8000") or 8000),
         help="port to listen on (default %(default)s) [env PDSERVE_PROXY_PORT]",
+    )
+    add(
+        "--admin-port",
+        type=int,
+        default=int(_env("PDSERVE_PROXY_ADMIN_PORT", "0") or 0) or None,
+        help="also listen here, and serve /metrics, /debug/* and profiling only here (the client port "
+        "answers 404 for them; /health, /ready and /routing/served answer on both) "
+        "[env PDSERVE_PROXY_ADMIN_PORT]",
     )
     add(
         "--policy",
@@ -293,6 +301,7 @@ def settings_from_args(args: argparse.Namespace) -> ProxySettings:
         shutdown_delay_seconds=max(0.0, args.shutdown_delay_seconds),
         reload_interval=args.reload_interval,
         log_level=args.log_level,
+        admin_port=args.admin_port,
     )
 
 
@@ -301,6 +310,9 @@ def run(args: argparse.Namespace) -> int:
         settings = settings_from_args(args)
     except UsageError as exc:
         print(f"pdserve proxy: {exc}", file=sys.stderr)
+        return 2
+    if args.admin_port is not None and args.admin_port == args.port:
+        print(f"pdserve proxy: --admin-port must differ from --port ({args.port})", file=sys.stderr)
         return 2
     logging.basicConfig(
         level=settings.log_level.upper(),

@@ -37,8 +37,8 @@ from pdserve.proxy.legs import Deadlines, LegRunner, Trace
 from pdserve.proxy.metrics import ProxyMetrics
 from pdserve.proxy.policies import Policy
 from pdserve.proxy.relay import RelayStream
-from pdserve.proxy.served import RoutingState, ServedTable
 from pdserve.proxy.reply import JSON, Reply, ReplyStream, error_reply
+from pdserve.proxy.served import RoutingState, ServedTable
 from pdserve.proxy.settings import DEFAULT_KV_LEASE_S, DEFAULT_MAX_FAN_OUT
 from pdserve.proxy.upstream import BackendRefusal, Upstream
 from pdserve.routing import Role, Slot, SlotTable

@@ -21,6 +21,7 @@ from typing import Any
 from pdserve.proxy import codec
 from pdserve.proxy.fanout import plan_fan_out
 from pdserve.proxy.flow import Dispatcher, Reply
+from pdserve.proxy.ports import refused_here
 from pdserve.wire.openai import Endpoint, RequestError, check_generation_request, error_body
 
 log = logging.getLogger("pdserve.proxy")
@@ -57,14 +58,24 @@ class GenerationApp:
     """Serves POST /v1/completions and /v1/chat/completions; passes everything else to ``fallback``."""
 
     def __init__(
-        self, dispatcher: Dispatcher, fallback: ASGIApp, api_key: str | None, max_body_bytes: int
+        self,
+        dispatcher: Dispatcher,
+        fallback: ASGIApp,
+        api_key: str | None,
+        max_body_bytes: int,
+        admin_port: int | None = None,
     ) -> None:
         self.dispatcher = dispatcher
         self.fallback = fallback
         self.api_key = api_key
         self.max_body_bytes = max_body_bytes
+        self.admin_port = admin_port
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if refused_here(scope, self.admin_port):
+            await self._drain(receive)
+            await _send_reply(send, _error_reply(_not_on_this_port(scope["path"])), request_id_of(None))
+            return
         if scope["type"] != "http" or scope["path"] not in ENDPOINTS:
             await self.fallback(scope, receive, send)
             return
@@ -164,6 +175,10 @@ async def _wait_disconnect(receive: Receive) -> None:
 
 def _too_large(limit: int) -> RequestError:
     return RequestError(413, f"request body is larger than {limit} bytes", code="request_too_large")
+
+
+def _not_on_this_port(path: str) -> RequestError:
+    return RequestError(404, f"no such endpoint on this port: {path}", code="not_found")
 
 
 def _error_reply(exc: RequestError) -> Reply:

@@ -21,8 +21,8 @@ from pdserve.proxy.connectors import Connector, LegPlan
 from pdserve.proxy.health import SlotBook
 from pdserve.proxy.metrics import ProxyMetrics
 from pdserve.proxy.relay import RelayStream
-from pdserve.proxy.served import RoutingState
 from pdserve.proxy.reply import JSON, Reply
+from pdserve.proxy.served import RoutingState
 from pdserve.proxy.upstream import Answer, BackendRefusal, LegError, Upstream
 from pdserve.routing import Role, Slot
 from pdserve.wire.headers import AUTHORIZATION, DP_RANK, REQUEST_ID
@@ -109,9 +109,7 @@ class LegRunner:
             # prefill instance is still in use (a drain must not delete it yet).
             self.book.pin(Role.PREFILL, handoff.prefill.key)
             try:
-                return await self._decode(
-                    decode, path, decode_plan, ids.decode, auth, trace, background=None
-                )
+                return await self._decode(decode, path, decode_plan, ids.decode, auth, trace, background=None)
             finally:
                 self.book.unpin(Role.PREFILL, handoff.prefill.key)
         trace.prefill_legs += 1

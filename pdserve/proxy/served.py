@@ -129,7 +129,13 @@ class ServedTable:
         if state is None:
             head = f"no routing table loaded yet from {self.source}"
         else:
-            head = f"generation {state.generation} has no routable {' or '.join(missing)} instance"
+            table = state.slots.table
+            absent = [r.value for r in Role if not any(i.routable for i in table.instances(r))]
+            head = (
+                f"generation {state.generation} has no routable {' or '.join(absent)} instance"
+                if absent
+                else f"generation {state.generation} has no prefill and decode of the same revision"
+            )
         return "; ".join([head, *causes])
 
 

@@ -15,6 +15,7 @@ import contextlib
 import logging
 import math
 import signal
+import socket
 from collections.abc import Awaitable, Callable, Iterator
 
 import uvicorn
@@ -31,7 +32,7 @@ log = logging.getLogger("pdserve.proxy")
 def hypercorn_config(settings: ProxySettings) -> HypercornConfig:
     config = HypercornConfig()
     host = f"[{settings.host}]" if ":" in settings.host else settings.host
-    config.bind = [f"{host}:{settings.port}"]
+    config.bind = [f"{host}:{port}" for port in _ports(settings)]
     config.backlog = settings.backlog
     config.keep_alive_timeout = settings.keep_alive_seconds  # idle client connections between requests
     config.graceful_timeout = settings.grace_seconds
@@ -76,8 +77,23 @@ class _UvicornServer(uvicorn.Server):
         yield
 
 
+def _ports(settings: ProxySettings) -> list[int]:
+    """The client port, then the admin port when there is one (ports.py decides what each serves)."""
+    return [settings.port] + ([settings.admin_port] if settings.admin_port is not None else [])
+
+
+def _listen(host: str, port: int, backlog: int) -> socket.socket:
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(backlog)
+    return sock
+
+
 async def _serve_uvicorn(app: GenerationApp, settings: ProxySettings, stop: asyncio.Event) -> None:
     server = _UvicornServer(uvicorn_config(app, settings))
+    # One server on every port (one lifespan, one app); uvicorn binds a single host:port itself.
+    sockets = [_listen(settings.host, port, settings.backlog) for port in _ports(settings)]
 
     async def relay_stop() -> None:
         await stop.wait()
@@ -85,9 +101,11 @@ async def _serve_uvicorn(app: GenerationApp, settings: ProxySettings, stop: asyn
 
     relay = asyncio.create_task(relay_stop())
     try:
-        await server.serve()
+        await server.serve(sockets=sockets)
     finally:
         relay.cancel()
+        for sock in sockets:
+            sock.close()
 
 
 SERVERS: dict[str, Callable[[GenerationApp, ProxySettings, asyncio.Event], Awaitable[None]]] = {
@@ -127,9 +145,10 @@ async def serve_until_signalled(settings: ProxySettings) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, signalled, sig)
     log.info(
-        "pdserve proxy listening on %s:%d (http server %s, policy=%s, backlog=%d, routing table from %s)",
+        "pdserve proxy listening on %s:%d%s (http server %s, policy=%s, backlog=%d, routing table from %s)",
         settings.host,
         settings.port,
+        f", admin port {settings.admin_port}" if settings.admin_port is not None else "",
         settings.http_server,
         settings.policy,
         settings.backlog,

@@ -56,6 +56,8 @@ class ProxySettings:
     shutdown_delay_seconds: float = 0.0
     reload_interval: float = 0.2
     log_level: str = "info"
+    #: Metrics, /debug/* and profiling on this port only (ports.py); None: all on ``port``.
+    admin_port: int | None = None
 
     @property
     def source(self) -> str:

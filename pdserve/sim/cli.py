@@ -15,6 +15,7 @@ that answers the way vLLM does in a P/D deployment, without a GPU or a model:
   * GET /health, /v1/models, /metrics (per-engine vllm:* metrics), /sim/stats (counters and
     the last requests), POST /sim/reset, GET/POST /sim/faults (fault injection at run time),
     POST /start_profile, /stop_profile.
+  * VLLM_API_KEY set: /v1/* answers 401 without 'Authorization: Bearer <key>', as vLLM does.
 
 Fault specs (--fault, repeatable): KIND[:ARG][@RATE], RATE in [0, 1] (default 1); kinds
 without an argument also take KIND:RATE. Kinds: malformed-kv-params, http-500, hang,
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import sys
 from collections.abc import Coroutine
 from typing import Any
@@ -133,6 +135,7 @@ def run(args: argparse.Namespace) -> int:
         identity=identity,
         faults=faults,
         seed=args.seed,
+        api_key=os.environ.get("VLLM_API_KEY") or None,  # as vLLM reads it (never a flag: ps shows flags)
     )
     simulator = Simulator(config)
     try:

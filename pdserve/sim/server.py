@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import json
 import random
 import signal
@@ -17,7 +18,7 @@ import socket
 import struct
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,6 +41,7 @@ from pdserve.wire.kv import moriio_handoff_problems, nixl_handoff_problems, pars
 from pdserve.wire.openai import RequestError, check_generation_request, error_body
 
 ROLES = ("prefill", "decode", "both")
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 @dataclass(frozen=True)
@@ -52,6 +54,8 @@ class SimConfig:
     identity: Identity
     faults: tuple[Fault, ...] = ()
     seed: int | None = None
+    #: Like vLLM's --api-key / VLLM_API_KEY: /v1/* then needs ``Authorization: Bearer <key>``.
+    api_key: str | None = None
 
 
 @dataclass
@@ -83,7 +87,8 @@ class Simulator:
         self._running_ids: set[str] = set()  # X-Request-Id of the requests in flight
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=64 * 1024 * 1024)
+        middlewares = [self._authenticate] if self.config.api_key else []
+        app = web.Application(client_max_size=64 * 1024 * 1024, middlewares=middlewares)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_get("/health", self.health)
@@ -99,6 +104,15 @@ class Simulator:
         app.router.add_get("/sim/faults", self.get_faults)
         app.router.add_post("/sim/faults", self.set_faults)
         return app
+
+    @web.middleware
+    async def _authenticate(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        """vLLM's rule: only /v1/* needs the key (probes and /metrics stay open); 401 otherwise."""
+        if request.path.startswith("/v1") and not hmac.compare_digest(
+            request.headers.get(AUTHORIZATION, "").encode(), f"Bearer {self.config.api_key}".encode()
+        ):
+            return web.json_response({"error": "Unauthorized"}, status=401)
+        return await handler(request)
 
     # --- plain endpoints ------------------------------------------------------------------------
 

@@ -12,9 +12,12 @@ from typing import Any
 
 import pytest
 
+from pdserve.deployment import admission
+from pdserve.deployment import owned as pt
 from pdserve.deployment.objects import render_all
 from pdserve.deployment.routing import build_routing_table
 from pdserve.deployment.spec import SpecError, parse_pddeployment
+from pdserve.deployment.validate import problems
 from tests.support.kube import KubeCluster, eventually
 from tests.unit.test_deployment_objects import CONNECTORS, SHAPES, all_ready, shape_manifest
 
@@ -81,6 +84,8 @@ def test_valid_manifest_is_accepted_and_defaulted_like_the_parser(
         "nodeSelector": {},
         "tolerations": [],
         "affinity": {},
+        "shmSize": "8Gi",
+        "startupTimeoutSeconds": 3600,
     }
     assert spec["decode"] == spec["prefill"]
     assert spec["router"] == {
@@ -90,6 +95,7 @@ def test_valid_manifest_is_accepted_and_defaulted_like_the_parser(
         "backlog": 4096,
         "port": 8000,
         "serviceType": "ClusterIP",
+        "adminPort": 9000,
     }
     assert spec["rollout"] == {"maxUnavailable": 1, "drainSeconds": 30}
     # The operator's view of the stored object equals the file's view without an API server.
@@ -165,12 +171,7 @@ REFUSED = [
 def test_invalid_manifest_is_refused_with_the_rules_message(
     crd: KubeCluster, kube_namespace: str, spec: dict[str, Any], message: str
 ) -> None:
-    obj = manifest(**spec)
-    proc = create(crd, kube_namespace, obj, check=False)
-    assert proc.returncode != 0, f"accepted: {spec}"
-    assert message in proc.stderr, proc.stderr
-    with pytest.raises(SpecError):
-        parse_pddeployment(obj)
+    assert_refused(crd, kube_namespace, spec, message)
 
 
 def test_name_rule(crd: KubeCluster, kube_namespace: str) -> None:
@@ -293,3 +294,400 @@ def test_rendered_manifests_are_valid_kubernetes_objects(crd: KubeCluster, kube_
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.count("(server dry run)") == len(items)
+
+
+# --- pod templates ---------------------------------------------------------------------------------
+
+PRODUCTION_TEMPLATE: dict[str, Any] = {
+    "metadata": {"labels": {"team": "ml"}, "annotations": {"example.com/owner": "inference"}},
+    "spec": {
+        "nodeSelector": {"node.kubernetes.io/instance-type": "p5.48xlarge"},
+        "tolerations": [
+            {"key": "dedicated", "operator": "Equal", "value": "inference", "effect": "NoSchedule"}
+        ],
+        "affinity": {
+            "nodeAffinity": {
+                "requiredDuringSchedulingIgnoredDuringExecution": {
+                    "nodeSelectorTerms": [
+                        {"matchExpressions": [{"key": "gpu", "operator": "In", "values": ["h100"]}]}
+                    ]
+                }
+            }
+        },
+        "topologySpreadConstraints": [
+            {
+                "maxSkew": 1,
+                "topologyKey": "topology.kubernetes.io/zone",
+                "whenUnsatisfiable": "ScheduleAnyway",
+            }
+        ],
+        "priorityClassName": "inference-critical",
+        "serviceAccountName": "engines",
+        "imagePullSecrets": [{"name": "regcred"}],
+        "runtimeClassName": "nvidia",
+        "schedulerName": "default-scheduler",
+        "securityContext": {"fsGroup": 1000},
+        "volumes": [{"name": "extra", "emptyDir": {}}],
+        "initContainers": [{"name": "warm", "image": "busybox", "command": ["true"]}],
+        "containers": [
+            {
+                "name": "engine",
+                "env": [{"name": "NCCL_DEBUG", "value": "INFO"}],
+                "envFrom": [{"secretRef": {"name": "extra-env"}}],
+                "volumeMounts": [{"name": "extra", "mountPath": "/extra"}],
+                "resources": {"requests": {"memory": "400Gi"}, "limits": {"rdma/ib": "8"}},
+                "securityContext": {"capabilities": {"add": ["SYS_NICE"]}},
+            },
+            {
+                "name": "shipper",
+                "image": "fluent/fluent-bit:3.0",
+                "args": ["-c", "/x"],
+                "ports": [{"containerPort": 2020}],
+            },
+        ],
+    },
+}
+
+
+def test_a_production_pod_template_is_stored_as_written_and_renders_valid_pods(
+    crd: KubeCluster, kube_namespace: str
+) -> None:
+    obj = manifest(prefill={"template": PRODUCTION_TEMPLATE}, decode={"template": PRODUCTION_TEMPLATE})
+    create(crd, kube_namespace, obj)
+    stored = get(crd, kube_namespace, "r1")
+    assert stored["spec"]["prefill"]["template"] == PRODUCTION_TEMPLATE
+    pdd = parse_pddeployment(stored)
+    assert problems(pdd, None) == []
+    items = [o for o in render_all(pdd) if o["kind"] == "Pod"]
+    # Admission checks that what the template names exists (cluster-scoped ones applied idempotently).
+    crd.kubectl("create", "serviceaccount", "engines", "-n", kube_namespace)
+    cluster_objects = [
+        {
+            "apiVersion": "scheduling.k8s.io/v1",
+            "kind": "PriorityClass",
+            "metadata": {"name": "inference-critical"},
+            "value": 1000000,
+        },
+        {
+            "apiVersion": "node.k8s.io/v1",
+            "kind": "RuntimeClass",
+            "metadata": {"name": "nvidia"},
+            "handler": "nvidia",
+        },
+    ]
+    crd.kubectl(
+        "apply", "-f", "-", input=json.dumps({"apiVersion": "v1", "kind": "List", "items": cluster_objects})
+    )
+    dry_run(crd, kube_namespace, items)
+
+
+def _owned_cases() -> list[Any]:
+    engine = [
+        ("hostname", {"spec": {"hostname": "x"}}, pt.ENGINE_POD_OWNED["hostname"]),
+        ("subdomain", {"spec": {"subdomain": "x"}}, pt.ENGINE_POD_OWNED["subdomain"]),
+        ("restartPolicy", {"spec": {"restartPolicy": "Never"}}, pt.ENGINE_POD_OWNED["restartPolicy"]),
+        *[
+            (key, {"spec": {"containers": [{"name": "engine", key: value}]}}, pt.ENGINE_OWNED[key])
+            for key, value in [
+                ("image", "x"),
+                ("command", ["sh"]),
+                ("args", ["--port", "1"]),
+                ("ports", [{"containerPort": 1}]),
+                ("startupProbe", {"exec": {"command": ["true"]}}),
+                ("readinessProbe", {"exec": {"command": ["true"]}}),
+                ("livenessProbe", {"exec": {"command": ["true"]}}),
+            ]
+        ],
+        (
+            "env",
+            {"spec": {"containers": [{"name": "engine", "env": [{"name": "VLLM_HOST_IP", "value": "1"}]}]}},
+            pt.ENGINE_ENV_OWNED.owned,
+        ),
+        (
+            "mount",
+            {
+                "spec": {
+                    "containers": [
+                        {"name": "engine", "volumeMounts": [{"name": "x", "mountPath": "/dev/shm"}]}
+                    ]
+                }
+            },
+            pt.ENGINE_MOUNTS_OWNED.owned,
+        ),
+        ("volume", {"spec": {"volumes": [{"name": "dshm", "emptyDir": {}}]}}, pt.ENGINE_VOLUMES_OWNED.owned),
+        ("label", {"metadata": {"labels": {"pdserve.io/role": "x"}}}, pt.LABELS_OWNED),
+        ("annotation", {"metadata": {"annotations": {"pdserve.io/dp-size": "9"}}}, pt.ANNOTATIONS_OWNED),
+    ]
+    router = [
+        ("router-sa", {"spec": {"serviceAccountName": "x"}}, pt.ROUTER_POD_OWNED["serviceAccountName"]),
+        *[
+            (
+                f"router-{key}",
+                {"spec": {"containers": [{"name": "router", key: value}]}},
+                pt.ROUTER_OWNED[key],
+            )
+            for key, value in [
+                ("image", "x"),
+                ("args", ["--port", "1"]),
+                ("readinessProbe", {"tcpSocket": {"port": 1}}),
+            ]
+        ],
+        (
+            "router-volume",
+            {"spec": {"volumes": [{"name": "routing", "emptyDir": {}}]}},
+            pt.ROUTER_VOLUMES_OWNED.owned,
+        ),
+    ]
+    cases = [pytest.param("decode", t, o, id=n) for n, t, o in engine]
+    return cases + [pytest.param("router", t, o, id=n) for n, t, o in router]
+
+
+@pytest.mark.parametrize(("section", "template", "owned"), _owned_cases())
+def test_an_owned_template_field_is_refused_by_the_api_server_and_by_pdserve_alike(
+    crd: KubeCluster, kube_namespace: str, section: str, template: dict[str, Any], owned: pt.Owned
+) -> None:
+    obj = manifest(**{section: {"template": template}})
+    proc = create(crd, kube_namespace, obj, check=False)
+    assert proc.returncode != 0, f"accepted: {template}"
+    assert owned.message in " ".join(proc.stderr.split()), proc.stderr
+    # The operator and `pdserve render` refuse the same object with the same words, after the role's path.
+    assert problems(parse_pddeployment(obj), None) == [f"spec.{section}.{owned.message}"]
+
+
+def test_kubectl_explain_documents_the_pod_template(crd: KubeCluster) -> None:
+    def explain() -> str | None:
+        out = crd.kubectl("explain", "pdd.spec.decode.template.spec", check=False)
+        return out.stdout if out.returncode == 0 and "tolerations" in out.stdout else None
+
+    text = " ".join(
+        eventually(explain, timeout=60, message="kubectl explain pdd.spec.decode.template.spec").split()
+    )
+    assert "strategic-merge" in text
+    for field in (
+        "containers",
+        "volumes",
+        "nodeSelector",
+        "tolerations",
+        "affinity",
+        "imagePullSecrets",
+        "priorityClassName",
+        "runtimeClassName",
+        "schedulerName",
+        "topologySpreadConstraints",
+    ):
+        assert field in text, field
+    engine = " ".join(crd.kubectl("explain", "pdd.spec.decode.template.spec.containers").stdout.split())
+    assert "engine is pdserve's container" in engine
+    router = " ".join(crd.kubectl("explain", "pdd.spec.router.template").stdout.split())
+    assert "each router pod" in router
+
+
+# --- model storage and credentials -------------------------------------------------------------
+
+STORAGE_REFUSED = [
+    pytest.param(
+        {"modelCache": {}},
+        "modelCache: set exactly one of persistentVolumeClaim, ephemeral, hostPath, emptyDir",
+        id="cache-none",
+    ),
+    pytest.param(
+        {"modelCache": {"emptyDir": {}, "hostPath": {"path": "/x"}}},
+        "modelCache: set exactly one of persistentVolumeClaim, ephemeral, hostPath, emptyDir",
+        id="cache-two",
+    ),
+    pytest.param(
+        {"modelCache": {"hostPath": {"path": "x"}}}, "should match '^/'", id="cache-relative-host-path"
+    ),
+    pytest.param(
+        {"modelCache": {"persistentVolumeClaim": {}}}, "claimName: Required value", id="cache-no-claim"
+    ),
+    pytest.param({"hfTokenSecretRef": {"name": "hf"}}, "key: Required value", id="token-no-key"),
+    pytest.param({"hfTokenSecretRef": {"name": "hf", "key": "a b"}}, "should match", id="token-bad-key"),
+    pytest.param(
+        {"model": "pvc://weights/../etc"},
+        "model: expected pvc://<claim>/<path inside the claim> (a PVC name, no '..')",
+        id="pvc-model-parent",
+    ),
+    pytest.param(
+        {"model": "pvc://Weights/x"},
+        "model: expected pvc://<claim>/<path inside the claim> (a PVC name, no '..')",
+        id="pvc-model-bad-claim",
+    ),
+]
+
+
+@pytest.mark.parametrize(("spec", "message"), STORAGE_REFUSED)
+def test_invalid_storage_is_refused_by_the_api_server_and_the_parser(
+    crd: KubeCluster, kube_namespace: str, spec: dict[str, Any], message: str
+) -> None:
+    assert_refused(crd, kube_namespace, spec, message)
+
+
+def test_storage_fields_are_stored_and_render_valid_pods(crd: KubeCluster, kube_namespace: str) -> None:
+    caches = [
+        {"persistentVolumeClaim": {"claimName": "hf-cache", "readOnly": True}},
+        {
+            "ephemeral": {
+                "volumeClaimTemplate": {
+                    "spec": {"accessModes": ["ReadWriteOnce"], "resources": {"requests": {"storage": "1Gi"}}}
+                }
+            }
+        },
+        {"hostPath": {"path": "/mnt/hf", "type": "DirectoryOrCreate"}},
+        {"emptyDir": {"sizeLimit": "10Gi"}},
+    ]
+    items: list[dict[str, Any]] = []
+    for n, cache in enumerate(caches):
+        obj = manifest(
+            f"s{n}",
+            model="pvc://weights/Llama-3.3-70B-Instruct" if n % 2 else "meta-llama/Llama-3.3-70B-Instruct",
+            modelCache=cache,
+            hfTokenSecretRef={"name": "hf-token", "key": "token"},
+        )
+        create(crd, kube_namespace, obj)
+        stored = get(crd, kube_namespace, f"s{n}")
+        assert stored["spec"]["modelCache"] == cache
+        pdd = parse_pddeployment(stored)
+        assert pdd.spec == parse_pddeployment(obj).spec
+        items += [o for o in render_all(pdd) if o["kind"] == "Pod"]
+    dry_run(crd, kube_namespace, items)
+
+
+def test_shm_size_must_be_a_quantity(crd: KubeCluster, kube_namespace: str) -> None:
+    obj = manifest(decode={"shmSize": "8GB"})
+    proc = create(crd, kube_namespace, obj, check=False)
+    assert proc.returncode != 0
+    assert "spec.decode.shmSize: Invalid value" in proc.stderr, proc.stderr
+    with pytest.raises(SpecError):
+        parse_pddeployment(obj)
+
+
+# --- router security -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        pytest.param(
+            {"router": {"port": 9000}},
+            "adminPort must differ from port: the client Service must not reach the admin endpoints",
+            id="admin-port-default-collides",
+        ),
+        pytest.param(
+            {"router": {"adminPort": 8000}},
+            "adminPort must differ from port: the client Service must not reach the admin endpoints",
+            id="admin-port-collides",
+        ),
+        pytest.param(
+            {"router": {"apiKeySecretRef": {"name": "k"}}}, "key: Required value", id="router-key-no-key"
+        ),
+        pytest.param(
+            {"engineApiKeySecretRef": {"key": "k"}}, "name: Required value", id="engine-key-no-name"
+        ),
+        pytest.param(
+            {"router": {"adminPort": 0}}, "should be greater than or equal to 1", id="admin-port-bound"
+        ),
+    ],
+)
+def test_invalid_router_security_is_refused(
+    crd: KubeCluster, kube_namespace: str, spec: dict[str, Any], message: str
+) -> None:
+    assert_refused(crd, kube_namespace, spec, message)
+
+
+def test_keys_are_stored_as_references_and_render_valid_objects(
+    crd: KubeCluster, kube_namespace: str
+) -> None:
+    obj = manifest(
+        router={"apiKeySecretRef": {"name": "router-key", "key": "api-key"}, "port": 8080, "adminPort": 9100},
+        engineApiKeySecretRef={"name": "engine-key", "key": "api-key"},
+    )
+    create(crd, kube_namespace, obj)
+    stored = get(crd, kube_namespace, "r1")
+    pdd = parse_pddeployment(stored)
+    assert pdd.spec == parse_pddeployment(obj).spec
+    items = [o for o in render_all(pdd) if o["kind"] in ("Pod", "Deployment", "Service")]
+    dry_run(crd, kube_namespace, items)
+
+
+# --- what vLLM accepts between prefill and decode (admission.py) ------------------------------------
+
+ADMISSION_REFUSED = [
+    pytest.param(
+        {"prefill": {"tensorParallel": 8}, "decode": {"tensorParallel": 3}}, admission.TP_RATIO, id="tp-8-3"
+    ),
+    pytest.param(
+        {"prefill": {"tensorParallel": 4}, "decode": {"tensorParallel": 6}}, admission.TP_RATIO, id="tp-4-6"
+    ),
+    pytest.param(
+        {"kvTransfer": {"connector": "MoRIIOConnector", "transferMode": "READ"}},
+        admission.MORIIO_AMD,
+        id="moriio-nvidia",
+    ),
+    pytest.param(
+        {
+            "kvTransfer": {"connector": "MoRIIOConnector", "transferMode": "WRITE"},
+            "gpuResource": "amd.com/gpu",
+            "decode": {"dataParallel": 2, "tensorParallel": 2},
+        },
+        admission.MORIIO_DP_TP,
+        id="moriio-dp-and-tp",
+    ),
+]
+
+
+@pytest.mark.parametrize(("spec", "rule"), ADMISSION_REFUSED)
+def test_an_admission_rule_is_refused_by_the_api_server_and_by_pdserve_alike(
+    crd: KubeCluster, kube_namespace: str, spec: dict[str, Any], rule: admission.Rule
+) -> None:
+    obj = manifest(**spec)
+    proc = create(crd, kube_namespace, obj, check=False)
+    assert proc.returncode != 0, f"accepted: {spec}"
+    assert rule.message in " ".join(proc.stderr.split()), proc.stderr
+    assert problems(parse_pddeployment(obj), None) == [f"spec.{rule.message}"]
+
+
+ADMISSION_ACCEPTED = [
+    pytest.param({"prefill": {"tensorParallel": 8}, "decode": {"tensorParallel": 1}}, id="tp-8-1"),
+    pytest.param({"prefill": {"tensorParallel": 2}, "decode": {"tensorParallel": 4}}, id="tp-2-4"),
+    pytest.param(
+        {"engine": "sim", "image": "", "prefill": {"tensorParallel": 3}, "decode": {"tensorParallel": 2}},
+        id="sim-exempt",
+    ),
+    pytest.param(
+        {
+            "kvTransfer": {"connector": "MoRIIOConnector", "transferMode": "READ"},
+            "gpuResource": "amd.com/gpu",
+            "prefill": {"dataParallel": 8, "expertParallel": True},
+            "decode": {"tensorParallel": 8},
+        },
+        id="moriio-amd-dp8-tp8",
+    ),
+    pytest.param({"prefill": {"dataParallel": 2, "tensorParallel": 4}}, id="nixl-dp-and-tp"),
+]
+
+
+@pytest.mark.parametrize("spec", ADMISSION_ACCEPTED)
+def test_what_vllm_accepts_is_accepted(crd: KubeCluster, kube_namespace: str, spec: dict[str, Any]) -> None:
+    obj = manifest(**spec)
+    create(crd, kube_namespace, obj)
+    assert problems(parse_pddeployment(get(crd, kube_namespace, "r1")), None) == []
+
+
+def dry_run(crd: KubeCluster, namespace: str, items: list[dict[str, Any]]) -> None:
+    """Every object passes the API server's validation and admission (nothing is stored)."""
+    proc = crd.kubectl(
+        "apply", "--dry-run=server", "--server-side", "-n", namespace, "-f", "-",
+        input=json.dumps({"apiVersion": "v1", "kind": "List", "items": items}), check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+
+
+def assert_refused(crd: KubeCluster, namespace: str, spec: dict[str, Any], message: str) -> None:
+    """The API server refuses the spec with ``message``, and so does the parser (files mean the same)."""
+    obj = manifest(**spec)
+    proc = create(crd, namespace, obj, check=False)
+    assert proc.returncode != 0, f"accepted: {spec}"
+    assert message in proc.stderr, proc.stderr
+    with pytest.raises(SpecError):
+        parse_pddeployment(obj)

@@ -322,3 +322,47 @@ def router_kubeconfig(
     path.write_text(yaml.safe_dump(doc))
     path.chmod(0o600)
     return path
+
+
+@contextlib.contextmanager
+def gpu_pool(
+    cluster: KubeCluster,
+    count: int,
+    gpus: int = 8,
+    labels: dict[str, str] | None = None,
+    taint: dict[str, str] | None = None,
+) -> Iterator[list[str]]:
+    """Extra kwok GPU nodes for one test: labelled, tainted (``dedicated=inference:NoSchedule``
+    by default, so only pods that tolerate it land there), deleted afterwards."""
+    import json
+
+    prefix = f"pool-{secrets.token_hex(3)}"
+    capacity = {"cpu": "96", "memory": "1Ti", "pods": "110", "nvidia.com/gpu": str(gpus)}
+    taint = taint or {"key": "dedicated", "value": "inference", "effect": "NoSchedule"}
+    nodes = [
+        {
+            "apiVersion": "v1",
+            "kind": "Node",
+            "metadata": {
+                "name": f"{prefix}-{i}",
+                "annotations": {"kwok.x-k8s.io/node": "fake", "node.alpha.kubernetes.io/ttl": "0"},
+                "labels": {
+                    "type": "kwok-pool",
+                    "pdserve.test/pool": prefix,
+                    "kubernetes.io/os": "linux",
+                    **(labels or {}),
+                },
+            },
+            "spec": {"taints": [taint]},
+            "status": {"capacity": capacity, "allocatable": capacity},
+        }
+        for i in range(count)
+    ]
+    cluster.kubectl(
+        "create", "-f", "-", input=json.dumps({"apiVersion": "v1", "kind": "List", "items": nodes})
+    )
+    try:
+        yield [n["metadata"]["name"] for n in nodes]
+    finally:
+        for node in nodes:
+            cluster.kubectl("delete", "node", node["metadata"]["name"], "--wait=false", check=False)

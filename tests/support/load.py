@@ -100,7 +100,7 @@ class StreamLoad:
                 outcome.error = text[-300:]
             elif resp.status != 200:
                 outcome.error = text[:300]
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+        except (TimeoutError, aiohttp.ClientError, OSError) as exc:
             outcome.error = f"{type(exc).__name__}: {exc}"
         finally:
             outcome.ended = time.time()

@@ -48,6 +48,11 @@ CASES: dict[str, list[str]] = {
 }
 
 
+#: The production values file (charts/pdserve/ci/): also installed in the test cluster.
+PRODUCTION_VALUES = CHART / "ci" / "production-values.yaml"
+CASES["production"] = ["--values", str(PRODUCTION_VALUES)]
+
+
 def find_helm() -> str | None:
     """helm from the test cluster's build cache, else from PATH."""
     if os.environ.get("PDSERVE_HELM"):
@@ -306,3 +311,92 @@ def test_notes_say_what_to_do_next(helm: str, tmp_path: Path) -> None:
 def test_notes_name_the_watched_namespaces(helm: str, tmp_path: Path) -> None:
     notes = render_notes(helm, tmp_path, CASES["namespaced"])
     assert "watches PDDeployments in: team-a, team-b." in notes
+
+
+# --- production values: PDDeployments and network policies ----------------------------------------
+
+
+def _selects(selector: dict[str, Any], labels: dict[str, str]) -> bool:
+    return all(labels.get(k) == v for k, v in selector.get("matchLabels", {}).items())
+
+
+def test_production_values_render_a_valid_pddeployment_and_policies_that_fit_its_pods(helm: str) -> None:
+    from pdserve.deployment.objects import render_all
+    from pdserve.deployment.spec import parse_pddeployment
+    from pdserve.deployment.validate import problems
+
+    docs = objects(render(helm, CASES["production"]))
+    (doc,) = by_kind(docs, "PDDeployment")
+    assert doc["metadata"]["labels"]["team"] == "ml"
+    pdd = parse_pddeployment(doc)
+    assert problems(pdd, None) == []
+    assert pdd.spec.model_cache is not None and pdd.spec.hf_token_secret_ref is not None
+    rendered = render_all(pdd)
+    pods = [o for o in rendered if o["kind"] == "Pod"]
+    (router,) = [o for o in rendered if o["kind"] == "Deployment"]
+    router_pod = router["spec"]["template"]
+    policies = {p["metadata"]["name"]: p for p in by_kind(docs, "NetworkPolicy")}
+    engines, routers = policies[f"{RELEASE}-engines"], policies[f"{RELEASE}-routers"]
+    assert all(_selects(engines["spec"]["podSelector"], p["metadata"]["labels"]) for p in pods)
+    assert not _selects(engines["spec"]["podSelector"], router_pod["metadata"]["labels"])
+    assert _selects(routers["spec"]["podSelector"], router_pod["metadata"]["labels"])
+    assert not any(_selects(routers["spec"]["podSelector"], p["metadata"]["labels"]) for p in pods)
+    # Engines take HTTP from the routers' pods, and anything from engine pods (KV transfer).
+    from_routers, from_engines, from_monitoring = engines["spec"]["ingress"]
+    assert _selects(from_routers["from"][0]["podSelector"], router_pod["metadata"]["labels"])
+    assert all(_selects(from_engines["from"][0]["podSelector"], p["metadata"]["labels"]) for p in pods)
+    assert "ports" not in from_engines
+    # The named ports exist on the pods they are meant for.
+    engine_ports = {p["name"] for p in pods[0]["spec"]["containers"][0]["ports"]}
+    router_ports = {p["name"] for p in router_pod["spec"]["containers"][0]["ports"]}
+    assert {"http", "nixl-0"} <= engine_ports and {"http", "admin"} <= router_ports
+    client, admin = routers["spec"]["ingress"]
+    assert client["ports"] == [{"port": "http", "protocol": "TCP"}] and "from" not in client
+    assert admin["ports"] == [{"port": "admin", "protocol": "TCP"}]
+    assert from_monitoring["from"] == admin["from"][1:]
+    # The template reached the pods: the private registry and the GPU pool's taint.
+    assert pods[0]["spec"]["imagePullSecrets"] == [{"name": "regcred"}]
+    assert {"key": "dedicated", "operator": "Equal", "value": "inference", "effect": "NoSchedule"} in pods[0][
+        "spec"
+    ]["tolerations"]
+
+
+def test_network_policies_and_deployments_are_opt_in(helm: str) -> None:
+    docs = objects(render(helm))
+    assert not by_kind(docs, "NetworkPolicy") and not by_kind(docs, "PDDeployment")
+
+
+def test_the_grafana_dashboard_ships_behind_a_value_and_queries_real_metrics(helm: str) -> None:
+    import json
+    import re
+
+    from pdserve.proxy.metrics import ProxyMetrics
+
+    assert not [
+        d for d in by_kind(objects(render(helm)), "ConfigMap") if d["metadata"]["name"].endswith("dashboard")
+    ]
+    (config,) = [d for d in by_kind(objects(render(helm, CASES["production"])), "ConfigMap")]
+    assert config["metadata"]["labels"]["grafana_dashboard"] == "1"
+    dashboard = json.loads(config["data"]["pdserve.json"])
+    assert dashboard == json.loads((CHART / "files" / "dashboards" / "pdserve.json").read_text())
+    titles = {p["title"] for p in dashboard["panels"]}
+    for wanted in (
+        "Requests per slot",
+        "Time to first token",
+        "Errors",
+        "Engine queue",
+        "Served routing generation",
+    ):
+        assert wanted in titles
+    # Every series a panel asks for is one the router (or vLLM's engine, for vllm:*) exports.
+    families = {m.name for m in ProxyMetrics().registry.collect()}
+    exported = set()
+    for name in families:
+        exported |= {name, f"{name}_total", f"{name}_bucket", f"{name}_count", f"{name}_sum"}
+    for panel in dashboard["panels"]:
+        for target in panel["targets"]:
+            for metric in re.findall(r"\b(pdserve_[a-z_]+|vllm:[a-z_]+)\{", target["expr"]):
+                assert metric in exported or metric in (
+                    "vllm:num_requests_waiting",
+                    "vllm:num_requests_running",
+                ), metric

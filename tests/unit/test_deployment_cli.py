@@ -94,3 +94,17 @@ def test_help_is_the_module_docstring() -> None:
     proc = render("--help")
     assert proc.returncode == 0
     assert "without a cluster" in proc.stdout
+
+
+def test_an_owned_template_field_exits_2_with_the_operators_message(tmp_path: Path) -> None:
+    """One function words the refusal for ``pdserve render``, the operator and (as CEL) the API server."""
+    from pdserve.deployment.owned import ENGINE_OWNED
+
+    path = tmp_path / "bad.yaml"
+    template = "{spec: {containers: [{name: engine, args: [--port, '9']}]}}"
+    path.write_text(
+        MANIFEST.replace("decode: {instances: 1}", f"decode: {{instances: 1, template: {template}}}")
+    )
+    proc = render(str(path))
+    assert proc.returncode == 2
+    assert proc.stderr == f"pdserve render: spec.decode.{ENGINE_OWNED['args'].message}\n"

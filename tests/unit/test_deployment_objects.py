@@ -180,7 +180,7 @@ def test_pod_identity_and_labels() -> None:
         "r1-engines",
         "Always",
     )
-    assert spec["volumes"] == [{"name": "dshm", "emptyDir": {"medium": "Memory"}}]
+    assert spec["volumes"] == [{"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "8Gi"}}]
     assert {"name": "dshm", "mountPath": "/dev/shm"} in spec["containers"][0]["volumeMounts"]
     # The role selector (scale subresource) matches exactly this role's pods.
     selector = role_selector(pdd, Role.DECODE)
@@ -306,9 +306,11 @@ def test_nixl_kv_transfer_config() -> None:
     args = instance_pod(pdd, Role.DECODE, 0)["spec"]["containers"][0]["args"]
     assert json.loads(_flag(args, "--kv-transfer-config")) == {
         "kv_connector": "NixlConnector",
-        "kv_role": "kv_both",
+        "kv_role": "kv_consumer",  # vLLM 0.32 deprecates kv_both with NIXL
         "kv_connector_extra_config": {"backends": ["UCX"]},
     }
+    prefill = instance_pod(pdd, Role.PREFILL, 0)["spec"]["containers"][0]["args"]
+    assert json.loads(_flag(prefill, "--kv-transfer-config"))["kv_role"] == "kv_producer"
 
 
 def test_sim_engine_pod() -> None:
@@ -335,7 +337,7 @@ def test_sim_image_follows_the_router_image() -> None:
 
 
 def test_router_deployment() -> None:
-    pdd = pdd_of(router={"replicas": 3, "policy": "least-outstanding", "backlog": 1024, "port": 9000})
+    pdd = pdd_of(router={"replicas": 3, "policy": "least-outstanding", "backlog": 1024, "port": 9100})
     dep = router_deployment(pdd)
     assert dep["metadata"]["name"] == "r1-router"
     assert dep["spec"]["replicas"] == 3
@@ -348,23 +350,29 @@ def test_router_deployment() -> None:
     assert args[0] == "proxy"
     assert _flag(args, "--routing-file") == "/etc/pdserve/routing/routing.json"
     assert (_flag(args, "--port"), _flag(args, "--policy"), _flag(args, "--backlog")) == (
-        "9000",
+        "9100",
         "least-outstanding",
         "1024",
     )
     assert container["readinessProbe"]["httpGet"]["path"] == "/ready"
     assert container["livenessProbe"]["httpGet"]["path"] == "/health"
+    # Metrics, /debug/* and profiling on the admin port, which the Service does not expose.
+    assert _flag(args, "--admin-port") == "9000"
+    assert {"name": "admin", "containerPort": 9000, "protocol": "TCP"} in container["ports"]
+    assert router_service(pdd)["spec"]["ports"] == [
+        {"name": "http", "port": 9100, "targetPort": "http", "protocol": "TCP"}
+    ]
     mount = container["volumeMounts"][0]
     assert mount["mountPath"] == "/etc/pdserve/routing" and "subPath" not in mount
     assert pod["spec"]["volumes"] == [{"name": "routing", "configMap": {"name": "r1-routing"}}]
 
 
 def test_services() -> None:
-    pdd = pdd_of(router={"port": 9000, "serviceType": "LoadBalancer"})
+    pdd = pdd_of(router={"port": 9100, "serviceType": "LoadBalancer"})
     svc = router_service(pdd)
     assert svc["metadata"]["name"] == "r1"
     assert svc["spec"]["type"] == "LoadBalancer"
-    assert svc["spec"]["ports"] == [{"name": "http", "port": 9000, "targetPort": "http", "protocol": "TCP"}]
+    assert svc["spec"]["ports"] == [{"name": "http", "port": 9100, "targetPort": "http", "protocol": "TCP"}]
     router_labels = router_deployment(pdd)["spec"]["template"]["metadata"]["labels"]
     assert all(router_labels[k] == v for k, v in svc["spec"]["selector"].items())
     headless = engine_service(pdd)

@@ -110,8 +110,8 @@ def test_moriio_needs_amd_gpus_for_vllm() -> None:
     kv = {"connector": "MoRIIOConnector", "transferMode": "READ"}
     found = problems(pdd_of(kvTransfer=kv), None)
     assert found == [
-        "spec.kvTransfer.connector: MoRIIOConnector moves KV between AMD GPUs (ROCm), but spec.gpuResource "
-        'is "nvidia.com/gpu"; use amd.com/gpu, or NixlConnector on NVIDIA GPUs'
+        "spec.kvTransfer.connector: MoRIIOConnector moves KV between AMD GPUs (ROCm): set gpuResource to "
+        "amd.com/gpu, or use NixlConnector"
     ]
     assert problems(pdd_of(kvTransfer=kv, gpuResource="amd.com/gpu"), [8]) == []
     assert problems(pdd_of(kvTransfer=kv, engine="sim", image=""), None) == []

@@ -79,3 +79,29 @@ def test_quickstart_runs_without_gpus() -> None:
     assert pdd.spec.engine == "sim"
     # Small enough for a laptop: a handful of simulator processes.
     assert pdd.spec.prefill.instances + pdd.spec.decode.instances <= 4
+
+
+STORAGE = {
+    "pvc-cache-gated-model": ("persistentVolumeClaim", True, False),
+    "ephemeral-cache": ("ephemeral", False, False),
+    "hostpath-cache": ("hostPath", False, False),
+    "emptydir-cache": ("emptyDir", False, False),
+    "pvc-model": (None, False, True),
+    "local-path-model": (None, False, True),
+}
+
+
+@pytest.mark.parametrize("name", sorted(STORAGE))
+def test_storage_examples_show_what_their_name_says(name: str) -> None:
+    from pdserve.deployment.storage import served_from_disk
+
+    pdd = _load(EXAMPLES / "storage" / f"{name}.yaml")
+    cache, token, on_disk = STORAGE[name]
+    assert (pdd.spec.model_cache.kind if pdd.spec.model_cache else None) == cache
+    assert (pdd.spec.hf_token_secret_ref is not None) == token
+    assert served_from_disk(pdd.spec.model) == on_disk
+    assert pdd.spec.engine == "vllm"
+
+
+def test_every_storage_example_is_listed() -> None:
+    assert sorted(p.stem for p in (EXAMPLES / "storage").glob("*.yaml")) == sorted(STORAGE)

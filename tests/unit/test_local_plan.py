@@ -80,6 +80,8 @@ def test_router_runs_the_operators_proxy_command_on_loopback() -> None:
     assert _flag(argv, "--port") == "8000"
     assert _flag(argv, "--policy") == rendered[rendered.index("--policy") + 1]
     assert plan.router.url == "http://127.0.0.1:8000"
+    # One port on loopback: metrics and /debug answer there too (the pod's admin port is dropped).
+    assert "--admin-port" in rendered and "--admin-port" not in argv
 
 
 def test_vllm_engine_gets_the_rendered_vllm_serve_command() -> None:

@@ -1,0 +1,56 @@
+"""Engine pod defaults a platform team expects, each one overridable.
+
+* **Requests:** an engine container without a CPU or memory request (or limit) of its own,
+  after the role's ``resources`` and its template are merged, requests
+  :data:`CPU_PER_GPU` CPUs and :data:`MEMORY_PER_GPU` of memory per GPU (the simulator a little).
+  vLLM reads the weights through host memory while loading (a 70B bf16 checkpoint is 141 GB:
+  32Gi x 8 GPUs leaves room), and its API server, tokenizer and one engine core per DP rank
+  need CPUs. Set either in the role's ``resources`` or the template to replace it; a limit
+  without a request also turns the default off (Kubernetes then requests the limit).
+* **No API token:** ``automountServiceAccountToken: false``: an engine never calls the API.
+* **Non-root where the image allows:** the simulator's image (pdserve's) runs as user 10001, so
+  its pods set ``runAsNonRoot``; the official vLLM image runs as root (vLLM's Docker guide), so
+  its pods only forbid privilege escalation. A template can set ``runAsUser`` for an image that
+  allows it.
+* **Startup:** the startup probe allows ``startupTimeoutSeconds`` (default 3600: a 70B
+  checkpoint downloaded from the Hub at 100 MB/s takes about 25 minutes, then loading and CUDA
+  graph capture) before the liveness probe may restart the pod; readiness and liveness probes
+  have timeouts of their own.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+CPU_PER_GPU = 4
+MEMORY_PER_GPU_GI = 32
+SIM_REQUESTS = {"cpu": "100m", "memory": "128Mi"}
+STARTUP_PERIOD_SECONDS = 10
+
+
+def default_requests(gpus: int, sim: bool) -> dict[str, str]:
+    if sim:
+        return dict(SIM_REQUESTS)
+    per = max(gpus, 1)
+    return {"cpu": str(CPU_PER_GPU * per), "memory": f"{MEMORY_PER_GPU_GI * per}Gi"}
+
+
+def with_default_requests(container: dict[str, Any], defaults: dict[str, str]) -> dict[str, Any]:
+    """``container`` with a request for each default resource that has neither request nor limit."""
+    resources = container.setdefault("resources", {})
+    requests = resources.get("requests") or {}
+    limits = resources.get("limits") or {}
+    missing = {k: v for k, v in defaults.items() if k not in requests and k not in limits}
+    if missing:
+        resources["requests"] = {**requests, **missing}
+    return container
+
+
+def startup_failure_threshold(timeout_seconds: int) -> int:
+    return max(1, math.ceil(timeout_seconds / STARTUP_PERIOD_SECONDS))
+
+
+def engine_security_context(sim: bool) -> dict[str, Any]:
+    """The pod-level securityContext; the simulator's image runs as a non-root user."""
+    return {"runAsNonRoot": True} if sim else {}

@@ -1,0 +1,108 @@
+"""The router's two ports and its keys, with real processes: ``--admin-port`` serves metrics,
+``/debug/*`` and profiling only there; engines that require a key (VLLM_API_KEY, as vLLM does)
+get the backend key; no key appears in logs, /debug output or metrics. Both HTTP servers."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.support.pdstack import FAST_SIM, PDStack, Sim, http
+from tests.support.procs import ProcessGroup, free_port
+
+CLIENT_KEY = "sk-client-admin-3b9e0d57-secret"
+BACKEND_KEY = "sk-engine-admin-c41a6f02-secret"
+AUTH = {"Authorization": f"Bearer {CLIENT_KEY}"}
+
+
+@pytest.fixture(scope="module", params=["hypercorn", "uvicorn"])
+def stack(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[PDStack]:
+    server = str(request.param)
+    group = ProcessGroup(Path(tmp_path_factory.mktemp(f"pd-admin-{server}")))
+    pd = PDStack(group, group.log_dir, admin_headers=AUTH)
+    try:
+        for name, role, kv_port in (("p0", "prefill", 21100), ("d0", "decode", 21101)):
+            args = ["sim", "--role", role, "--instance-name", name, "--kv-port", str(kv_port), *FAST_SIM]
+            proc = group.start(name, args, env={"VLLM_API_KEY": BACKEND_KEY})
+            pd.sims[name] = Sim(name, role, 1, 1, proc, f"127.0.0.1:{kv_port}")
+        pd.write(pd.table([pd.sims["p0"]], [pd.sims["d0"]]), wait=False)
+        admin = free_port()
+        args = [
+            "proxy",
+            "--routing-file",
+            str(pd.routing_file),
+            "--host",
+            "127.0.0.1",
+            "--http-server",
+            server,
+        ]
+        pd.proxy = group.start(
+            "proxy",
+            [*args, "--admin-port", str(admin), "--log-level", "debug"],
+            env={"PDSERVE_PROXY_API_KEY": CLIENT_KEY, "PDSERVE_BACKEND_API_KEY": BACKEND_KEY},
+        )
+        pd.admin_url = f"http://127.0.0.1:{admin}"  # type: ignore[attr-defined]
+        yield pd
+    finally:
+        group.stop_all()
+
+
+def admin(stack: PDStack) -> str:
+    return str(stack.admin_url)  # type: ignore[attr-defined]
+
+
+def test_an_engine_with_a_key_refuses_requests_without_it(stack: PDStack) -> None:
+    answer = http("POST", stack.sims["d0"].url + "/v1/completions", {"prompt": "x"})
+    assert answer.status == 401 and answer.json() == {"error": "Unauthorized"}
+    assert http("GET", stack.sims["d0"].url + "/health").status == 200  # probes stay open, as in vLLM
+
+
+def test_the_router_serves_clients_with_the_engines_key(stack: PDStack) -> None:
+    answer = stack.complete(headers=AUTH)
+    assert answer.status == 200, answer.body
+    assert stack.complete(headers={}).status == 401
+
+
+@pytest.mark.parametrize("path", ["/metrics", "/debug/routing"])
+def test_admin_paths_answer_only_on_the_admin_port(stack: PDStack, path: str) -> None:
+    client = http("GET", stack.url + path, headers=AUTH)
+    assert client.status == 404, client.body
+    assert client.json()["error"]["code"] == "not_found"
+    assert http("GET", admin(stack) + path, headers=AUTH).status == 200
+
+
+def test_profiling_answers_only_on_the_admin_port(stack: PDStack) -> None:
+    assert http("POST", stack.url + "/start_profile", headers=AUTH).status == 404
+    answer = http("POST", admin(stack) + "/start_profile", headers=AUTH)
+    assert answer.status == 200 and set(answer.json()["instances"]) == {"p0", "d0"}
+    assert http("POST", admin(stack) + "/stop_profile", headers=AUTH).status == 200
+
+
+@pytest.mark.parametrize("path", ["/health", "/ready"])
+def test_probes_answer_on_both_ports(stack: PDStack, path: str) -> None:
+    assert http("GET", stack.url + path).status == 200
+    assert http("GET", admin(stack) + path).status == 200
+
+
+def test_the_admin_port_serves_no_client_api(stack: PDStack) -> None:
+    answer = http("POST", admin(stack) + "/v1/completions", {"prompt": "x"}, headers=AUTH)
+    assert answer.status == 404
+    assert http("GET", admin(stack) + "/v1/models", headers=AUTH).status == 404
+    assert http("GET", stack.url + "/v1/models", headers=AUTH).status == 200
+
+
+def test_no_key_appears_in_logs_debug_output_or_metrics(stack: PDStack) -> None:
+    """Runs last in the module: every request above went through these processes at debug level."""
+    assert stack.complete(headers=AUTH).status == 200
+    assert stack.proxy is not None
+    outputs = {
+        "proxy log": stack.proxy.log(),
+        "debug": http("GET", admin(stack) + "/debug/routing", headers=AUTH).body.decode(),
+        "metrics": http("GET", admin(stack) + "/metrics").body.decode(),
+        **{f"{name} log": sim.proc.log() for name, sim in stack.sims.items()},
+    }
+    assert "request id=" in outputs["proxy log"]
+    for where, text in outputs.items():
+        assert CLIENT_KEY not in text and BACKEND_KEY not in text, where
