@@ -5,7 +5,8 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: install test unit lint fmt bench bench-operator cluster-build cluster-up cluster-down kind-e2e demo clean
+.PHONY: install test unit lint fmt bench bench-operator cluster-build cluster-up cluster-down kind-e2e demo clean \
+	e2e-vllm record-vllm-fixtures
 
 install: $(VENV)/.installed
 
@@ -52,6 +53,15 @@ kind-e2e: install
 
 demo: install
 	$(PY) -m pdserve.local.demo
+
+## Opt-in (not in `make test`): real vLLM for CPU behind `pdserve up` (cached venv of several GB
+## under ~/.cache/pdserve; see docs/testing.md). One e2e at a time: it needs about 8 GB.
+e2e-vllm: install
+	$(PY) -m tests.e2e_vllm run
+
+## Re-record tests/fixtures/vllm-<version>/ from real vLLM (the same setup as e2e-vllm).
+record-vllm-fixtures: install
+	$(PY) -m tests.e2e_vllm record
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis

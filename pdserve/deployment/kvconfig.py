@@ -3,10 +3,13 @@
 Field names and semantics follow vLLM's connectors
 (``vllm/distributed/kv_transfer/kv_connector/v1/nixl_connector.py`` and ``.../moriio/``):
 
-* NixlConnector: ``kv_role`` kv_producer (prefill) / kv_consumer (decode), as vLLM's NIXL guide
-  does for instances on separate machines; vLLM 0.32 warns that ``kv_both`` with NixlConnector is
-  deprecated. Which side sends is still decided per request by ``kv_transfer_params``. The side
-  channel is advertised at ``VLLM_NIXL_SIDE_CHANNEL_HOST`` (the pod IP; see kvpod.py).
+* NixlConnector: ``kv_role`` kv_producer (prefill) / kv_consumer (decode). vLLM 0.32 warns that
+  ``kv_both`` with NixlConnector is deprecated and will be removed. Older images need no
+  ``kv_both`` choice: ``KVTransferConfig`` has accepted all three roles since connectors exist,
+  and NixlConnector before 0.32 never read the role (which side sends is decided per request by
+  ``kv_transfer_params``); 0.32 reads it only for prefill context parallelism, which pdserve does
+  not render. The side channel is advertised at ``VLLM_NIXL_SIDE_CHANNEL_HOST`` (set to the pod
+  IP by the renderer).
 * MoRIIOConnector: ``kv_role`` kv_producer (prefill) / kv_consumer (decode); vLLM sets its
   producer/consumer role from it. Its ``kv_connector_extra_config`` must carry
   ``handshake_port``, ``notify_port``, ``http_port``, ``proxy_ip`` and ``proxy_ping_port``
@@ -40,6 +43,7 @@ MORIIO = "MoRIIOConnector"
 
 
 def kv_role(kv: KVTransferSpec, role: Role) -> str:
+    """The same for every connector pdserve renders: the prefill produces KV, the decode consumes it."""
     return "kv_producer" if role is Role.PREFILL else "kv_consumer"
 
 

@@ -7,7 +7,12 @@ http://127.0.0.1:PORT. The view shows, per slot (instance and DP rank), the requ
 router sent, those in flight, and errors. Ctrl-C or SIGTERM stops every process.
 
 A manifest the operator would refuse is refused here too, with the field and the reason,
-before anything starts (exit code 2).
+before anything starts (exit code 2); so is a missing or too old vLLM with --engine vllm.
+
+With --engine vllm on a machine without GPUs (--device auto), the engines run on vLLM's CPU
+backend: each engine gets a share of the cores (decode ranks apart from the prefill's NIXL
+progress thread), --enforce-eager and a KV cache size unless the manifest sets them, and the
+NIXL environment for loopback; the first lines of output say what was applied.
 
 Example:
   pdserve up examples/nixl/2p-dp8ep-3d-dp8ep.yaml
@@ -19,7 +24,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import errno
+import os
 import shutil
 import socket
 import sys
@@ -28,9 +33,20 @@ from pathlib import Path
 
 from pdserve.deployment.spec import SpecError, load_manifest_file
 from pdserve.deployment.validate import problems
-from pdserve.local.plan import ENGINES, LOOPBACK, PlanError, SimTimings, plan_local_run
+from pdserve.local.plan import (
+    ENGINES,
+    LOOPBACK,
+    NIXL_PORTS_PER_INSTANCE,
+    NIXL_SIDE_CHANNEL_BASE,
+    PlanError,
+    SimTimings,
+    plan_local_run,
+)
+from pdserve.local.proctree import port_free
 from pdserve.local.runner import LocalRunner, Reporter, describe_table
 from pdserve.local.view import LiveView, SummaryLines
+from pdserve.local.vllm_env import find_vllm, gpus_present
+from pdserve.local.vllm_env import problems as vllm_problems
 from pdserve.routing import RoutingTable
 
 EXIT_REFUSED = 2
@@ -45,6 +61,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
         default="sim",
         help="sim: simulated engines, no GPU or model (default); vllm: real `vllm serve` processes "
         "with the arguments the operator renders (needs vLLM installed and the GPUs)",
+    )
+    parser.add_argument(
+        "--device",
+        choices=("auto", "gpu", "cpu"),
+        default="auto",
+        help="with --engine vllm: gpu gives each instance its own GPUs (CUDA_VISIBLE_DEVICES); cpu runs "
+        "vLLM's CPU backend and spreads this machine's cores over the engines; auto (default): cpu "
+        "for a CPU build of vLLM or a machine without GPU devices",
     )
     parser.add_argument(
         "--no-view",
@@ -72,12 +96,17 @@ def run(args: argparse.Namespace) -> int:
     found = problems(pdd, None)
     if found:
         return _refuse(f"{args.file}: invalid PDDeployment: " + "; ".join(found))
-    if args.engine == "vllm" and shutil.which("vllm") is None:
-        return _refuse(
-            "--engine vllm needs the `vllm` command, which is not installed here (pip install vllm); "
-            "or use --engine sim (the default) to run without GPUs"
-        )
-    if not _port_free(args.port):
+    device = "gpu"
+    if args.engine == "vllm":
+        install = find_vllm()
+        found = vllm_problems(install, pdd.spec.kv_transfer.connector)
+        if found:
+            return _refuse("; ".join(found))
+        assert install is not None
+        device = args.device
+        if device == "auto":
+            device = "cpu" if install.cpu_build or not gpus_present() else "gpu"
+    if not port_free(args.port, LOOPBACK):
         return _refuse(
             f"port {args.port} on {LOOPBACK} is already in use (another `pdserve up`?); pick one with --port"
         )
@@ -88,6 +117,11 @@ def run(args: argparse.Namespace) -> int:
     routing_file = log_dir / "routing.json"
     instances = pdd.spec.prefill.instances + pdd.spec.decode.instances
     try:
+        side_channels = None
+        if args.engine == "vllm":
+            sizes = [pdd.spec.prefill.data_parallel] * pdd.spec.prefill.instances
+            sizes += [pdd.spec.decode.data_parallel] * pdd.spec.decode.instances
+            side_channels = _free_port_ranges(sizes)
         plan = plan_local_run(
             pdd,
             args.engine,
@@ -95,6 +129,9 @@ def run(args: argparse.Namespace) -> int:
             args.port,
             str(routing_file),
             SimTimings(args.sim_ttft_ms, args.sim_itl_ms, args.sim_tokens),
+            device=device,
+            cores=sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else [0],
+            side_channel_ports=side_channels,
         )
     except PlanError as exc:
         if not keep_logs:
@@ -150,16 +187,19 @@ def _port(text: str) -> int:
     return value
 
 
-def _port_free(port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind((LOOPBACK, port))
-        except OSError as exc:
-            if exc.errno in (errno.EADDRINUSE, errno.EACCES):
-                return False
-            raise
-    return True
+def _free_port_ranges(sizes: list[int], first: int = NIXL_SIDE_CHANNEL_BASE) -> list[int]:
+    """For each size, the first port of a range of that many free ports (NIXL's side channel
+    listens on its port + DP rank), ranges disjoint, searched upwards from ``first``."""
+    starts: list[int] = []
+    port = first
+    for size in sizes:
+        while not all(port_free(p, LOOPBACK) for p in range(port, port + size)):
+            port += size
+            if port + size > 65535:
+                raise PlanError("no free range of ports for NIXL's side channel")
+        starts.append(port)
+        port += max(size, NIXL_PORTS_PER_INSTANCE)
+    return starts
 
 
 def _free_ports(count: int, exclude: set[int]) -> list[int]:

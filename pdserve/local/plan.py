@@ -5,6 +5,14 @@ operator would (:func:`instance_pod`, :func:`router_deployment`) and changes onl
 single machine needs: the listen address and port of every process, the pod IP (127.0.0.1),
 and the interpreter that runs ``pdserve``. So `pdserve up` exercises the arguments a cluster
 would get, and a change to the renderer shows up here too.
+
+Real vLLM (``--engine vllm``) also needs, on one machine: disjoint GPUs per instance
+(``CUDA_VISIBLE_DEVICES``), or on a machine without GPUs (``device="cpu"``) what vLLM's CPU
+backend needs (:data:`CPU_ENV`, :data:`CPU_KV_CACHE_BYTES`, :data:`CPU_DTYPE`,
+``--enforce-eager``) and a share of the cores per engine and rank (:mod:`pdserve.local.cpus`);
+a NIXL side-channel port range per instance; and ``VLLM_HOST_IP`` on loopback. Whatever the
+manifest's role ``env`` or ``args`` set is kept: these are defaults, and ``notes`` says which
+were applied.
 """
 
 from __future__ import annotations
@@ -16,16 +24,32 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from pdserve.deployment.kvconfig import MORIIO
+from pdserve.deployment.kvconfig import MORIIO, NIXL
+from pdserve.deployment.kvpod import UCX_DEFAULTS
 from pdserve.deployment.objects import instance_pod, router_deployment
-from pdserve.deployment.spec import PDDeployment
+from pdserve.deployment.spec import PDDeployment, RoleSpec
+from pdserve.local.cpus import Cores, assign_cores
 from pdserve.routing import Role
 
 LOOPBACK = "127.0.0.1"
 ENGINES = ("sim", "vllm")
+DEVICES = ("gpu", "cpu")
 #: NIXL's side channel listens on VLLM_NIXL_SIDE_CHANNEL_PORT + rank; space instances apart.
 NIXL_SIDE_CHANNEL_BASE = 5600
 NIXL_PORTS_PER_INSTANCE = 64
+
+#: vLLM on CPU: environment every engine gets unless the manifest sets the variable.
+CPU_ENV = {"VLLM_TARGET_DEVICE": "cpu"}
+#: NIXL between processes of one machine without RDMA: shared memory and TCP over loopback.
+CPU_NIXL_ENV = {"UCX_TLS": "sm,self,tcp", "UCX_NET_DEVICES": "lo"}
+#: KV cache per engine rank on CPU when neither ``--kv-cache-memory-bytes`` nor
+#: ``VLLM_CPU_KVCACHE_SPACE`` is set: vLLM's own default takes most of the machine's memory,
+#: once per rank.
+CPU_KV_CACHE_BYTES = 1 << 30
+#: dtype on CPU unless ``--dtype`` is set: vLLM's CPU backend picks bfloat16 for any model, and on
+#: a CPU that reports avx512_bf16 inside a VM the decode worker died of SIGILL at its first
+#: NIXL-loaded step; float32 works everywhere (at twice the memory of bfloat16).
+CPU_DTYPE = "float32"
 
 
 class PlanError(ValueError):
@@ -60,6 +84,8 @@ class EngineProcess:
     port: int
     argv: tuple[str, ...]
     env: Mapping[str, str]
+    ports: tuple[int, ...] = ()  # every port it listens on (HTTP first); must be free to start it
+    cpus: tuple[int, ...] | None = None  # its CPU affinity (and of all it starts); None: any
 
     @property
     def url(self) -> str:
@@ -92,10 +118,20 @@ def plan_local_run(
     routing_file: str,
     sim: SimTimings = SimTimings(),
     python: str = sys.executable,
+    device: str = "gpu",
+    cores: Sequence[int] = (),
+    side_channel_ports: Sequence[int] | None = None,
 ) -> LocalPlan:
-    """Every process of the run; ``engine_ports`` gives one port per instance, prefill first."""
+    """Every process of the run; ``engine_ports`` gives one port per instance, prefill first.
+
+    For ``engine="vllm"``: ``device`` says whether vLLM runs on GPUs or on this machine's
+    ``cores``; ``side_channel_ports`` gives each instance the first of its DP-size NIXL ports
+    (default: 5600 + 64 per instance).
+    """
     if engine not in ENGINES:
         raise PlanError(f"unknown engine {engine!r}; expected one of {', '.join(ENGINES)}")
+    if device not in DEVICES:
+        raise PlanError(f"unknown device {device!r}; expected one of {', '.join(DEVICES)}")
     spec = pdd.spec
     roles = [
         (role, index) for role in (Role.PREFILL, Role.DECODE) for index in range(spec.role(role).instances)
@@ -125,24 +161,65 @@ def plan_local_run(
             notes.append(f"simulated engines: ignoring the vLLM args of {', '.join(dropped)}")
     run_pdd = dataclasses.replace(pdd, spec=run_spec)
 
+    if side_channel_ports is not None and len(side_channel_ports) != len(roles):
+        raise PlanError(f"need {len(roles)} NIXL side-channel ports, got {len(side_channel_ports)}")
+    shares: list[Cores | None] = [None] * len(roles)
+    if engine == "vllm" and device == "cpu":
+        if not cores:
+            raise PlanError("vLLM on CPU needs at least one CPU core to run on")
+        workers = [(role, spec.role(role).gpus_per_instance) for role, _ in roles]
+        shares = list(assign_cores(cores, workers))
+
     engines: list[EngineProcess] = []
     next_gpu = 0
-    for (role, index), port in zip(roles, engine_ports, strict=True):
+    cpu_defaults: set[str] = set()
+    for i, ((role, index), port) in enumerate(zip(roles, engine_ports, strict=True)):
         pod = instance_pod(run_pdd, role, index)
         container = pod["spec"]["containers"][0]
         env = _local_env(container.get("env", []), notes)
         args = _with_flag(_with_flag(list(container["args"]), "--port", str(port)), "--host", LOOPBACK)
+        ports: tuple[int, ...] = (port,)
         if engine == "sim":
             argv = [python, "-m", "pdserve.cli", "sim", *_expand(args, env), *sim.args()]
         else:
-            gpus = run_spec.role(role).gpus_per_instance
-            env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in range(next_gpu, next_gpu + gpus))
-            env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(
-                NIXL_SIDE_CHANNEL_BASE + NIXL_PORTS_PER_INSTANCE * len(engines)
+            rs = run_spec.role(role)
+            side = (
+                side_channel_ports[i]
+                if side_channel_ports is not None
+                else NIXL_SIDE_CHANNEL_BASE + NIXL_PORTS_PER_INSTANCE * i
             )
-            next_gpu += gpus
+            env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(side)
+            env.setdefault("VLLM_HOST_IP", LOOPBACK)
+            if spec.kv_transfer.connector == NIXL:
+                ports += tuple(range(side, side + rs.data_parallel))
+            share = shares[i]
+            if share is None:
+                env["CUDA_VISIBLE_DEVICES"] = ",".join(
+                    str(g) for g in range(next_gpu, next_gpu + rs.gpus_per_instance)
+                )
+                next_gpu += rs.gpus_per_instance
+            else:
+                nixl = spec.kv_transfer.connector == NIXL
+                for name in _rendered_defaults(rs) if nixl else ():
+                    env.pop(name, None)  # the cluster's transport defaults; CPU needs loopback's
+                args = _cpu_defaults(env, args, share, nixl, cpu_defaults)
             argv = [*container["command"], *_expand(args, env)]
-        engines.append(EngineProcess(role, index, str(pod["metadata"]["name"]), port, tuple(argv), env))
+        share = shares[i]
+        engines.append(
+            EngineProcess(
+                role,
+                index,
+                str(pod["metadata"]["name"]),
+                port,
+                tuple(argv),
+                env,
+                ports,
+                share.affinity if share is not None else None,
+            )
+        )
+    if engine == "vllm" and device == "cpu":
+        notes.append(_cpu_note(cpu_defaults))
+        notes.append(_cores_note(engines, shares, spec.kv_transfer.connector == NIXL, len(set(cores))))
 
     router_container = router_deployment(run_pdd)["spec"]["template"]["spec"]["containers"][0]
     router_args = list(router_container["args"])
@@ -166,6 +243,66 @@ def _without_flag(args: list[str], flag: str) -> list[str]:
         elif not arg.startswith(flag + "="):
             out.append(arg)
     return out
+
+
+def _rendered_defaults(rs: RoleSpec) -> list[str]:
+    """The UCX variables the renderer set for a cluster that the manifest does not set itself
+    (in the role's ``env`` or its template's ``engine`` container)."""
+    containers = rs.template.spec.get("containers", [])
+    engine_env = [e for c in containers if c.get("name") == "engine" for e in c.get("env", [])]
+    own = {e.get("name") for e in [*rs.env, *engine_env]}
+    return [name for name, _ in UCX_DEFAULTS if name not in own]
+
+
+def _cpu_defaults(
+    env: dict[str, str], args: list[str], share: Cores, nixl: bool, applied: set[str]
+) -> list[str]:
+    """vLLM's CPU needs, where the manifest left them out; ``applied`` collects what was added."""
+    defaults = {**CPU_ENV, **(CPU_NIXL_ENV if nixl else {}), "VLLM_CPU_OMP_THREADS_BIND": share.omp_bind}
+    for name, value in defaults.items():
+        if name not in env:
+            env[name] = value
+            applied.add(name if name == "VLLM_CPU_OMP_THREADS_BIND" else f"{name}={value}")
+    out = list(args)
+    if not _has_flag(out, "--enforce-eager", "--compilation-config", "-O", "--optimization-level"):
+        out.append("--enforce-eager")
+        applied.add("--enforce-eager")
+    if not _has_flag(out, "--dtype"):
+        out += ["--dtype", CPU_DTYPE]
+        applied.add(f"--dtype {CPU_DTYPE}")
+    if not _has_flag(out, "--kv-cache-memory-bytes") and "VLLM_CPU_KVCACHE_SPACE" not in env:
+        out += ["--kv-cache-memory-bytes", str(CPU_KV_CACHE_BYTES)]
+        applied.add(f"--kv-cache-memory-bytes {CPU_KV_CACHE_BYTES}")
+    return out
+
+
+def _has_flag(args: Sequence[str], *flags: str) -> bool:
+    return any(
+        a == f or a.startswith(f + "=") or (f == "-O" and a.startswith("-O")) for a in args for f in flags
+    )
+
+
+def _cpu_note(applied: set[str]) -> str:
+    added = ", ".join(sorted(applied)) or "nothing (the manifest sets it all)"
+    return f"vLLM on CPU (no GPU): engine defaults applied where the manifest sets none: {added}"
+
+
+def _cores_note(
+    engines: Sequence[EngineProcess], shares: Sequence[Cores | None], nixl: bool, total: int
+) -> str:
+    parts = []
+    for engine, share in zip(engines, shares, strict=True):
+        if share is None:
+            continue
+        bind = engine.env.get("VLLM_CPU_OMP_THREADS_BIND", share.omp_bind)
+        where = (
+            f"cores {','.join(map(str, share.affinity))}"
+            if len(share.affinity) > 1
+            else f"core {share.affinity[0]}"
+        )
+        extra = " with its NIXL progress thread" if nixl and engine.role is Role.PREFILL else ""
+        parts.append(f"{engine.name} on {where}{extra} (VLLM_CPU_OMP_THREADS_BIND={bind})")
+    return f"CPU cores ({total}): " + "; ".join(parts)
 
 
 def _with_flag(args: list[str], flag: str, value: str) -> list[str]:

@@ -6,9 +6,15 @@ engine's ``/health`` (the pod's readiness probe), turn the answers into
 :func:`build_routing_table`, and write it (atomically: temp file + rename) only when its
 content changed, for the proxy's ``--routing-file`` watcher.
 
-Every child runs in its own session (process group), so a stop signals the whole group:
-vLLM's DP engine processes go with their API server. On Linux children also get a
-parent-death signal, so even a SIGKILL of `pdserve up` leaves nothing running.
+Every engine runs in its own session, and everything it starts is stopped with it, whatever
+stops it: vLLM's API server, engine cores and workers outlive a killed `vllm serve` (they
+are re-parented to init and keep answering /health), so the runner tracks each engine's
+processes (:mod:`pdserve.local.proctree`: its session plus every descendant seen) and stops
+them all when the main process exits, before the restart, and at the end. A restart waits
+until the engine's ports are free. An engine counts as healthy only while its main process
+runs and, the first time, only if the process listening on its port is one of its own.
+On Linux children also get a parent-death signal, so a SIGKILL of `pdserve up` reaches every
+main process (and vLLM stops its children on that SIGTERM).
 """
 
 from __future__ import annotations
@@ -28,6 +34,16 @@ import aiohttp
 
 from pdserve.deployment.routing import ObservedInstance, build_routing_table
 from pdserve.local.plan import LOOPBACK, EngineProcess, LocalPlan
+from pdserve.local.proctree import (
+    ProcessTree,
+    ProcStat,
+    kill_all,
+    listening_inodes,
+    port_free,
+    port_holders,
+    scan,
+    socket_holders,
+)
 from pdserve.routing import Instance, RoutingTable
 
 #: How often engines' /health is polled (a pod readiness probe is 2-5 s; locally we can be quicker).
@@ -35,6 +51,12 @@ POLL_SECONDS = 0.25
 #: An engine that exits this many times in a row without ever answering /health fails the run.
 MAX_FAILED_STARTS = 3
 MAX_RESTART_DELAY = 30.0
+#: Processes an exited engine left behind get SIGTERM, then SIGKILL after this long.
+LEFTOVER_GRACE = 2.0
+#: How often each running engine's process tree is re-read (to see processes that leave its session).
+TREE_REFRESH_SECONDS = 1.0
+#: After this long waiting for an engine's ports, the runner says who holds them.
+PORT_WAIT_WARNING = 5.0
 
 
 class Reporter:
@@ -49,17 +71,25 @@ class Reporter:
 
 @dataclass
 class Child:
-    """One supervised process (an engine or the proxy) and its restart bookkeeping."""
+    """One supervised process (an engine or the proxy), the processes it started, and its restart
+    bookkeeping."""
 
     name: str
     argv: Sequence[str]
     env: Mapping[str, str]
     log_path: Path
+    ports: tuple[int, ...] = ()  # must be free before a (re)start
+    cpus: tuple[int, ...] | None = None  # CPU affinity of the process and all it starts
     popen: subprocess.Popen[bytes] | None = None
+    tree: ProcessTree | None = None
     healthy_once: bool = False
+    owner_checked: bool = False  # the listener on its port was seen to be one of its processes
     failed_starts: int = 0
+    exited_at: float | None = None  # when the exit of the main process was noticed
     restart_at: float = 0.0
     restarts: int = 0
+    port_warned: bool = False
+    trees: list[ProcessTree] = field(default_factory=list)  # of every start, for the final stop
 
     def start(self) -> None:
         log = self.log_path.open("ab")
@@ -71,21 +101,30 @@ class Child:
                 stderr=subprocess.STDOUT,
                 env={**os.environ, "PYTHONUNBUFFERED": "1", **self.env},
                 start_new_session=True,
-                preexec_fn=_die_with_parent if sys.platform == "linux" else None,
+                preexec_fn=_child_setup(self.cpus) if sys.platform == "linux" else None,
             )
         finally:
             log.close()
+        self.tree = ProcessTree.of(self.popen.pid)
+        table = scan()
+        self.trees = [t for t in self.trees if t.refresh(table)] + [self.tree]
         self.healthy_once = False
+        self.owner_checked = False
+        self.exited_at = None
+        self.port_warned = False
 
     @property
     def running(self) -> bool:
         return self.popen is not None and self.popen.poll() is None
 
-    def signal_group(self, sig: int) -> None:
-        if self.popen is None:
-            return
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.popen.pid, sig)
+    def signal_tree(self, sig: int) -> list[int]:
+        """``sig`` to every process of every start of this child still alive."""
+        return kill_all(self.trees, sig)
+
+    def tree_alive(self, table: Mapping[int, ProcStat] | None = None) -> bool:
+        """Whether a process of any start of this child still runs (``table``: a /proc scan to use)."""
+        table = scan() if table is None else table
+        return any(t.refresh(table) for t in self.trees)
 
     def log_tail(self, lines: int = 12) -> str:
         try:
@@ -95,12 +134,20 @@ class Child:
         return "\n".join(text.rstrip().splitlines()[-lines:])
 
 
-def _die_with_parent() -> None:
-    """PR_SET_PDEATHSIG: the kernel sends SIGTERM to the child when `pdserve up` dies."""
-    import ctypes
+def _child_setup(cpus: tuple[int, ...] | None) -> Callable[[], None]:
+    """Runs in the child before exec: its CPU affinity (inherited by all it starts), and
+    PR_SET_PDEATHSIG, so the kernel sends it SIGTERM when `pdserve up` dies."""
 
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)
+    def setup() -> None:
+        import ctypes
+
+        if cpus:
+            with contextlib.suppress(OSError):
+                os.sched_setaffinity(0, cpus)
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)
+
+    return setup
 
 
 @dataclass
@@ -114,13 +161,15 @@ class LocalRunner:
 
     def __post_init__(self) -> None:
         self.engines = {
-            e.name: Child(e.name, e.argv, e.env, self.log_dir / f"{e.name}.log") for e in self.plan.engines
+            e.name: Child(e.name, e.argv, e.env, self.log_dir / f"{e.name}.log", e.ports or (e.port,), e.cpus)
+            for e in self.plan.engines
         }
         self.proxy = Child("router", self.plan.router.argv, {}, self.log_dir / "router.log")
         self.table: RoutingTable | None = None
         self.stopping = asyncio.Event()
         self.failure: str | None = None
         self._announced = False
+        self._tree_refreshed = 0.0
 
     # --- the run ---------------------------------------------------------------------------------
 
@@ -171,6 +220,7 @@ class LocalRunner:
         self._restart_exited_engines()
         if self.stopping.is_set():
             return
+        self._refresh_trees()
         health = await asyncio.gather(*(self._healthy(session, e) for e in self.plan.engines))
         observed = [
             ObservedInstance(e.role, e.index, e.name, LOOPBACK, ok, port=e.port)
@@ -188,14 +238,28 @@ class LocalRunner:
             if self.on_ready is not None:
                 self.on_ready(self.table)
 
+    def _refresh_trees(self) -> None:
+        """Re-read the running engines' process trees now and then: a process that leaves its
+        engine's session must have been seen before its parent dies."""
+        now = time.monotonic()
+        if now - self._tree_refreshed < TREE_REFRESH_SECONDS:
+            return
+        self._tree_refreshed = now
+        table = scan()
+        for child in self.engines.values():
+            if child.running and child.tree is not None:
+                child.tree.refresh(table)
+
     def _restart_exited_engines(self) -> None:
         now = time.monotonic()
         for child in self.engines.values():
             if child.running:
                 continue
-            if child.restart_at == 0.0:  # just noticed the exit
+            if child.exited_at is None:  # just noticed the exit
                 assert child.popen is not None
                 code = child.popen.returncode
+                child.exited_at = now
+                left = child.signal_tree(signal.SIGTERM)  # everything it started goes with it
                 child.failed_starts = 0 if child.healthy_once else child.failed_starts + 1
                 if child.failed_starts >= MAX_FAILED_STARTS:
                     self._fail(
@@ -205,23 +269,62 @@ class LocalRunner:
                     return
                 delay = min(MAX_RESTART_DELAY, 2.0**child.restarts)
                 child.restart_at = now + delay
+                leftovers = f"; stopping the {len(left)} process(es) it left running" if left else ""
                 self.reporter.event(
-                    f"{child.name} exited with code {code}; restarting in {delay:.0f}s "
+                    f"{child.name} exited with code {code}{leftovers}; restarting in {delay:.0f}s "
                     f"(log: {child.log_path})"
                 )
-            elif now >= child.restart_at:
-                child.restart_at = 0.0
+                continue
+            if child.tree_alive():
+                if now - child.exited_at >= LEFTOVER_GRACE:
+                    child.signal_tree(signal.SIGKILL)
+                continue
+            busy = [port for port in child.ports if not port_free(port)]
+            if busy:
+                if not child.port_warned and now - child.exited_at >= PORT_WAIT_WARNING:
+                    child.port_warned = True
+                    holders = sorted({pid for port in busy for pid in port_holders(port)})
+                    self.reporter.event(
+                        f"{child.name}: waiting for port(s) {', '.join(map(str, busy))} to be free before "
+                        f"the restart (held by pid(s) {', '.join(map(str, holders)) or 'unknown'})"
+                    )
+                continue
+            if now >= child.restart_at:
                 child.restarts += 1
                 child.start()
 
     async def _healthy(self, session: aiohttp.ClientSession, engine: EngineProcess) -> bool:
-        if not self.engines[engine.name].running:
+        """/health answered 200 while the engine's main process runs, by one of its own processes."""
+        child = self.engines[engine.name]
+        if not child.running or child.exited_at is not None:
             return False
         try:
             async with session.get(engine.url + "/health") as resp:
-                return resp.status == 200
+                ok = resp.status == 200
         except (aiohttp.ClientError, TimeoutError, OSError):
             return False
+        if not ok or not child.running:
+            return False
+        if not child.owner_checked:
+            child.owner_checked = self._listener_is_own(child, engine.port)
+        return child.owner_checked
+
+    def _listener_is_own(self, child: Child, port: int) -> bool:
+        """Whether the process listening on ``port`` is one of ``child``'s (not a leftover of
+        another start, nor a stranger); said once when it is not."""
+        if not sys.platform.startswith("linux") or child.tree is None:
+            return True
+        inodes = listening_inodes(port)
+        if not inodes or socket_holders(inodes, child.tree.pids()):
+            return True
+        if not child.port_warned:
+            child.port_warned = True
+            holders = ", ".join(map(str, sorted(port_holders(port)))) or "unknown"
+            self.reporter.event(
+                f"{child.name}: port {port} answers /health but is held by pid(s) {holders}, not by "
+                f"{child.name}'s processes; not routing to it"
+            )
+        return False
 
     async def _router_ready(self, session: aiohttp.ClientSession) -> bool:
         try:
@@ -249,19 +352,30 @@ class LocalRunner:
     # --- stopping --------------------------------------------------------------------------------
 
     async def stop_all(self) -> None:
-        """SIGTERM to every process group (router first, so it stops taking requests), then SIGKILL."""
+        """SIGTERM to every process of every child (router first, so it stops taking requests),
+        SIGKILL to what is left after the grace period; returns once none is left."""
         children = [self.proxy, *self.engines.values()]
         for child in children:
-            child.signal_group(signal.SIGTERM)
+            child.signal_tree(signal.SIGTERM)
         deadline = time.monotonic() + self.stop_grace
-        while time.monotonic() < deadline and any(c.running for c in children):
+        while time.monotonic() < deadline and _any_alive(children, running_too=True):
             await asyncio.sleep(0.05)
         for child in children:
-            # The group too: a leader that exited may leave workers behind.
-            child.signal_group(signal.SIGKILL)
+            child.signal_tree(signal.SIGKILL)
             if child.popen is not None:
                 with contextlib.suppress(subprocess.TimeoutExpired):
                     child.popen.wait(5)
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and _any_alive(children):
+            await asyncio.sleep(0.05)
+
+
+def _any_alive(children: Sequence[Child], running_too: bool = False) -> bool:
+    """One /proc scan for all children: whether any of their processes still runs."""
+    if running_too and any(c.running for c in children):
+        return True
+    table = scan()
+    return any(c.tree_alive(table) for c in children)
 
 
 def describe_table(table: RoutingTable) -> str:

@@ -32,7 +32,7 @@ from pdserve.proxy.served import ServedTable, served_view
 from pdserve.proxy.settings import ProxySettings
 from pdserve.proxy.upstream import Upstream
 from pdserve.routing import Instance, Role
-from pdserve.wire.headers import AUTHORIZATION, REQUEST_ID
+from pdserve.wire.headers import AUTHORIZATION, ERROR_REASON, REQUEST_ID
 from pdserve.wire.openai import RequestError, error_body
 
 log = logging.getLogger("pdserve.proxy")
@@ -42,8 +42,8 @@ log = logging.getLogger("pdserve.proxy")
 OPEN_PATHS = frozenset({"/health", "/ready", "/metrics", "/routing/served"})
 ADMIN_TIMEOUT_S = 10.0
 
-_HTTP_CODES = {
-    400: "invalid_request_error",
+_HTTP_REASONS = {
+    400: "invalid_request",
     404: "not_found",
     405: "method_not_allowed",
     413: "request_too_large",
@@ -54,8 +54,17 @@ def json_response(payload: Any, status: int = 200) -> Response:
     return Response(json.dumps(payload), status=status, content_type="application/json")
 
 
-def openai_error(status: int, message: str, type_: str, code: str) -> Response:
-    return json_response(error_body(message, type_, code), status)
+def openai_error(status: int, message: str, reason: str) -> Response:
+    """The router's own error: vLLM's body, pdserve's reason in the X-PDServe-Error header."""
+    response = json_response(error_body(status, message), status)
+    response.headers[ERROR_REASON] = reason
+    return response
+
+
+def refusal_response(exc: RequestError) -> Response:
+    response = json_response(exc.body(), exc.status)
+    response.headers[ERROR_REASON] = exc.reason
+    return response
 
 
 @dataclass
@@ -136,7 +145,7 @@ def create_app(settings: ProxySettings, lifecycle: Lifecycle | None = None) -> G
         if request.path not in OPEN_PATHS:
             problem = client_key_problem(settings.api_key, request.headers.get(AUTHORIZATION))
             if problem is not None:
-                return json_response(problem.body(), problem.status)
+                return refusal_response(problem)
         return None
 
     @app.after_request
@@ -146,7 +155,7 @@ def create_app(settings: ProxySettings, lifecycle: Lifecycle | None = None) -> G
 
     @app.errorhandler(RequestError)
     async def refused(exc: RequestError) -> Response:
-        return json_response(exc.body(), exc.status)
+        return refusal_response(exc)
 
     @app.errorhandler(HTTPException)
     async def http_error(exc: HTTPException) -> Response:
@@ -156,12 +165,12 @@ def create_app(settings: ProxySettings, lifecycle: Lifecycle | None = None) -> G
             405: f"method {request.method} is not allowed on {request.path}",
             413: f"request body is larger than {settings.max_body_bytes} bytes",
         }.get(status, exc.description or exc.name)
-        return openai_error(status, message, "invalid_request_error", _HTTP_CODES.get(status, str(status)))
+        return openai_error(status, message, _HTTP_REASONS.get(status, f"http_{status}"))
 
     @app.errorhandler(Exception)
     async def crashed(exc: Exception) -> Response:
         log.exception("unexpected error serving %s %s", request.method, request.path)
-        return openai_error(500, "internal proxy error", "internal_error", "internal_error")
+        return openai_error(500, "internal proxy error", "internal_error")
 
     @app.get("/health")
     async def health() -> Response:
@@ -244,9 +253,7 @@ def create_app(settings: ProxySettings, lifecycle: Lifecycle | None = None) -> G
                             return Response(body, content_type=resp.content_type or "application/json")
             except (TimeoutError, aiohttp.ClientError) as exc:
                 log.warning("GET /v1/models from %s failed: %s", inst.name, exc)
-        return openai_error(
-            503, "no ready decode instance answered /v1/models", "service_unavailable", "no_decode_slot"
-        )
+        return openai_error(503, "no ready decode instance answered /v1/models", "no_decode_slot")
 
     def _admin_headers() -> dict[str, str]:
         if settings.backend_api_key:

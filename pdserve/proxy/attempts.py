@@ -139,8 +139,7 @@ def no_slot_reply(role: Role, detail: str, retry_after: float) -> Reply:
     return error_reply(
         503,
         f"no routable {role.value} instance: {detail}",
-        "ServiceUnavailableError",
-        503,
+        f"no_{role.value}_slot",
         retry_after_header(retry_after),
     )
 
@@ -167,7 +166,7 @@ def failure_reply(failure: LegFailure, attempts: int) -> Reply:
     error = failure.error
     message = f"{failure.role.value} {failure.slot.key} failed after {attempts} attempt(s): {error.detail}"
     if error.outcome == "bad_handoff":
-        return error_reply(502, message, "upstream_error", "bad_kv_handoff")
+        return error_reply(502, message, "bad_kv_handoff")
     if error.outcome == "timeout":
-        return error_reply(504, message, "upstream_timeout", f"{failure.role.value}_timeout")
-    return error_reply(502, message, "upstream_error", f"{failure.role.value}_unavailable")
+        return error_reply(504, message, f"{failure.role.value}_timeout")
+    return error_reply(502, message, f"{failure.role.value}_unavailable")

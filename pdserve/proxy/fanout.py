@@ -65,19 +65,17 @@ def plan_fan_out(body: Mapping[str, Any], endpoint: Endpoint, max_parts: int) ->
             400,
             "'use_beam_search' cannot be served with prefill/decode disaggregation (beam search runs "
             "its steps on one engine); send the request without it",
-            "BadRequestError",
             param="use_beam_search",
         )
     best_of = body.get("best_of")
     if best_of is not None:
         if isinstance(best_of, bool) or not isinstance(best_of, int) or best_of < 1:
-            raise RequestError(400, "'best_of' must be an integer >= 1", "BadRequestError", param="best_of")
+            raise RequestError(400, "'best_of' must be an integer >= 1", param="best_of")
         if best_of > 1:
             raise RequestError(
                 400,
                 f"'best_of' {best_of} is not supported (vLLM V1 does not implement best_of); use 'n' "
                 "to get several completions",
-                "BadRequestError",
                 param="best_of",
             )
     n = body.get("n") or 1  # check_generation_request made sure it is an integer >= 1
@@ -91,7 +89,6 @@ def plan_fan_out(body: Mapping[str, Any], endpoint: Endpoint, max_parts: int) ->
             400,
             f"this request makes {count} sequences ({len(prompts)} prompt(s) x n={n}), more than the "
             f"router serves in one request ({max_parts}, --max-fan-out); split it",
-            "BadRequestError",
             param=field,
         )
     seed = body.get("seed")

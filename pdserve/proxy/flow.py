@@ -210,7 +210,7 @@ class Dispatcher(LegRunner):
         ordered = [replies[k] for k in sorted(replies)]  # part order: MergedStream indexes by it
         streams: list[ReplyStream] = [r.body for r in ordered if not isinstance(r.body, bytes)]
         if failed is None and trace.stream and len(streams) != len(tasks):
-            failed = error_reply(502, "a decode answered a stream without streaming", "upstream_error", 502)
+            failed = error_reply(502, "a decode answered a stream without streaming", "upstream_error")
         if failed is not None:
             await _close_streams(replies.values())
             return failed
@@ -224,7 +224,7 @@ class Dispatcher(LegRunner):
         try:
             return Reply(200, merge_answers(fan, answers, trace.request_id))
         except ValueError as exc:
-            return error_reply(502, f"cannot merge the decodes' answers: {exc}", "upstream_error", 502)
+            return error_reply(502, f"cannot merge the decodes' answers: {exc}", "upstream_error")
 
     def _no_slot(self, role: Role, slots: SlotTable | None, relevant: Sequence[Slot] | None = None) -> Reply:
         detail, wait = no_slot_detail(role, slots, self.unreachable, relevant)

@@ -13,16 +13,24 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
+import json
 import logging
 import uuid
-from collections.abc import Awaitable, Callable, MutableMapping
+from collections.abc import Awaitable, Callable, Mapping, MutableMapping
 from typing import Any
 
 from pdserve.proxy import codec
 from pdserve.proxy.fanout import plan_fan_out
 from pdserve.proxy.flow import Dispatcher, Reply
 from pdserve.proxy.ports import refused_here
-from pdserve.wire.openai import Endpoint, RequestError, check_generation_request, error_body
+from pdserve.wire.headers import ERROR_REASON
+from pdserve.wire.openai import (
+    VALIDATION_ERROR_TYPE,
+    Endpoint,
+    RequestError,
+    check_generation_request,
+    error_body,
+)
 
 log = logging.getLogger("pdserve.proxy")
 
@@ -31,6 +39,8 @@ Message = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Any, Any, Any], Awaitable[None]]  # Quart types its ASGI events precisely
+
+ERROR_REASON_HEADER = ERROR_REASON.lower().encode()
 
 ENDPOINTS: dict[str, Endpoint] = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}
 
@@ -43,10 +53,7 @@ def client_key_problem(api_key: str | None, authorization: str | None) -> Reques
     if hmac.compare_digest(presented, f"Bearer {api_key}".encode()):
         return None
     return RequestError(
-        401,
-        "missing or wrong API key (send 'Authorization: Bearer <key>')",
-        "authentication_error",
-        code="invalid_api_key",
+        401, "missing or wrong API key (send 'Authorization: Bearer <key>')", reason="invalid_api_key"
     )
 
 
@@ -112,7 +119,9 @@ class GenerationApp:
     def _refusal(self, scope: Scope, headers: dict[str, str]) -> RequestError | None:
         if scope["method"] != "POST":
             return RequestError(
-                405, f"method {scope['method']} is not allowed on {scope['path']}", code="method_not_allowed"
+                405,
+                f"method {scope['method']} is not allowed on {scope['path']}",
+                reason="method_not_allowed",
             )
         length = headers.get("content-length")
         if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
@@ -145,11 +154,7 @@ class GenerationApp:
         self, send: Send, endpoint: Endpoint, path: str, raw: bytes, request_id: str, headers: dict[str, str]
     ) -> None:
         try:
-            try:
-                body = codec.loads(raw)
-            except (ValueError, UnicodeDecodeError) as exc:
-                raise RequestError(400, f"request body is not valid JSON: {exc}") from None
-            checked = check_generation_request(body, endpoint)
+            checked = parse_request(raw, endpoint)
             fan = plan_fan_out(checked, endpoint, self.dispatcher.max_fan_out)
         except RequestError as exc:
             _log_refusal(request_id, path, exc)
@@ -161,11 +166,21 @@ class GenerationApp:
             )
         except Exception:
             log.exception("unexpected error serving request %s", request_id)
-            reply = Reply(
-                500,
-                codec.dumps(error_body("internal proxy error", "internal_error", "internal_error")),
-            )
+            reply = Reply(500, codec.dumps(error_body(500, "internal proxy error")), reason="internal_error")
         await _send_reply(send, reply, request_id)
+
+
+def parse_request(raw: bytes, endpoint: Endpoint) -> Mapping[str, Any]:
+    """The body of a generation request, or the refusal vLLM would answer (its status, type, param)."""
+    try:
+        body = codec.loads(raw)
+    except json.JSONDecodeError as exc:
+        message = f"request body is not valid JSON: {exc}"
+        raise RequestError(400, message, f"body.{exc.pos}", "invalid_json", VALIDATION_ERROR_TYPE) from None
+    except ValueError as exc:  # UnicodeDecodeError
+        message = f"request body is not valid JSON: {exc}"
+        raise RequestError(400, message, "body", "invalid_json", VALIDATION_ERROR_TYPE) from None
+    return check_generation_request(body, endpoint)
 
 
 async def _wait_disconnect(receive: Receive) -> None:
@@ -174,15 +189,15 @@ async def _wait_disconnect(receive: Receive) -> None:
 
 
 def _too_large(limit: int) -> RequestError:
-    return RequestError(413, f"request body is larger than {limit} bytes", code="request_too_large")
+    return RequestError(413, f"request body is larger than {limit} bytes", reason="request_too_large")
 
 
 def _not_on_this_port(path: str) -> RequestError:
-    return RequestError(404, f"no such endpoint on this port: {path}", code="not_found")
+    return RequestError(404, f"no such endpoint on this port: {path}", reason="not_found")
 
 
 def _error_reply(exc: RequestError) -> Reply:
-    return Reply(exc.status, codec.dumps(exc.body()))
+    return Reply(exc.status, codec.dumps(exc.body()), reason=exc.reason)
 
 
 def _log_refusal(request_id: str, path: str, exc: RequestError) -> None:
@@ -192,7 +207,7 @@ def _log_refusal(request_id: str, path: str, exc: RequestError) -> None:
         request_id,
         path,
         exc.status,
-        exc.code,
+        exc.reason,
     )
 
 
@@ -202,6 +217,8 @@ async def _send_reply(send: Send, reply: Reply, request_id: str) -> None:
         (b"x-request-id", request_id.encode("latin-1")),
         *reply.headers,
     ]
+    if reply.reason is not None:
+        headers.append((ERROR_REASON_HEADER, reply.reason.encode("latin-1")))
     if isinstance(reply.body, bytes):
         headers.append((b"content-length", str(len(reply.body)).encode()))
         await send({"type": "http.response.start", "status": reply.status, "headers": headers})

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import aiohttp
 
@@ -17,8 +17,12 @@ if TYPE_CHECKING:
     from pdserve.proxy.legs import LegRunner, Trace
 
 
-def sse_error_event(message: str, code: str) -> bytes:
-    event = codec.dumps(error_body(message, "upstream_error", code))
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+def sse_error_event(status: int, message: str) -> bytes:
+    """An error event in the stream, shaped as vLLM shapes its own mid-stream errors."""
+    event = codec.dumps(error_body(status, message))
     return b"data: " + event + b"\n\ndata: [DONE]\n\n"
 
 
@@ -73,6 +77,11 @@ class RelayStream:
     A class rather than an async generator so that cleanup (closing the upstream response,
     counters, the log line) is synchronous and happens even if the HTTP layer drops the
     response before iterating it.
+
+    Once ``[DONE]`` has been handed to the client (the HTTP layer asks for the next chunk only
+    after sending the previous one), the answer is complete: a client that hangs up while the
+    relay still waits for the decode's end of body (real vLLM writes it separately) did not
+    cancel anything, and a decode that breaks or stalls after ``[DONE]`` lost the client nothing.
     """
 
     def __init__(
@@ -91,37 +100,57 @@ class RelayStream:
         self._background = background
         self._done = False
         self._ends_event = True
+        self._tail = b""  # the end of what was relayed, to spot [DONE] split across chunks
+        self._done_relayed = False  # [DONE] was returned to the HTTP layer
+        self._client_has_all = False  # ... and the HTTP layer sent it (it asked for more)
         self._idle = IdleDeadline(opened.response.content, dispatcher.deadlines.stream_idle)
 
     def __aiter__(self) -> RelayStream:
         return self
 
     async def __anext__(self) -> bytes:
+        self._client_has_all = self._done_relayed
         if self._pending is not None:
             chunk, self._pending = self._pending, None
-            self._ends_event = chunk.endswith(b"\n\n")
-            return chunk
+            return self._relayed(chunk)
         if self._done:
             raise StopAsyncIteration
         self._idle.reading()
         try:
             chunk = await self._response.content.readany()
         except StreamIdle:
+            if self._client_has_all:
+                self._end()
             self._d.metrics.deadline_expiries.labels("decode", "stream_idle").inc()
             message = f"no data from the decode for {self._idle.seconds:g} s"
             return self._fail("timeout", "stream_idle_timeout", message)
         except aiohttp.ClientError as exc:
+            if self._client_has_all:
+                self._end()
             return self._fail("dropped", "upstream_dropped", f"the decode's stream broke: {exc or type(exc)}")
         except asyncio.CancelledError:
-            self.close("cancelled")
+            self.close(self._ending())
             raise
         finally:
             self._idle.waiting_for_client()
         if not chunk:
-            self.close("ok")
-            raise StopAsyncIteration
+            self._end()
+        return self._relayed(chunk)
+
+    def _relayed(self, chunk: bytes) -> bytes:
         self._ends_event = chunk.endswith(b"\n\n")
+        seen = self._tail + chunk
+        self._done_relayed = self._done_relayed or seen.endswith(SSE_DONE)
+        self._tail = seen[-len(SSE_DONE) :]
         return chunk
+
+    def _end(self) -> NoReturn:
+        self.close("ok")
+        raise StopAsyncIteration
+
+    def _ending(self) -> str:
+        """The outcome of a stream stopped now from outside: complete once the client has [DONE]."""
+        return "ok" if self._client_has_all else "cancelled"
 
     def _fail(self, outcome: str, code: str, message: str) -> bytes:
         self._d.metrics.stream_errors.labels(code).inc()
@@ -129,10 +158,11 @@ class RelayStream:
         self._d._eject(Role.DECODE, self._slot, outcome)
         # Finish any half-sent event first so the error is an event of its own.
         prefix = b"" if self._ends_event else b"\n\n"
-        return prefix + sse_error_event(f"decode {self._slot.key}: {message}", code)
+        status = 504 if outcome == "timeout" else 502
+        return prefix + sse_error_event(status, f"decode {self._slot.key}: {message}")
 
     async def aclose(self) -> None:
-        self.close("cancelled")
+        self.close(self._ending())
 
     def close(self, outcome: str) -> None:
         if self._done and self._trace.closed:
@@ -153,4 +183,4 @@ class RelayStream:
     def __del__(self) -> None:
         if not self._done:
             with contextlib.suppress(Exception):  # never raise from a finalizer
-                self.close("cancelled")
+                self.close(self._ending())

@@ -27,9 +27,11 @@ class Reply:
     body: bytes | ReplyStream
     content_type: str = JSON
     headers: tuple[tuple[bytes, bytes], ...] = ()
+    reason: str | None = None  # the router's own error: sent as X-PDServe-Error
 
 
 def error_reply(
-    status: int, message: str, type_: str, code: str | int, headers: tuple[tuple[bytes, bytes], ...] = ()
+    status: int, message: str, reason: str, headers: tuple[tuple[bytes, bytes], ...] = ()
 ) -> Reply:
-    return Reply(status, codec.dumps(error_body(message, type_, code)), headers=headers)
+    """The router's own error: vLLM's body, pdserve's reason in the X-PDServe-Error header."""
+    return Reply(status, codec.dumps(error_body(status, message)), headers=headers, reason=reason)

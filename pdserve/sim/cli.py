@@ -19,7 +19,7 @@ that answers the way vLLM does in a P/D deployment, without a GPU or a model:
 
 Fault specs (--fault, repeatable): KIND[:ARG][@RATE], RATE in [0, 1] (default 1); kinds
 without an argument also take KIND:RATE. Kinds: malformed-kv-params, http-500, hang,
-slow-first-byte:MS, drop-mid-stream, reset. Examples: --fault http-500:0.5
+slow-first-byte:MS, drop-mid-stream, reset, slow-end:MS. Examples: --fault http-500:0.5
 --fault slow-first-byte:2000@0.25. See docs/simulator.md for what a client sees.
 """
 
@@ -99,7 +99,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
         default=[],
         metavar="KIND[:ARG][@RATE]",
         help="inject a fault into generation requests (repeatable; first that fires wins): "
-        "malformed-kv-params, http-500, hang, slow-first-byte:MS, drop-mid-stream, reset",
+        "malformed-kv-params, http-500, hang, slow-first-byte:MS, drop-mid-stream, reset, slow-end:MS",
     )
     parser.add_argument(
         "--seed",

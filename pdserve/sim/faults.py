@@ -9,7 +9,9 @@ Syntax of one spec (``--fault`` and ``POST /sim/faults``)::
 
 ``RATE`` is the probability in [0, 1] that the fault fires on a request it applies to (default
 1). Kinds without an argument also accept ``KIND:RATE`` (``http-500:0.5``). Only
-``slow-first-byte`` takes an argument, the delay in milliseconds (``slow-first-byte:2000@0.5``).
+``slow-first-byte`` and ``slow-end`` take an argument, a delay in milliseconds
+(``slow-first-byte:2000@0.5``). ``slow-end`` is not a misbehaviour but real vLLM's timing: its
+stream ends (the last chunk of the body) in a write of its own, some time after ``[DONE]``.
 Everything here is pure; the server applies the chosen fault.
 """
 
@@ -31,6 +33,11 @@ class FaultKind(StrEnum):
     SLOW_FIRST_BYTE = "slow-first-byte"
     DROP_MID_STREAM = "drop-mid-stream"
     RESET = "reset"
+    SLOW_END = "slow-end"
+
+
+#: Kinds whose argument is a delay in milliseconds.
+DELAYED = (FaultKind.SLOW_FIRST_BYTE, FaultKind.SLOW_END)
 
 
 #: The legs a generation request can be: a P/D prefill, a P/D decode, or an ordinary request.
@@ -45,7 +52,7 @@ class FaultSpecError(ValueError):
 class Fault:
     kind: FaultKind
     rate: float = 1.0
-    delay_ms: int | None = None  # slow-first-byte only
+    delay_ms: int | None = None  # slow-first-byte and slow-end only
     legs: frozenset[str] | None = None  # None: every leg
     ranks: frozenset[int] | None = None  # None: every rank
 
@@ -86,9 +93,9 @@ def parse_fault(spec: str) -> Fault:
         text, arg_text = text.split(":", 1)
     kind = _kind(text, spec)
     delay_ms: int | None = None
-    if kind is FaultKind.SLOW_FIRST_BYTE:
+    if kind in DELAYED:
         if arg_text is None:
-            raise FaultSpecError(f"fault {spec!r}: slow-first-byte needs a delay, e.g. slow-first-byte:2000")
+            raise FaultSpecError(f"fault {spec!r}: {kind} needs a delay in milliseconds, e.g. {kind}:2000")
         delay_ms = _delay(arg_text, spec)
     elif arg_text is not None:
         if rate_text is not None:
@@ -187,12 +194,12 @@ def _fault_item(item: object, path: str) -> Fault:
         raise FaultSpecError(f"{path}.rate: expected a number in [0, 1], got {rate_value!r}")
     delay_ms: int | None = None
     ms_value = item.get("ms")
-    if kind is FaultKind.SLOW_FIRST_BYTE:
+    if kind in DELAYED:
         if isinstance(ms_value, bool) or not isinstance(ms_value, int) or ms_value < 0:
-            raise FaultSpecError(f"{path}.ms: slow-first-byte needs a delay in milliseconds (integer >= 0)")
+            raise FaultSpecError(f"{path}.ms: {kind} needs a delay in milliseconds (integer >= 0)")
         delay_ms = ms_value
     elif ms_value is not None:
-        raise FaultSpecError(f"{path}.ms: only slow-first-byte takes a delay")
+        raise FaultSpecError(f"{path}.ms: only {', '.join(DELAYED)} take a delay")
     legs = _filter(item.get("roles"), f"{path}.roles", str)
     if legs is not None and not legs <= set(LEGS):
         raise FaultSpecError(f"{path}.roles: expected a list of {', '.join(LEGS)}")

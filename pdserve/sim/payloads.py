@@ -71,7 +71,9 @@ def count_prompt_tokens(body: Mapping[str, Any], endpoint: Endpoint) -> int:
     """A stand-in for tokenisation: words of a text prompt, ids of a token prompt (at least 1)."""
     if endpoint == "chat":
         total = 0
-        for message in body.get("messages", []):
+        for message in body.get("messages") or []:
+            if not isinstance(message, Mapping):
+                continue
             content = message.get("content")
             if isinstance(content, str):
                 total += len(content.split())
@@ -104,13 +106,16 @@ def wants_usage_in_stream(body: Mapping[str, Any]) -> bool:
     return isinstance(options, Mapping) and options.get("include_usage") is True
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
-    return {
+def usage(prompt_tokens: int, completion_tokens: int, streamed: bool = False) -> dict[str, Any]:
+    """vLLM's ``usage``; the usage chunk of a stream carries only the three counts."""
+    out: dict[str, Any] = {
         "prompt_tokens": prompt_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
         "completion_tokens": completion_tokens,
-        "prompt_tokens_details": None,
     }
+    if not streamed:
+        out |= {"prompt_tokens_details": None, "completion_tokens_details": None}
+    return out
 
 
 # --- request classification ---------------------------------------------------------------------
@@ -230,6 +235,11 @@ def moriio_mode(params: Mapping[str, Any]) -> str:
 
 
 # --- bodies and chunks --------------------------------------------------------------------------
+# Keys, and which are null, as vLLM 0.32 answers (tests/fixtures/vllm-0.32.0/, held by
+# tests/unit/test_vllm_fixtures.py).
+
+#: ``system_fingerprint``: vLLM's is ``vllm-<version>-<hash of its config>``.
+SYSTEM_FINGERPRINT = "pdserve-sim"
 
 
 def completion_body(
@@ -244,24 +254,24 @@ def completion_body(
     kv_params: Mapping[str, Any] | None,
 ) -> dict[str, Any]:
     """A non-streaming ``text_completion`` or ``chat.completion`` body, as vLLM shapes it."""
+    ends = {"finish_reason": reason, "stop_reason": None, "token_ids": None, "routed_experts": None}
     if endpoint == "chat":
-        choice: dict[str, Any] = {
-            "index": 0,
-            "message": {"role": "assistant", "content": text, "reasoning_content": None, "tool_calls": []},
-            "logprobs": None,
-            "finish_reason": reason,
-            "stop_reason": None,
+        message = {
+            "role": "assistant",
+            "content": text,
+            "refusal": None,
+            "annotations": None,
+            "audio": None,
+            "function_call": None,
+            "reasoning": None,
         }
+        choice: dict[str, Any] = {"index": 0, "message": message, "logprobs": None, **ends}
+        extra: dict[str, Any] = {"prompt_logprobs": None, "prompt_token_ids": None, "prompt_text": None}
         obj = "chat.completion"
     else:
-        choice = {
-            "index": 0,
-            "text": text,
-            "logprobs": None,
-            "finish_reason": reason,
-            "stop_reason": None,
-            "prompt_logprobs": None,
-        }
+        choice = {"index": 0, "text": text, "logprobs": None, **ends}
+        choice |= {"prompt_logprobs": None, "prompt_token_ids": None}
+        extra = {}
         obj = "text_completion"
     return {
         "id": rid,
@@ -270,42 +280,31 @@ def completion_body(
         "model": model,
         "choices": [choice],
         "service_tier": None,
-        "system_fingerprint": None,
+        "system_fingerprint": SYSTEM_FINGERPRINT,
         "usage": usage(prompt_tokens, completion_tokens),
-        "prompt_logprobs": None,
         "kv_transfer_params": dict(kv_params) if kv_params is not None else None,
+        "ec_transfer_params": None,
+        "metrics": None,
+        **extra,
     }
 
 
 def stream_chunk(
     endpoint: Endpoint, rid: str, model: str, created: int, text: str, reason: str | None
 ) -> dict[str, Any]:
-    """One token's ``text_completion`` or ``chat.completion.chunk``."""
+    """One token's ``text_completion`` or ``chat.completion.chunk`` (``reason`` on the last)."""
     if endpoint == "chat":
-        return {
-            "id": rid,
-            "object": "chat.completion.chunk",
-            "created": created,
-            "model": model,
-            "choices": [
-                {
-                    "index": 0,
-                    "delta": {"content": text},
-                    "logprobs": None,
-                    "finish_reason": reason,
-                    "stop_reason": None,
-                }
-            ],
-        }
-    return {
-        "id": rid,
-        "object": "text_completion",
-        "created": created,
-        "model": model,
-        "choices": [
-            {"index": 0, "text": text, "logprobs": None, "finish_reason": reason, "stop_reason": None}
-        ],
-    }
+        choice: dict[str, Any] = {"index": 0, "delta": {"content": text}, "logprobs": None}
+        choice["finish_reason"] = reason
+        if reason is not None:
+            choice["stop_reason"] = None
+        choice["token_ids"] = None
+        obj = "chat.completion.chunk"
+    else:
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": reason, "stop_reason": None}
+        choice |= {"token_ids": None, "prompt_token_ids": None}
+        obj = "text_completion"
+    return {"id": rid, "object": obj, "created": created, "model": model, "choices": [choice]}
 
 
 def chat_role_chunk(rid: str, model: str, created: int) -> dict[str, Any]:
@@ -323,6 +322,8 @@ def chat_role_chunk(rid: str, model: str, created: int) -> dict[str, Any]:
                 "finish_reason": None,
             }
         ],
+        "prompt_token_ids": None,
+        "prompt_text": None,
     }
 
 
@@ -336,7 +337,8 @@ def usage_chunk(
         "created": created,
         "model": model,
         "choices": [],
-        "usage": usage(prompt_tokens, completion_tokens),
+        "usage": usage(prompt_tokens, completion_tokens, streamed=True),
+        "system_fingerprint": SYSTEM_FINGERPRINT,
     }
 
 
@@ -359,7 +361,22 @@ def models_body(identity: Identity, created: int) -> dict[str, Any]:
                 "root": identity.model,
                 "parent": None,
                 "max_model_len": identity.max_model_len,
-                "permission": [],
+                "permission": [
+                    {
+                        "id": f"modelperm-{identity.instance_name}",
+                        "object": "model_permission",
+                        "created": created,
+                        "allow_create_engine": False,
+                        "allow_sampling": True,
+                        "allow_logprobs": True,
+                        "allow_search_indices": False,
+                        "allow_view": True,
+                        "allow_fine_tuning": False,
+                        "organization": "*",
+                        "group": None,
+                        "is_blocking": False,
+                    }
+                ],
             }
         ],
     }
@@ -374,6 +391,7 @@ def metrics_text(
     success: Sequence[Mapping[str, int]],
     prompt_tokens: Sequence[int],
     generation_tokens: Sequence[int],
+    external_hits: Sequence[int] | None = None,
 ) -> str:
     """Prometheus exposition of vLLM's per-engine metrics that routers and dashboards read."""
     lines: list[str] = []
@@ -400,4 +418,12 @@ def metrics_text(
     lines += [f"vllm:prompt_tokens_total{labels(r)} {n}" for r, n in enumerate(prompt_tokens)]
     family("vllm:generation_tokens_total", "counter", "Number of generation tokens processed.")
     lines += [f"vllm:generation_tokens_total{labels(r)} {n}" for r, n in enumerate(generation_tokens)]
+    # A decode leg's prompt came over the KV connector: vLLM counts it as external cache hits.
+    hits = external_hits if external_hits is not None else [0] * len(running)
+    for name, help_text in (
+        ("vllm:external_prefix_cache_queries_total", "External prefix cache queries from KV connector."),
+        ("vllm:external_prefix_cache_hits_total", "External prefix cache hits from KV connector."),
+    ):
+        family(name, "counter", help_text)
+        lines += [f"{name}{labels(r)} {n}" for r, n in enumerate(hits)]
     return "\n".join(lines) + "\n"

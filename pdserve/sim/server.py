@@ -24,7 +24,7 @@ from typing import Any
 
 from aiohttp import web
 
-from pdserve.sim import payloads
+from pdserve.sim import payloads, validation
 from pdserve.sim.faults import (
     Fault,
     FaultKind,
@@ -38,7 +38,7 @@ from pdserve.sim.payloads import Endpoint, Identity, Leg
 from pdserve.sim.stats import SimStats
 from pdserve.wire.headers import AUTHORIZATION, DP_RANK, REQUEST_ID
 from pdserve.wire.kv import moriio_handoff_problems, nixl_handoff_problems, parse_moriio_request_id
-from pdserve.wire.openai import RequestError, check_generation_request, error_body
+from pdserve.wire.openai import RequestError, error_body
 
 ROLES = ("prefill", "decode", "both")
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -145,7 +145,12 @@ class Simulator:
     async def metrics(self, request: web.Request) -> web.Response:
         s = self.stats
         text = payloads.metrics_text(
-            self.config.identity.model, s.in_flight, s.success, s.prompt_tokens, s.generation_tokens
+            self.config.identity.model,
+            s.in_flight,
+            s.success,
+            s.prompt_tokens,
+            s.generation_tokens,
+            s.external_hits,
         )
         return web.Response(text=text, content_type="text/plain", charset="utf-8")
 
@@ -169,7 +174,7 @@ class Simulator:
             self.faults = faults_from_json(body)
         except ValueError as exc:  # FaultSpecError and JSONDecodeError are both ValueErrors
             message = str(exc) if isinstance(exc, FaultSpecError) else f"body is not valid JSON: {exc}"
-            return web.json_response(error_body(message, code="400", param="faults"), status=400)
+            return web.json_response(error_body(400, message, param="faults"), status=400)
         return web.json_response({"faults": [f.to_dict() for f in self.faults]})
 
     # --- generation -----------------------------------------------------------------------------
@@ -181,20 +186,18 @@ class Simulator:
         return await self._generate(request, "chat")
 
     async def _generate(self, request: web.Request, endpoint: Endpoint) -> web.StreamResponse:
+        # vLLM's checks, in vLLM's words (pdserve.sim.validation), not the router's.
         try:
-            body = json.loads(await request.read())
-        except ValueError as exc:
-            return self._reject("invalid_json", RequestError(400, f"request body is not valid JSON: {exc}"))
-        try:
-            check_generation_request(body, endpoint)
+            body = validation.parse_body(await request.read())
         except RequestError as exc:
-            return self._reject("invalid_request", exc)
-        model = body.get("model")
-        if model is not None and model != self.config.identity.model:
-            return self._reject(
-                "model_not_found",
-                RequestError(404, f"The model `{model}` does not exist.", "NotFoundError", "model"),
-            )
+            return self._reject("invalid_json", exc)
+        try:
+            validation.check_schema(body, endpoint)
+            identity = self.config.identity
+            prompt_tokens = payloads.count_prompt_tokens(body, endpoint)
+            validation.check_request(body, endpoint, identity.model, identity.max_model_len, prompt_tokens)
+        except RequestError as exc:
+            return self._reject("model_not_found" if exc.status == 404 else "invalid_request", exc)
         try:
             header_rank = payloads.parse_rank_header(request.headers.get(DP_RANK), self.config.dp_size)
         except RequestError as exc:
@@ -215,7 +218,6 @@ class Simulator:
                     f"this P/D request makes {sequences} sequences (a batched prompt or n > 1) but "
                     "kv_transfer_params carries one KV handoff (real vLLM would hand over the first "
                     "one only)",
-                    "BadRequestError",
                     param="kv_transfer_params",
                 ),
             )
@@ -225,7 +227,7 @@ class Simulator:
             # it like this; newer vLLM salts its internal id but still aborts by this one).
             return self._reject(
                 "duplicate_request_id",
-                RequestError(400, f"Request id {client_id} already running.", "BadRequestError"),
+                RequestError(400, f"Request id {client_id} already running."),
             )
 
         rank = header_rank if header_rank is not None else self._pick_rank()
@@ -277,7 +279,7 @@ class Simulator:
         return web.json_response(exc.body(), status=exc.status)
 
     def _wrong_role(self, leg: Leg) -> RequestError | None:
-        """A misrouted P/D leg is made visible (real kv_both vLLM would serve it)."""
+        """A misrouted leg is made visible (real vLLM's NixlConnector ignores kv_role: it would serve it)."""
         role = self.config.role
         if role == "decode" and leg == "prefill":
             return RequestError(400, "this instance is a decode instance; it does not serve do_remote_decode")
@@ -382,7 +384,7 @@ class Simulator:
             await asyncio.sleep(fault.delay_ms / 1000)
         if kind is FaultKind.HTTP_500:
             job.record["outcome"] = "http-500"
-            body = error_body("simulated internal server error (fault http-500)", "InternalServerError", 500)
+            body = error_body(500, "simulated internal server error (fault http-500)")
             return web.json_response(body, status=500)
         kv_answer = self._kv_answer(job)
         if kv_answer is not None:
@@ -391,7 +393,8 @@ class Simulator:
             job.record["kv_answer"] = kv_answer
         drop = kind is FaultKind.DROP_MID_STREAM
         if job.body.get("stream"):
-            return await self._stream(request, job, kv_answer, drop)
+            linger = fault.delay_ms if kind is FaultKind.SLOW_END and fault is not None else None
+            return await self._stream(request, job, kv_answer, drop, linger)
         return await self._respond(request, job, kv_answer, drop)
 
     async def _respond(
@@ -422,7 +425,12 @@ class Simulator:
         return await self._abort(request, job)
 
     async def _stream(
-        self, request: web.Request, job: Job, kv_answer: dict[str, Any] | None, drop: bool
+        self,
+        request: web.Request,
+        job: Job,
+        kv_answer: dict[str, Any] | None,
+        drop: bool,
+        linger_ms: int | None = None,
     ) -> web.StreamResponse:
         c = self.config
         model = c.identity.model
@@ -460,8 +468,10 @@ class Simulator:
             )
             await response.write(payloads.sse(chunk))
         await response.write(payloads.SSE_DONE)
+        self._finished(job)  # the client has the whole answer
+        if linger_ms:
+            await asyncio.sleep(linger_ms / 1000)
         await response.write_eof()
-        self._finished(job)
         return response
 
     def _finished(self, job: Job) -> None:
@@ -470,6 +480,8 @@ class Simulator:
         s.success[job.rank][payloads.finish_reason(job.num_tokens, job.body)] += 1
         s.prompt_tokens[job.rank] += job.prompt_tokens
         s.generation_tokens[job.rank] += job.num_tokens
+        if job.leg == "decode":
+            s.external_hits[job.rank] += job.prompt_tokens
         job.record["outcome"] = "ok"
 
     async def _abort(self, request: web.Request, job: Job) -> web.StreamResponse:

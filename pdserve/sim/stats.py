@@ -33,6 +33,8 @@ class SimStats:
     success: list[Counter[str]] = field(default_factory=list)
     prompt_tokens: list[int] = field(default_factory=list)
     generation_tokens: list[int] = field(default_factory=list)
+    #: Prompt tokens of decode legs, as vLLM's NIXL decode counts the KV it pulled.
+    external_hits: list[int] = field(default_factory=list)
     recent: deque[dict[str, Any]] = field(default_factory=lambda: deque(maxlen=RECENT_LIMIT))
 
     def __post_init__(self) -> None:
@@ -55,6 +57,7 @@ class SimStats:
         self.success = [Counter() for _ in range(self.dp_size)]
         self.prompt_tokens = [0] * self.dp_size
         self.generation_tokens = [0] * self.dp_size
+        self.external_hits = [0] * self.dp_size
         self.recent.clear()
 
     def to_dict(self) -> dict[str, Any]:

@@ -1,76 +1,123 @@
-"""OpenAI-style request checks and error bodies.
+"""OpenAI-style request checks and error bodies, in vLLM's shape.
 
-A client's mistake must get a 4xx with ``{"error": {"message", "type", "code"}}``, never a 500,
-from the proxy and from the simulator alike. vLLM's own shape has an integer ``code`` (the HTTP
-status) and ``type`` names such as ``BadRequestError``; an error made without a specific code
-gets the status as its code.
+A client's mistake must get a 4xx with an error body, never a 500, from the proxy and from the
+simulator alike. The body is vLLM's ``ErrorResponse``
+(``vllm/entrypoints/serve/engine/protocol.py``), so a client sees one shape whether vLLM or
+the router refused it::
+
+    {"error": {"message": "...", "type": "BadRequestError", "param": "prompt", "code": 400}}
+
+``code`` is the HTTP status as an integer, ``type`` vLLM's name for it (:func:`error_type`).
+What the router adds, its own reason (``no_decode_slot``, ``bad_kv_handoff``, ...), travels in
+the ``X-PDServe-Error`` header, the log line and the metrics, never as a sixth key.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from http import HTTPStatus
 from typing import Any, Literal
 
 Endpoint = Literal["completions", "chat"]
 
+#: vLLM's ``error.type`` for the statuses it has an exception class for
+#: (``vllm/entrypoints/serve/exception_handling/error_response.py``).
+VLLM_ERROR_TYPES = {
+    400: "BadRequestError",
+    404: "NotFoundError",
+    422: "UnprocessableEntityError",
+    500: "InternalServerError",
+    501: "NotImplementedError",
+    503: "ServiceUnavailableError",
+}
+#: vLLM's ``error.type`` of a request that fails its pydantic schema (the HTTP phrase of 400).
+VALIDATION_ERROR_TYPE = "Bad Request"
+
+
+def error_type(status: int) -> str:
+    """vLLM's name for an error of ``status``: its class name, else the HTTP phrase (as its
+    HTTPException handler answers, e.g. ``Method Not Allowed``)."""
+    known = VLLM_ERROR_TYPES.get(status)
+    if known is not None:
+        return known
+    try:
+        return HTTPStatus(status).phrase
+    except ValueError:
+        return "Error"
+
 
 @dataclass(frozen=True)
 class RequestError(Exception):
-    """A request the server refuses; ``status`` is the HTTP status to answer with."""
+    """A request the server refuses; ``status`` is the HTTP status to answer with.
+
+    ``reason`` is pdserve's machine-readable cause (header ``X-PDServe-Error`` and logs);
+    ``type`` overrides :func:`error_type` (vLLM's ``Bad Request`` for schema errors).
+    """
 
     status: int
     message: str
-    type: str = "invalid_request_error"
     param: str | None = None
-    code: str | None = None
+    reason: str = "invalid_request"
+    type: str | None = None
 
     def body(self) -> dict[str, Any]:
-        return error_body(self.message, self.type, self.code or self.status, self.param)
+        return error_body(self.status, self.message, self.param, self.type)
 
 
 def error_body(
-    message: str,
-    type_: str = "invalid_request_error",
-    code: str | int | None = None,
-    param: str | None = None,
+    status: int, message: str, param: str | None = None, type_: str | None = None
 ) -> dict[str, Any]:
-    return {"error": {"message": message, "type": type_, "code": code, "param": param}}
+    """vLLM's error body: ``message``, ``type``, ``param``, and ``code`` = the status (an integer)."""
+    return {
+        "error": {"message": message, "type": type_ or error_type(status), "param": param, "code": status}
+    }
 
 
 def check_generation_request(body: object, endpoint: Endpoint) -> Mapping[str, Any]:
-    """Return the body as a mapping, or raise RequestError(400) naming the offending field."""
+    """Return the body as a mapping, or raise RequestError(400) naming the offending field.
+
+    Status, ``type`` and ``param`` are vLLM's for the same mistake (tests/fixtures/vllm-*/errors/):
+    a wrong type or a missing field is pydantic's ``Bad Request`` with ``param`` ``body.<field>``;
+    what vLLM checks itself (no prompt, ``max_tokens`` < 1, no message) is ``BadRequestError``.
+    """
     if not isinstance(body, Mapping):
-        raise RequestError(400, "request body must be a JSON object")
+        raise _schema("request body must be a JSON object", "body")
     if endpoint == "completions":
         prompt = body.get("prompt")
         if prompt is None:
             raise RequestError(400, "'prompt' is required for /v1/completions", param="prompt")
         if not _valid_prompt(prompt):
-            raise RequestError(
-                400, "'prompt' must be a string, a list of strings or a list of token ids", param="prompt"
+            raise _schema(
+                "'prompt' must be a string, a list of strings or a list of token ids", "body.prompt"
             )
     else:
         messages = body.get("messages")
         if messages is None:
-            raise RequestError(400, "'messages' is required for /v1/chat/completions", param="messages")
-        if (
-            not isinstance(messages, list)
-            or not messages
-            or not all(isinstance(m, Mapping) for m in messages)
-        ):
-            raise RequestError(400, "'messages' must be a non-empty list of objects", param="messages")
+            raise _schema("'messages' is required for /v1/chat/completions", "body.messages")
+        if not isinstance(messages, list) or not all(isinstance(m, Mapping) for m in messages):
+            raise _schema("'messages' must be a list of objects", "body.messages")
+        if not messages:
+            raise RequestError(400, "'messages' must not be empty: at least one message is needed")
     for key in ("max_tokens", "max_completion_tokens", "n"):
         value = body.get(key)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-            raise RequestError(400, f"'{key}' must be an integer >= 1", param=key)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise _schema(f"'{key}' must be an integer", f"body.{key}")
+        if value < 1:
+            raise RequestError(400, f"'{key}' must be at least 1, got {value}", param=key)
     stream = body.get("stream")
     if stream is not None and not isinstance(stream, bool):
-        raise RequestError(400, "'stream' must be true or false", param="stream")
+        raise _schema("'stream' must be true or false", "body.stream")
     model = body.get("model")
     if model is not None and not isinstance(model, str):
-        raise RequestError(400, "'model' must be a string", param="model")
+        raise _schema("'model' must be a string", "body.model")
     return body
+
+
+def _schema(message: str, param: str) -> RequestError:
+    return RequestError(400, message, param=param, type=VALIDATION_ERROR_TYPE)
 
 
 def _valid_prompt(prompt: object) -> bool:

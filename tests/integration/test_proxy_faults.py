@@ -8,6 +8,7 @@ test starts with every slot healthy.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from collections.abc import Iterator
@@ -15,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.pdstack import PDStack, Sim, eventually, sse_events
+from tests.support.pdstack import PDStack, Sim, eventually, router_error, sse_error, sse_events, vllm_error
 from tests.support.procs import ProcessGroup
 
 EJECT_S = 0.5
@@ -63,12 +64,6 @@ def healthy_start(stack: PDStack) -> Iterator[None]:
         assert sim.stats()["malformed_handoff"] == 0, sim.name
 
 
-def error_of(body: bytes) -> dict[str, str]:
-    error = json.loads(body)["error"]
-    assert set(error) >= {"message", "type", "code"}
-    return error  # type: ignore[no-any-return]
-
-
 def all_cancelled(sim: Sim) -> bool:
     s = sim.stats()
     return bool(s["in_flight"] == 0 and s["cancelled"] == s["requests"] >= 1)
@@ -86,8 +81,8 @@ def test_malformed_kv_params_is_retried_and_never_reaches_a_decode(stack: PDStac
     stack.sims["p1"].faults("malformed-kv-params")
     answer = stack.complete()
     assert answer.status == 502
-    error = error_of(answer.body)
-    assert error["code"] == "bad_kv_handoff"
+    reason, error = router_error(answer)
+    assert reason == "bad_kv_handoff"
     # the fields the simulator dropped (remote_request_id is optional: older vLLM omits it)
     assert "remote_host, remote_port" in error["message"]
     assert sum(s.stats()["requests"] for s in decode(stack)) == 4  # the decode was never sent
@@ -104,8 +99,8 @@ def test_http_500_is_retried_on_the_next_slot(stack: PDStack) -> None:
 
     stack.sims["d1"].faults("http-500")
     answer = stack.complete(stream=True)
-    assert answer.status == 502 and error_of(answer.body)["code"] == "decode_unavailable"
-    assert "HTTP 500" in error_of(answer.body)["message"]
+    assert answer.status == 502 and router_error(answer)[0] == "decode_unavailable"
+    assert "HTTP 500" in router_error(answer)[1]["message"]
 
 
 def test_hung_prefill_is_cancelled_at_its_deadline_and_retried(stack: PDStack) -> None:
@@ -123,7 +118,7 @@ def test_hung_prefill_is_cancelled_at_its_deadline_and_retried(stack: PDStack) -
     time.sleep(EJECT_S + 0.1)
     answer = stack.complete()
     assert answer.status == 504
-    assert error_of(answer.body)["code"] == "prefill_timeout"
+    assert router_error(answer)[0] == "prefill_timeout"
     for sim in prefill(stack):
         eventually(lambda sim=sim: all_cancelled(sim))  # type: ignore[misc]
     assert sum(s.stats()["requests"] for s in decode(stack)) == 0
@@ -152,7 +147,7 @@ def test_slow_first_byte_past_the_deadline_fails_with_a_timeout(stack: PDStack) 
     for sim in decode(stack):
         sim.faults("slow-first-byte:3000")
     answer = stack.complete(stream=True)
-    assert answer.status == 504 and error_of(answer.body)["code"] == "decode_timeout"
+    assert answer.status == 504 and router_error(answer)[0] == "decode_timeout"
     for sim in decode(stack):
         eventually(lambda sim=sim: all_cancelled(sim))  # type: ignore[misc]
 
@@ -165,12 +160,11 @@ def test_drop_mid_stream_ends_the_stream_with_an_error_event(stack: PDStack) -> 
     events = sse_events(answer.body)
     assert events[-1] == "[DONE]"
     assert json.loads(events[0])["choices"][0]["text"] == " tok0"
-    error = json.loads(events[-2])["error"]
-    assert error["code"] == "upstream_dropped"
+    assert "stream broke" in sse_error(events[-2], 502)["message"]
     assert stack.metric("pdserve_proxy_stream_errors_total", reason="upstream_dropped") >= 1
 
     buffered = stack.complete()  # nothing sent yet: retried, then a clear 502
-    assert buffered.status == 502 and error_of(buffered.body)["code"] == "decode_unavailable"
+    assert buffered.status == 502 and router_error(buffered)[0] == "decode_unavailable"
 
     stack.sims["d1"].faults()
     time.sleep(EJECT_S + 0.1)
@@ -192,7 +186,7 @@ def test_stalled_stream_hits_the_idle_deadline(stack: PDStack) -> None:
     assert answer.status == 200
     events = sse_events(answer.body)
     assert json.loads(events[0])["choices"][0]["text"] == " tok0"
-    assert json.loads(events[-2])["error"]["code"] == "stream_idle_timeout" and events[-1] == "[DONE]"
+    assert "no data from the decode" in sse_error(events[-2], 504)["message"] and events[-1] == "[DONE]"
     eventually(lambda: all_cancelled(slow))
     assert stack.metric("pdserve_proxy_deadline_expiries_total", deadline="stream_idle") >= 1
     stack.route(prefill(stack), decode(stack))
@@ -201,6 +195,57 @@ def test_stalled_stream_hits_the_idle_deadline(stack: PDStack) -> None:
 def test_backend_4xx_is_passed_back_not_retried(stack: PDStack) -> None:
     answer = stack.complete(model="no-such-model")
     assert answer.status == 404  # the simulator's (vLLM's) answer, as is
-    assert "no-such-model" in error_of(answer.body)["message"]
+    assert "no-such-model" in vllm_error(404, answer.body)["message"]
+    assert "x-pdserve-error" not in answer.headers  # not the router's own error
     assert sum(s.stats()["rejected"].get("model_not_found", 0) for s in prefill(stack)) == 1
     assert sum(s.stats()["requests"] + sum(s.stats()["rejected"].values()) for s in decode(stack)) == 0
+
+
+async def _stream_until_done_then_hang_up(url: str, path: str, body: dict[str, object]) -> bytes:
+    """A client that closes its connection the moment it has read ``data: [DONE]``."""
+    host, port = url.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    payload = json.dumps(body).encode()
+    writer.write(
+        f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(payload)}\r\n\r\n".encode()
+        + payload
+    )
+    received = b""
+    try:
+        while b"data: [DONE]\n\n" not in received:
+            chunk = await asyncio.wait_for(reader.read(65536), 10)
+            assert chunk, f"the router ended the response before [DONE]: {received!r}"
+            received += chunk
+    finally:
+        writer.close()
+    return received
+
+
+async def test_a_stream_that_reached_the_client_whole_is_not_counted_cancelled(stack: PDStack) -> None:
+    # The decode ends its body 400 ms after [DONE] (real vLLM ends it in a write of its own), and
+    # every client hangs up as soon as it has [DONE]: the answer was complete, not cancelled.
+    for sim in decode(stack):
+        sim.faults("slow-end:400")
+    assert stack.proxy is not None
+    log_before = stack.proxy.log().count("outcome=cancelled")
+    ok_before = stack.metric("pdserve_proxy_requests_total", outcome="ok")
+    cancelled_before = stack.metric("pdserve_proxy_requests_total", outcome="cancelled")
+    requests = [
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}),
+        ("/v1/completions", {"prompt": "hello", "max_tokens": 3}),
+    ] * 3
+    for path, body in requests:
+        received = await _stream_until_done_then_hang_up(stack.url, path, {**body, "stream": True})
+        assert received.startswith(b"HTTP/1.1 200"), received
+
+    def outcomes() -> tuple[float, float]:
+        return (
+            stack.metric("pdserve_proxy_requests_total", outcome="ok") - ok_before,
+            stack.metric("pdserve_proxy_requests_total", outcome="cancelled") - cancelled_before,
+        )
+
+    eventually(lambda: sum(outcomes()) == len(requests))  # every request has its log line
+    assert outcomes() == (len(requests), 0)
+    assert stack.proxy.log().count("outcome=cancelled") == log_before
+    assert sum(s.stats()["faults"].get("slow-end", 0) for s in decode(stack)) == len(requests)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.pdstack import TEST_HTTP_SERVER, PDStack, http, proxy_args
+from tests.support.pdstack import TEST_HTTP_SERVER, PDStack, http, proxy_args, router_error
 from tests.support.procs import ProcessGroup
 
 CLIENT_KEY = "sk-client-7f3a9c1e-secret"
@@ -43,20 +43,16 @@ def test_proxy_serves_on_the_http_server_under_test(stack: PDStack) -> None:
     assert stack.complete(headers=AUTH).status == 200
 
 
-def error_of(body: bytes) -> dict[str, str]:
-    error = json.loads(body)["error"]
-    assert set(error) >= {"message", "type", "code"}
-    return error  # type: ignore[no-any-return]
-
-
 BAD_REQUESTS = [
     ("/v1/completions", b'{"prompt": ', 400, "not valid JSON"),
     ("/v1/completions", b'["prompt"]', 400, "must be a JSON object"),
     ("/v1/completions", b'{"max_tokens": 3}', 400, "'prompt' is required"),
-    ("/v1/completions", b'{"prompt": "x", "max_tokens": 0}', 400, "'max_tokens' must be an integer >= 1"),
+    ("/v1/completions", b'{"prompt": "x", "max_tokens": 0}', 400, "'max_tokens' must be at least 1"),
+    ("/v1/completions", b'{"prompt": "x", "max_tokens": "3"}', 400, "'max_tokens' must be an integer"),
     ("/v1/completions", b'{"prompt": "x", "stream": "yes"}', 400, "'stream' must be true or false"),
     ("/v1/chat/completions", b'{"prompt": "x"}', 400, "'messages' is required"),
-    ("/v1/chat/completions", b'{"messages": []}', 400, "'messages' must be a non-empty list"),
+    ("/v1/chat/completions", b'{"messages": []}', 400, "'messages' must not be empty"),
+    ("/v1/chat/completions", b'{"messages": "hi"}', 400, "'messages' must be a list of objects"),
     ("/v1/completions", b"\xff\xfe", 400, "not valid JSON"),
     (
         "/v1/completions",
@@ -74,22 +70,23 @@ def test_bad_input_gets_a_specific_openai_error(
     stack.route([stack.sims["p0"]], [stack.sims["d0"]])
     answer = http("POST", stack.url + path, raw=raw, headers={**AUTH, "Content-Type": "application/json"})
     assert answer.status == status, answer.body
-    assert message in error_of(answer.body)["message"]
+    _, error = router_error(answer)
+    assert message in error["message"]
     assert stack.sims["p0"].stats()["requests"] == 0  # nothing reached a backend
     assert stack.complete(headers=AUTH).status == 200  # and the proxy keeps serving
 
 
 def test_unknown_route_and_wrong_method(stack: PDStack) -> None:
     missing = http("GET", stack.url + "/v2/nothing", headers=AUTH)
-    assert missing.status == 404 and error_of(missing.body)["code"] == "not_found"
+    assert missing.status == 404 and router_error(missing)[0] == "not_found"
     wrong = http("GET", stack.url + "/v1/completions", headers=AUTH)
-    assert wrong.status == 405 and error_of(wrong.body)["code"] == "method_not_allowed"
+    assert wrong.status == 405 and router_error(wrong)[0] == "method_not_allowed"
 
 
 def test_api_key_is_required_except_on_probes(stack: PDStack) -> None:
     for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": CLIENT_KEY}):
         answer = stack.complete(headers=headers)
-        assert answer.status == 401 and error_of(answer.body)["code"] == "invalid_api_key"
+        assert answer.status == 401 and router_error(answer)[0] == "invalid_api_key"
         assert http("GET", stack.url + "/debug/routing", headers=headers).status == 401
     for probe in ("/health", "/ready", "/metrics", "/routing/served"):
         assert http("GET", stack.url + probe).status == 200, probe
@@ -146,16 +143,16 @@ def test_ready_needs_a_prefill_and_a_decode_slot(stack: PDStack) -> None:
     assert ready.status == 503 and ready.json()["decode_slots"] == 0
     answer = stack.complete(headers=AUTH)
     assert answer.status == 503 and answer.headers["retry-after"] == "1"
-    error = error_of(answer.body)  # vLLM's error shape: the status as the code
-    assert (error["code"], error["type"]) == (503, "ServiceUnavailableError")
+    reason, error = router_error(answer)  # vLLM's error shape, the router's reason in a header
+    assert (reason, error["code"], error["type"]) == ("no_decode_slot", 503, "ServiceUnavailableError")
     assert error["message"].startswith("no routable decode instance: ")
     assert stack.sims["p0"].stats()["requests"] == 0  # refused before spending a prefill
     stack.route([p0.instance(draining=True)], [d0])
     answer = stack.complete(headers=AUTH)
     assert answer.status == 503 and answer.headers["retry-after"] == "1"
-    assert error_of(answer.body)["message"] == (
-        "no routable prefill instance: none is ready in the routing table"
-    )
+    reason, error = router_error(answer)
+    assert reason == "no_prefill_slot"
+    assert error["message"] == "no routable prefill instance: none is ready in the routing table"
     assert stack.metric("pdserve_proxy_requests_total", outcome="no_slot") >= 2
     stack.route([p0], [d0])
     ready = http("GET", stack.url + "/ready")

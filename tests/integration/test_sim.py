@@ -204,17 +204,22 @@ async def test_streaming_shape_completions_and_chat(procs: ProcessGroup) -> None
         assert out["object"] == "chat.completion" and out["choices"][0]["message"]["content"] == " tok0 tok1"
 
 
-async def test_bad_requests_get_openai_errors(procs: ProcessGroup) -> None:
+async def test_bad_requests_get_vllms_errors(procs: ProcessGroup) -> None:
+    # vLLM's answers, as recorded (tests/unit/test_vllm_fixtures.py holds every one of them).
     sim = procs.start("sim", ["sim", *FAST])
     async with aiohttp.ClientSession() as s:
         async with s.post(sim.url + "/v1/completions", data=b"{not json") as r:
             assert r.status == 400
-            assert "not valid JSON" in (await r.json())["error"]["message"]
-        for body, status in (([1], 400), ({}, 400), ({"prompt": "x", "max_tokens": 0}, 400),
-                             ({"prompt": "x", "model": "other"}, 404)):  # fmt: skip
+            error = (await r.json())["error"]
+            assert "'type': 'json_invalid'" in error["message"] and error["type"] == "Bad Request"
+        for body, status, type_ in (([1], 400, "Bad Request"), ({}, 400, "BadRequestError"),
+                                    ({"prompt": "x", "max_tokens": 0}, 400, "BadRequestError"),
+                                    ({"prompt": "x", "model": "other"}, 404, "NotFoundError")):  # fmt: skip
             async with s.post(sim.url + "/v1/completions", json=body) as r:
                 assert r.status == status
-                assert set((await r.json())["error"]) >= {"message", "type", "code"}
+                error = (await r.json())["error"]
+                assert set(error) == {"message", "type", "param", "code"}
+                assert (error["code"], error["type"]) == (status, type_)
         async with s.get(sim.url + "/v1/models") as r:
             models = await r.json()
         assert models["data"][0]["id"] == "sim-model" and models["data"][0]["owned_by"] == "vllm"

@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pdserve.wire.headers import ERROR_REASON
+from pdserve.wire.openai import VALIDATION_ERROR_TYPE, error_type
 from tests.support.procs import Proc, ProcessGroup, wait_http
 
 # Tiny simulated timings: the proxy's logic is under test, not the model.
@@ -238,6 +240,30 @@ def only_these_serve(stack: PDStack, proxy_url: str, prefill: Sequence[Sim], dec
     for name, sim in stack.sims.items():
         expected = n // len(prefill) if sim in prefill else n // len(decode) if sim in decode else 0
         assert sim.stats()["requests"] == expected, name
+
+
+def vllm_error(status: int, body: bytes | str) -> dict[str, Any]:
+    """The ``error`` of a body, checked to be vLLM's shape: exactly message, type, param and an
+    integer ``code`` equal to the status, ``type`` vLLM's name for it."""
+    error = json.loads(body)["error"]
+    assert set(error) == {"message", "type", "param", "code"}, error
+    assert type(error["code"]) is int and error["code"] == status, error
+    assert error["type"] in (error_type(status), VALIDATION_ERROR_TYPE), error
+    assert isinstance(error["message"], str) and error["message"], error
+    return error  # type: ignore[no-any-return]
+
+
+def router_error(answer: HttpAnswer) -> tuple[str, dict[str, Any]]:
+    """(reason, error) of an error the router answered itself: vLLM's body, and pdserve's reason
+    in the X-PDServe-Error header."""
+    reason = answer.headers.get(ERROR_REASON.lower())
+    assert reason, f"no {ERROR_REASON} header: {answer.headers}"
+    return reason, vllm_error(answer.status, answer.body)
+
+
+def sse_error(event: str, status: int) -> dict[str, Any]:
+    """An error event of a stream, in vLLM's shape with ``code`` = ``status``."""
+    return vllm_error(status, event)
 
 
 def sse_events(body: bytes) -> list[str]:

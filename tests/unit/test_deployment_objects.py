@@ -301,16 +301,16 @@ def test_extra_config_is_merged_last() -> None:
     assert (extra["notify_port"], extra["backend"], extra["read_mode"]) == (62000, "xgmi", False)
 
 
-def test_nixl_kv_transfer_config() -> None:
+@pytest.mark.parametrize(("role", "kv_role"), [(Role.PREFILL, "kv_producer"), (Role.DECODE, "kv_consumer")])
+def test_nixl_kv_transfer_config(role: Role, kv_role: str) -> None:
+    # vLLM 0.32 deprecates kv_both for NixlConnector: the prefill produces, the decode consumes.
     pdd = pdd_of(kvTransfer={"connector": "NixlConnector", "extraConfig": {"backends": ["UCX"]}})
-    args = instance_pod(pdd, Role.DECODE, 0)["spec"]["containers"][0]["args"]
+    args = instance_pod(pdd, role, 0)["spec"]["containers"][0]["args"]
     assert json.loads(_flag(args, "--kv-transfer-config")) == {
         "kv_connector": "NixlConnector",
-        "kv_role": "kv_consumer",  # vLLM 0.32 deprecates kv_both with NIXL
+        "kv_role": kv_role,
         "kv_connector_extra_config": {"backends": ["UCX"]},
     }
-    prefill = instance_pod(pdd, Role.PREFILL, 0)["spec"]["containers"][0]["args"]
-    assert json.loads(_flag(prefill, "--kv-transfer-config"))["kv_role"] == "kv_producer"
 
 
 def test_sim_engine_pod() -> None:

@@ -84,7 +84,8 @@ def test_troubleshooting_quotes_messages_pdserve_really_prints() -> None:
     source = _source_text()
     page = (DOCS / "troubleshooting.md").read_text(encoding="utf-8")
     quoted = re.findall(r"^### `([^`]+)`(.*)$", page, re.MULTILINE)
-    ours = [message for message, rest in quoted if "(kubectl)" not in rest and "(helm)" not in rest]
+    others = ("(kubectl)", "(helm)", "(vLLM's log")  # printed by other programs
+    ours = [message for message, rest in quoted if not any(o in rest for o in others)]
     assert len(ours) >= 10
     for message in ours:
         assert message in source, f"troubleshooting.md quotes {message!r}, which pdserve no longer prints"
@@ -99,3 +100,14 @@ def test_metrics_named_in_the_docs_exist() -> None:
             assert f'"{metric}"' in source or f'"{base}"' in source, (
                 f"{page.name} names metric {metric}, which does not exist"
             )
+
+
+def test_readme_cpu_manifest_is_the_example_file() -> None:
+    """The README's CPU manifest is examples/cpu/nixl-1p-1d-dp2.yaml (the one make e2e-vllm runs)."""
+    from pdserve.deployment.spec import load_manifest, load_manifest_file
+
+    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    block = re.search(r"```yaml\n# examples/cpu/nixl-1p-1d-dp2.yaml\n(.*?)```", readme, re.DOTALL)
+    assert block is not None, "README shows the CPU manifest"
+    example = REPO / "examples" / "cpu" / "nixl-1p-1d-dp2.yaml"
+    assert load_manifest(block.group(1)) == load_manifest_file(example)

@@ -121,7 +121,7 @@ def test_bodies_and_chunks_have_openai_shapes() -> None:
     assert body["object"] == "chat.completion"
     assert body["choices"][0]["message"]["content"] == " tok0"
     assert body["usage"] == {"prompt_tokens": 3, "total_tokens": 4, "completion_tokens": 1,
-                             "prompt_tokens_details": None}  # fmt: skip
+                             "prompt_tokens_details": None, "completion_tokens_details": None}  # fmt: skip
     chunk = payloads.stream_chunk("completions", "cmpl-x", "m", 1, " tok0", None)
     assert chunk["object"] == "text_completion"
     assert chunk["choices"][0]["text"] == " tok0"

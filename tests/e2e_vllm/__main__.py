@@ -1,0 +1,46 @@
+"""python -m tests.e2e_vllm [run|record|install] — see docs/testing.md, "Real vLLM (make e2e-vllm)".
+
+run      the whole e2e (default); figures printed at the end, exit 1 on a failed check
+record   re-record tests/fixtures/vllm-<version>/ from real vLLM (one command per version)
+install  only the cached vLLM virtualenv and the tiny model
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from tests.e2e_vllm.common import Failed, fail_exit, say
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m tests.e2e_vllm",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("command", nargs="?", default="run", choices=("run", "record", "install"))
+    parser.add_argument("--out", type=Path, default=None, help="keep logs and recordings here")
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "install":
+            from tests.e2e_vllm.model import ensure_model
+            from tests.e2e_vllm.venv import ensure_venv
+
+            ensure_venv()
+            ensure_model()
+            return 0
+        from tests.e2e_vllm.run import run
+
+        figures = run(out=args.out, record_only=args.command == "record", keep=args.out is not None)
+    except (Failed, AssertionError) as exc:
+        return fail_exit(exc)
+    say("passed" if args.command == "run" else "recorded")
+    print(json.dumps(figures, indent=1), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

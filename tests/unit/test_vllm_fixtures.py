@@ -1,0 +1,187 @@
+"""The simulator and the router held to real vLLM's recorded answers (tests/fixtures/vllm-0.32.0/).
+
+No vLLM needed: `make record-vllm-fixtures` recorded the exchanges from real vLLM (prefill
+DP1 and decode DP2 with NIXL, see tests/e2e_vllm/record.py). Here every recorded request is
+sent again to a simulator (in this process, on loopback) configured like the recorded engines,
+and its answer must have the same status, keys, JSON types and stream structure; values may
+differ. For the bad inputs the error must match exactly in status, ``type``, ``param`` and an
+integer ``code``, and a schema error must name the same pydantic error kind. The router's own
+refusals (those it answers without asking vLLM) must look like vLLM's for the same input.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+import pytest
+from aiohttp.test_utils import TestServer
+
+from pdserve.proxy.generation import parse_request
+from pdserve.sim.payloads import Identity
+from pdserve.sim.server import SimConfig, Simulator
+from pdserve.wire.openai import RequestError
+from tests.support.vllm_fixtures import (
+    FIXTURES,
+    events_problems,
+    load,
+    metric_problems,
+    names,
+    response_problems,
+)
+
+MODEL = "tiny"
+MAX_MODEL_LEN = 512
+ERRORS = [n for n in names() if n.startswith("errors/")]
+EXCHANGES = [n for n in names() if n.split("-")[0] in ("prefill", "decode")]
+#: Bad inputs the router passes to vLLM (it cannot know the model's name or length, or does
+#: not check the field); every other one it refuses itself, and must refuse the way vLLM does.
+PASSED_THROUGH = {"errors/unknown-model", "errors/prompt-too-long", "errors/wrong-type-temperature"}
+#: Not a body problem: the router sets X-data-parallel-rank itself, the simulator must match vLLM.
+RANK_ONLY = {"errors/rank-out-of-range"}
+
+
+def test_the_fixtures_are_there() -> None:
+    index = json.loads((FIXTURES / "index.json").read_text())
+    assert index["vllm_version"] == "0.32.0"
+    assert {"prefill-completions", "decode-chat-stream", "health", "models", "metrics-decode"} <= set(names())
+    assert len(ERRORS) >= 10
+
+
+@dataclass
+class Sims:
+    prefill: TestServer
+    decode: TestServer
+    session: aiohttp.ClientSession
+
+    async def send(self, name: str) -> dict[str, Any]:
+        """The recorded request, sent again to the simulator that plays the recorded engine."""
+        req = load(name)["request"]
+        server = self.prefill if name.startswith("prefill") else self.decode
+        data = req["raw"].encode() if "raw" in req else None if "body" not in req else json.dumps(req["body"])
+        headers = (
+            {"Content-Type": "application/json", **req["headers"]} if data is not None else req["headers"]
+        )
+        async with self.session.request(
+            req["method"], str(server.make_url(req["path"])), data=data, headers=headers
+        ) as resp:
+            content_type = resp.headers.get("Content-Type", "")
+            raw = await resp.read()
+        out: dict[str, Any] = {"status": resp.status, "content_type": content_type}
+        if "event-stream" in content_type:
+            out["events"] = [
+                line[6:] if line[6:] == "[DONE]" else json.loads(line[6:])
+                for line in raw.decode().split("\n")
+                if line.startswith("data: ")
+            ]
+        elif "json" in content_type:
+            out["body"] = json.loads(raw)
+        else:
+            out["text"] = raw.decode()
+        return out
+
+
+def _sim(role: str, dp_size: int, name: str) -> Simulator:
+    identity = Identity(MODEL, name, "127.0.0.1", 5600, max_model_len=MAX_MODEL_LEN)
+    return Simulator(SimConfig(role=role, dp_size=dp_size, ttft_ms=0, itl_ms=0, tokens=4, identity=identity))
+
+
+@pytest.fixture
+async def sims() -> AsyncIterator[Sims]:
+    prefill = TestServer(_sim("prefill", 1, "tiny-prefill-0").app(), host="127.0.0.1")
+    decode = TestServer(_sim("decode", 2, "tiny-decode-0").app(), host="127.0.0.1")
+    await prefill.start_server()
+    await decode.start_server()
+    async with aiohttp.ClientSession() as session:
+        yield Sims(prefill, decode, session)
+    await prefill.close()
+    await decode.close()
+
+
+@pytest.mark.parametrize("name", EXCHANGES)
+async def test_simulator_answers_like_vllm(sims: Sims, name: str) -> None:
+    expected = load(name)["response"]
+    actual = await sims.send(name)
+    assert response_problems(expected, actual) == []
+
+
+@pytest.mark.parametrize("name", ["health", "models"])
+async def test_simulator_endpoints_like_vllm(sims: Sims, name: str) -> None:
+    expected = load(name)["response"]
+    actual = await sims.send(name)
+    assert response_problems(expected, actual) == []
+    assert actual.get("text", "") == expected.get("text", "")
+
+
+_PYDANTIC_KIND = re.compile(r"\{'type': '(\w+)', 'loc': '([\w.]+)'")
+
+
+@pytest.mark.parametrize("name", ERRORS)
+async def test_simulator_refuses_bad_input_like_vllm(sims: Sims, name: str) -> None:
+    expected = load(name)["response"]
+    actual = await sims.send(name)
+    assert response_problems(expected, actual) == []
+    want, got = expected["body"]["error"], actual["body"]["error"]
+    assert (got["type"], got["param"], got["code"]) == (want["type"], want["param"], want["code"])
+    assert type(got["code"]) is int
+    assert _PYDANTIC_KIND.findall(got["message"]) == _PYDANTIC_KIND.findall(want["message"])
+
+
+def _router_refusal(name: str) -> RequestError | None:
+    """What the router answers to this recorded request without asking any backend (None: it
+    passes the request on): pdserve.proxy.generation's own parsing and checks."""
+    req = load(name)["request"]
+    endpoint = "chat" if req["path"].endswith("chat/completions") else "completions"
+    raw = req["raw"].encode() if "raw" in req else json.dumps(req["body"]).encode()
+    try:
+        parse_request(raw, endpoint)
+    except RequestError as exc:
+        return exc
+    return None
+
+
+@pytest.mark.parametrize("name", ERRORS)
+def test_router_refuses_bad_input_like_vllm(name: str) -> None:
+    refusal = _router_refusal(name)
+    if name in PASSED_THROUGH | RANK_ONLY:
+        assert refusal is None, f"the router refuses {name} itself: {refusal}"
+        return
+    assert refusal is not None, f"the router passes {name} on; list it in PASSED_THROUGH if intended"
+    want = load(name)["response"]
+    body = refusal.body()
+    assert set(body["error"]) == set(want["body"]["error"])
+    assert (refusal.status, body["error"]["type"], body["error"]["param"], body["error"]["code"]) == (
+        want["status"],
+        want["body"]["error"]["type"],
+        want["body"]["error"]["param"],
+        want["body"]["error"]["code"],
+    )
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+async def test_simulator_metrics_are_vllms(sims: Sims, role: str) -> None:
+    """Every metric the simulator exports is one of vLLM's, with its type and label names."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    server = sims.prefill if role == "prefill" else sims.decode
+    async with sims.session.get(str(server.make_url("/metrics"))) as resp:
+        text = await resp.text()
+    ours: dict[str, Any] = {}
+    for family in text_string_to_metric_families(text):
+        samples: dict[str, list[str]] = {}
+        for sample in family.samples:
+            samples.setdefault(sample.name, sorted(sample.labels))
+        ours[family.name] = {"type": family.type, "samples": samples}
+    assert ours, "the simulator exports no metrics"
+    assert metric_problems(load(f"metrics-{role}")["families"], ours) == []
+
+
+def test_event_comparison_catches_a_missing_usage_chunk() -> None:
+    recorded = load("decode-completions-stream")["response"]["events"]
+    without_usage = [e for e in recorded if not (isinstance(e, dict) and e.get("usage"))]
+    assert events_problems(recorded, without_usage)
+    assert events_problems(recorded, recorded) == []
