@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: install test unit lint fmt bench bench-operator cluster-build cluster-up cluster-down kind-e2e demo clean \
+.PHONY: install test unit lint fmt bench bench-operator bench-routing cluster-build cluster-up cluster-down kind-e2e demo clean \
 	e2e-vllm record-vllm-fixtures
 
 install: $(VENV)/.installed
@@ -38,6 +38,9 @@ bench: install
 
 bench-operator: install cluster-up
 	$(PY) -m bench.operator_bench
+
+bench-routing: install cluster-up
+	$(PY) -m bench.routing_lag_bench
 
 cluster-build:
 	hack/cluster/build

@@ -239,7 +239,9 @@ def wait_until(observed: Observed, predicate: Callable[[], bool], timeout: float
 
 
 @contextmanager
-def operator_process(kubeconfig: Path, log_path: Path) -> Iterator[tuple[subprocess.Popen[bytes], int]]:
+def operator_process(
+    kubeconfig: Path, log_path: Path, namespace: str = NAMESPACE
+) -> Iterator[tuple[subprocess.Popen[bytes], int]]:
     import socket
 
     def free_port() -> int:
@@ -254,7 +256,7 @@ def operator_process(kubeconfig: Path, log_path: Path) -> Iterator[tuple[subproc
         "pdserve.cli",
         "operator",
         "--namespace",
-        NAMESPACE,
+        namespace,
         "--bind",
         "127.0.0.1",
         "--liveness-port",
