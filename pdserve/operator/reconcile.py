@@ -330,7 +330,8 @@ class Reconciler:
             for p in pods
             if p.observed.draining_since is not None and not p.observed.terminating
         ]
-        verdicts = self._routers.verdicts(pdd, draining, fresh, now)
+        available = self._cache.router_available((pdd.namespace, pdd.name))
+        verdicts = self._routers.verdicts(pdd, draining, fresh, now, available)
         released = {
             (p.role, p.observed.index): verdicts[p.observed.name].reason.value
             for p in pods

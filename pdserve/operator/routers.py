@@ -73,10 +73,14 @@ class Routers:
         draining: Sequence[Draining],
         full: bool,
         now: float,
+        available: int | None = None,
     ) -> dict[str, DrainVerdict]:
-        """Asks the routers when a pod drains (or a full pass, or a poll is due); one verdict per pod."""
+        """Asks the routers when a pod drains, on a full pass, when a poll is due, or when the
+        router Deployment's ``available`` count is not the number of Ready routers last seen
+        (a router pod came or went); one verdict per draining pod."""
         state = self._states.setdefault((pdd.namespace, pdd.name), _State())
-        if not (draining or full or state.due):
+        moved = available is not None and (state.reports is None or len(state.reports) != available)
+        if not (draining or full or state.due or moved):
             return {}
         state.due = False
         state.reports = self.ask(pdd)

@@ -1,0 +1,155 @@
+"""The operator and its routers: the router's RBAC as rendered, drains that end on what the
+routers say (or at the bound), and a real `pdserve proxy` reading the table with the operator's
+RBAC and answering the format the operator parses.
+
+In the kwok test cluster the router pods are Ready but nothing answers at their IP, so every
+drain here ends by ``timeout`` (drainSeconds 1); the real router runs as a local process with a
+TokenRequest token of the ServiceAccount the operator created.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from pdserve.deployment.drain import DrainReason, drain_verdict
+from pdserve.operator.routers import fetch_reports
+from tests.integration.test_operator import (  # noqa: F401  (fixtures)
+    WAIT,
+    Cluster,
+    Operator,
+    cluster,
+    operator,
+    pdd_crd,
+    pdd_manifest,
+    ready,
+)
+from tests.support.kube import eventually, kubectl_for, router_kubeconfig
+from tests.support.pdstack import configmap_proxy_args, http
+from tests.support.procs import ProcessGroup
+
+pytestmark = pytest.mark.cluster
+
+
+def can_i(on: Cluster, account: str, *what: str) -> str:
+    """``kubectl auth can-i`` as the router's ServiceAccount: "yes" or "no"."""
+    subject = f"system:serviceaccount:{on.ns}:{account}"
+    out = on.kube.kubectl("auth", "can-i", *what, "-n", on.ns, "--as", subject, check=False)
+    return out.stdout.strip()
+
+
+def events(on: Cluster, name: str, reason: str) -> list[str]:
+    out = on.kubectl("get", "events", "--field-selector", f"involvedObject.name={name}", "-o", "json")
+    return [e["message"] for e in json.loads(out)["items"] if e["reason"] == reason]
+
+
+def test_the_router_may_read_its_routing_configmap_and_nothing_else(
+    operator: Operator,  # noqa: F811
+    cluster: Cluster,  # noqa: F811
+) -> None:
+    cluster.apply(pdd_manifest("rbac"))
+    eventually(lambda: ready(cluster, "rbac"), timeout=WAIT, message="Ready=True")
+    for kind in ("serviceaccount", "role", "rolebinding"):
+        obj = cluster.get(kind, "rbac-router")
+        assert obj is not None, kind
+        assert obj["metadata"]["ownerReferences"][0]["name"] == "rbac"  # garbage-collected with it
+    account = "rbac-router"
+    assert can_i(cluster, account, "get", "configmap/rbac-routing") == "yes"
+    assert can_i(cluster, account, "watch", "configmap/rbac-routing") == "yes"
+    assert can_i(cluster, account, "list", "configmap/rbac-routing") == "yes"
+    assert can_i(cluster, account, "get", "configmap/other-routing") == "no"
+    assert can_i(cluster, account, "list", "configmaps") == "no"  # only by name
+    assert can_i(cluster, account, "update", "configmap/rbac-routing") == "no"
+    assert can_i(cluster, account, "get", "secrets") == "no"
+    assert can_i(cluster, account, "get", "pods") == "no"
+
+    router = cluster.get("deployment", "rbac-router")
+    assert router is not None
+    pod = router["spec"]["template"]["spec"]
+    assert (pod["serviceAccountName"], pod["automountServiceAccountToken"]) == ("rbac-router", True)
+    args = pod["containers"][0]["args"]
+    assert args[args.index("--routing-configmap") + 1] == "$(POD_NAMESPACE)/rbac-routing"
+
+
+def test_a_drain_ends_at_the_bound_when_the_routers_do_not_answer_and_says_so(
+    operator: Operator,  # noqa: F811
+    cluster: Cluster,  # noqa: F811
+) -> None:
+    cluster.apply(pdd_manifest("roll", drain_seconds=1))
+    eventually(lambda: ready(cluster, "roll"), timeout=WAIT, message="Ready=True")
+    eventually(lambda: cluster.status("roll").get("routers", {}).get("ready") == 1, timeout=WAIT)
+    status = cluster.status("roll")
+    # The kwok router pod is Ready but does not answer: not current, nothing served.
+    assert status["routers"] == {"ready": 1, "current": 0, "summary": "0/1"}
+    assert "servedGeneration" not in status
+    columns = cluster.kubectl("get", "pdd", "roll", "--no-headers").split()
+    assert columns[6] == "0/1"  # the Routers column
+
+    old = {p["metadata"]["name"]: p["metadata"]["uid"] for p in cluster.pods("roll")}
+    cluster.apply(pdd_manifest("roll", drain_seconds=1, decode_args=["--max-num-seqs", "64"]))
+    drained = eventually(lambda: events(cluster, "roll", "Drained"), timeout=WAIT, message="a Drained Event")
+    assert any(
+        m.startswith("Pod roll-decode-1 drained: timeout, 1 router (roll-router-") and "unreachable" in m
+        for m in drained
+    ), drained
+    assert any("left the table at generation" in m for m in drained), drained
+
+    def replaced() -> bool:
+        pods = {p["metadata"]["name"]: p["metadata"]["uid"] for p in cluster.pods("roll")}
+        return all(pods.get(n) not in (None, uid) for n, uid in old.items() if "decode" in n)
+
+    eventually(replaced, timeout=WAIT, message="every decode pod replaced")
+    eventually(lambda: ready(cluster, "roll"), timeout=WAIT, message="Ready again")
+
+
+def test_a_real_router_reads_the_table_with_the_operators_rbac_and_reports_it(
+    operator: Operator,  # noqa: F811
+    cluster: Cluster,  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    cluster.apply(pdd_manifest("live", decode_instances=2))
+    eventually(lambda: ready(cluster, "live"), timeout=WAIT, message="Ready=True")
+    written = cluster.status("live")["routingGeneration"]
+
+    kubectl = kubectl_for(cluster.kube.kubeconfig)
+    kubeconfig = router_kubeconfig(kubectl, cluster.ns, "live-router", tmp_path)
+    group = ProcessGroup(tmp_path)
+    try:
+        proxy = group.start("router", configmap_proxy_args(f"{cluster.ns}/live-routing", kubeconfig))
+
+        def serving() -> dict[str, Any] | None:
+            doc: dict[str, Any] = http("GET", proxy.url + "/routing/served").json()
+            return doc if doc["generation"] == written else None
+
+        doc = eventually(serving, timeout=WAIT, message="the router serves the written generation")
+        assert doc["deployment"] == "live" and doc["error"] is None
+        (report,) = asyncio.run(fetch_reports([("router", "127.0.0.1")], proxy.port, "live", 5.0))
+        assert (report.answered, report.generation) == (True, written)
+        assert report.routable == {"live-prefill-0", "live-decode-0", "live-decode-1"}
+        assert report.in_flight == dict.fromkeys(report.routable, 0)
+        # A routable instance keeps its drain waiting; one the router no longer has may go.
+        waiting = drain_verdict("live-decode-1", written, 0.0, 1.0, 30, [report])
+        assert waiting.waiting_for == ("router: still routes to live-decode-1",)
+        gone = drain_verdict("live-decode-9", written, 0.0, 1.0, 30, [report])
+        assert gone.reason is DrainReason.ROUTERS_IDLE
+        assert drain_verdict("live-decode-9", written + 1, 0.0, 1.0, 30, [report]).done is False
+
+        # Scale decode down: the operator drains decode-1 and writes it out of the table; the
+        # real router follows through the watch and then reports nothing in flight to it.
+        cluster.apply(pdd_manifest("live", decode_instances=1))
+
+        def without_decode_1() -> dict[str, Any] | None:
+            doc: dict[str, Any] = http("GET", proxy.url + "/routing/served").json()
+            row = doc["instances"].get("live-decode-1")
+            return doc if row is None or not row["routable"] else None
+
+        eventually(without_decode_1, timeout=WAIT, message="the router stops routing to decode-1")
+        (report,) = asyncio.run(fetch_reports([("router", "127.0.0.1")], proxy.port, "live", 5.0))
+        assert report.generation is not None and report.generation > written
+        assert drain_verdict("live-decode-1", report.generation, 0.0, 1.0, 30, [report]).done
+    finally:
+        group.stop_all()
