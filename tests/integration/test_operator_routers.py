@@ -153,3 +153,55 @@ def test_a_real_router_reads_the_table_with_the_operators_rbac_and_reports_it(
         assert drain_verdict("live-decode-1", report.generation, 0.0, 1.0, 30, [report]).done
     finally:
         group.stop_all()
+
+
+def test_a_drain_ends_as_soon_as_the_real_router_lets_go(
+    operator: Operator,  # noqa: F811
+    cluster: Cluster,  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    """A real `pdserve proxy` listens at the kwok router pod's own IP (loopback 127.128.x.y) and
+    ports, with the operator's RBAC: the operator asks it, and the drain ends by routers-idle
+    long before drainSeconds (600)."""
+    cluster.apply(pdd_manifest("idle", decode_instances=2, drain_seconds=600))
+    eventually(lambda: ready(cluster, "idle"), timeout=WAIT, message="Ready=True")
+    selector = "pdserve.io/deployment=idle,app.kubernetes.io/component=router"
+    (router_pod,) = json.loads(cluster.kubectl("get", "pods", "-o", "json", "-l", selector))["items"]
+    ip = router_pod["status"]["podIP"]
+    if not ip.startswith("127."):
+        pytest.skip(f"router pod IP {ip} is not on loopback (not the kwok test cluster)")
+    ports = {p["name"]: p["containerPort"] for p in router_pod["spec"]["containers"][0]["ports"]}
+    kubectl = kubectl_for(cluster.kube.kubeconfig)
+    kubeconfig = router_kubeconfig(kubectl, cluster.ns, "idle-router", tmp_path)
+    group = ProcessGroup(tmp_path)
+    try:
+        admin = str(ports["admin"])
+        args = configmap_proxy_args(f"{cluster.ns}/idle-routing", kubeconfig, "--admin-port", admin)
+        args[args.index("--host") + 1] = ip
+        group.start("router", args, port=ports["http"], health=None)
+        written = cluster.status("idle")["routingGeneration"]
+
+        def current() -> bool:
+            s = cluster.status("idle")
+            return s.get("servedGeneration") == written and s.get("routers", {}).get("summary") == "1/1"
+
+        eventually(current, timeout=WAIT, message="the operator sees the real router current")
+
+        cluster.apply(pdd_manifest("idle", decode_instances=1, drain_seconds=600))
+        drained = eventually(lambda: events(cluster, "idle", "Drained"), timeout=WAIT, message="Drained")
+        assert drained[0].startswith(
+            "Pod idle-decode-1 drained: routers-idle, 1 router, left the table at generation"
+        )
+
+        def decode_pods() -> list[str]:
+            return [p["metadata"]["name"] for p in cluster.pods("idle") if "decode" in p["metadata"]["name"]]
+
+        eventually(lambda: decode_pods() == ["idle-decode-0"], timeout=WAIT, message="decode-1 deleted")
+        assert http("GET", f"http://{ip}:{admin}/routing/served").json()["instances"].get(
+            "idle-decode-1"
+        ) in (
+            None,
+            {"role": "decode", "in_table": False, "routable": False, "in_flight": 0},
+        )
+    finally:
+        group.stop_all()
