@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -29,8 +31,8 @@ from tests.integration.test_operator import (  # noqa: F401  (fixtures)
     ready,
 )
 from tests.support.kube import eventually, kubectl_for, router_kubeconfig
-from tests.support.pdstack import configmap_proxy_args, http
-from tests.support.procs import ProcessGroup
+from tests.support.pdstack import HttpAnswer, configmap_proxy_args, http
+from tests.support.procs import ProcessGroup, free_port, wait_http
 
 pytestmark = pytest.mark.cluster
 
@@ -203,5 +205,96 @@ def test_a_drain_ends_as_soon_as_the_real_router_lets_go(
             None,
             {"role": "decode", "in_table": False, "routable": False, "in_flight": 0},
         )
+    finally:
+        group.stop_all()
+
+
+def test_a_drain_waits_for_the_stream_on_the_pod_then_ends_routers_idle(
+    operator: Operator,  # noqa: F811
+    cluster: Cluster,  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    """Real `pdserve sim` engines and a real router at the kwok pods' own IPs: a stream running on
+    decode-1 when it starts draining keeps its pod alive, finishes whole, and then the drain ends
+    by routers-idle (drainSeconds 600 is never reached)."""
+    cluster.apply(pdd_manifest("busy", decode_instances=2, drain_seconds=600))
+    eventually(lambda: ready(cluster, "busy"), timeout=WAIT, message="Ready=True")
+    pods = {p["metadata"]["name"]: p for p in cluster.pods("busy")}
+    selector = "pdserve.io/deployment=busy,app.kubernetes.io/component=router"
+    (router_pod,) = json.loads(cluster.kubectl("get", "pods", "-o", "json", "-l", selector))["items"]
+    router_ip = router_pod["status"]["podIP"]
+    if not router_ip.startswith("127."):
+        pytest.skip(f"router pod IP {router_ip} is not on loopback (not the kwok test cluster)")
+    ports = {p["name"]: p["containerPort"] for p in router_pod["spec"]["containers"][0]["ports"]}
+    model = "Qwen/Qwen2.5-0.5B-Instruct"
+    group = ProcessGroup(tmp_path)
+    try:
+        for name, pod in sorted(pods.items()):
+            ip = pod["status"]["podIP"]
+            role = pod["metadata"]["labels"]["pdserve.io/role"]
+            timing = ["--ttft-ms", "2", "--itl-ms", "50", "--tokens", "120"]  # 6 s streams
+            notes = pod["metadata"]["annotations"]
+            args = ["sim", "--role", role, "--host", ip, "--model", model, "--instance-name", name]
+            args += ["--dp-size", notes["pdserve.io/dp-size"], "--tp-size", notes["pdserve.io/tp-size"]]
+            args += ["--kv-host", ip, "--kv-port", str(free_port()), *timing]
+            group.start(name, args, port=8000, health=None)
+        for pod in pods.values():
+            wait_http(f"http://{pod['status']['podIP']}:8000/health", timeout=30)
+        kubeconfig = router_kubeconfig(
+            kubectl_for(cluster.kube.kubeconfig), cluster.ns, "busy-router", tmp_path
+        )
+        admin = str(ports["admin"])
+        args = configmap_proxy_args(f"{cluster.ns}/busy-routing", kubeconfig, "--admin-port", admin)
+        args[args.index("--host") + 1] = router_ip
+        group.start("router", args, port=ports["http"], health=None)
+        served_url = f"http://{router_ip}:{admin}/routing/served"
+        eventually(lambda: http("GET", f"http://{router_ip}:{admin}/ready").status == 200, timeout=WAIT)
+
+        answers: list[HttpAnswer] = []
+
+        def stream() -> None:
+            body = {"model": model, "prompt": "hello", "max_tokens": 120, "stream": True}
+            answers.append(http("POST", f"http://{router_ip}:{ports['http']}/v1/completions", body))
+
+        threads = [threading.Thread(target=stream) for _ in range(2)]  # one per decode slot
+        for t in threads:
+            t.start()
+
+        def on_decode_1() -> bool:
+            assert not answers, (
+                f"a stream ended before the drain: {[(a.status, a.body[:200]) for a in answers]}"
+            )
+            row = http("GET", served_url).json()["instances"].get("busy-decode-1") or {}
+            return bool(row.get("in_flight"))
+
+        eventually(on_decode_1, timeout=WAIT, message="a stream on decode-1")
+        cluster.apply(pdd_manifest("busy", decode_instances=1, drain_seconds=600))
+
+        def drained_in_router() -> dict[str, Any] | None:
+            row = http("GET", served_url).json()["instances"].get("busy-decode-1") or {}
+            return row if not row.get("routable") else None
+
+        eventually(drained_in_router, timeout=WAIT, message="the router stops routing to decode-1")
+        # Read the pod, then the router: a stream still counted after the read means it was
+        # counted at the read too, and no drain can end while one is (only ever fewer now).
+        checked = 0
+        while True:
+            pod = cluster.get("pod", "busy-decode-1")
+            row = http("GET", served_url).json()["instances"].get("busy-decode-1") or {}
+            if not row.get("in_flight"):
+                break
+            assert pod is not None and not pod["metadata"].get("deletionTimestamp"), "deleted mid-stream"
+            checked += 1
+            time.sleep(0.2)
+        assert checked > 0
+        for t in threads:
+            t.join(timeout=60)
+        assert [a.status for a in answers] == [200, 200]
+        assert all(a.body.rstrip().endswith(b"data: [DONE]") for a in answers), [
+            a.body[-200:] for a in answers
+        ]
+
+        drained = eventually(lambda: events(cluster, "busy", "Drained"), timeout=WAIT, message="Drained")
+        assert drained[0].startswith("Pod busy-decode-1 drained: routers-idle, 1 router"), drained
     finally:
         group.stop_all()
