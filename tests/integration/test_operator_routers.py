@@ -108,6 +108,23 @@ def test_a_drain_ends_at_the_bound_when_the_routers_do_not_answer_and_says_so(
     eventually(lambda: ready(cluster, "roll"), timeout=WAIT, message="Ready again")
 
 
+def test_without_a_ready_router_a_drain_ends_at_once(
+    operator: Operator,  # noqa: F811
+    cluster: Cluster,  # noqa: F811
+) -> None:
+    """No router pod, nobody can send the pod work: no-routers, long before drainSeconds (600)."""
+    manifest = pdd_manifest("bare", drain_seconds=600)
+    manifest["spec"]["router"] = {"replicas": 0}
+    cluster.apply(manifest)
+    eventually(lambda: ready(cluster, "bare"), timeout=WAIT, message="Ready=True")
+    shrunk = pdd_manifest("bare", decode_instances=1, drain_seconds=600)
+    shrunk["spec"]["router"] = {"replicas": 0}
+    cluster.apply(shrunk)
+    drained = eventually(lambda: events(cluster, "bare", "Drained"), timeout=WAIT, message="Drained")
+    assert drained[0].startswith("Pod bare-decode-1 drained: no-routers, 0 routers"), drained
+    assert cluster.status("bare")["routers"] == {"ready": 0, "current": 0, "summary": "0/0"}
+
+
 def test_a_real_router_reads_the_table_with_the_operators_rbac_and_reports_it(
     operator: Operator,  # noqa: F811
     cluster: Cluster,  # noqa: F811
