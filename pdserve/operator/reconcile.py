@@ -729,8 +729,10 @@ def _drained_events(
                 if not action.reason.startswith("drained"):
                     continue  # not a drain: a pod that was never Ready
                 why = "timeout, routers not asked"
+                metrics.DRAINS.labels("timeout").inc()
             else:
                 why = verdict.describe()
+                metrics.DRAINS.labels(verdict.reason.value).inc()
             generation = left(pdd, name)
             at = f", left the table at generation {generation}" if generation is not None else ""
             out.append(Event("Normal", "Drained", f"Pod {name} drained: {why}{at}"))

@@ -28,6 +28,7 @@ from pdserve.deployment.drain import (
 )
 from pdserve.deployment.objects import COMPONENT, DEPLOYMENT_LABEL
 from pdserve.deployment.spec import PDDeployment
+from pdserve.operator import metrics
 from pdserve.operator.kube import Kube, KubeError
 from pdserve.routing.table import RoutingTable
 
@@ -133,7 +134,10 @@ class Routers:
         targets = ready_router_addresses(pods)
         if not targets:
             return []
-        return asyncio.run(fetch_reports(targets, pdd.spec.router.admin_port, pdd.name, self._timeout))
+        reports = asyncio.run(fetch_reports(targets, pdd.spec.router.admin_port, pdd.name, self._timeout))
+        for report in reports:
+            metrics.ROUTER_QUERIES.labels("answered" if report.answered else "error").inc()
+        return reports
 
 
 def ready_router_addresses(pods: Sequence[Mapping[str, object]]) -> list[tuple[str, str]]:

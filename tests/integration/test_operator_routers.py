@@ -99,6 +99,8 @@ def test_a_drain_ends_at_the_bound_when_the_routers_do_not_answer_and_says_so(
         for m in drained
     ), drained
     assert any("left the table at generation" in m for m in drained), drained
+    assert operator.metric('pdserve_operator_drains_total{reason="timeout"}') >= 1
+    assert operator.metric('pdserve_operator_router_queries_total{outcome="error"}') >= 1
 
     def replaced() -> bool:
         pods = {p["metadata"]["name"]: p["metadata"]["uid"] for p in cluster.pods("roll")}
@@ -122,6 +124,7 @@ def test_without_a_ready_router_a_drain_ends_at_once(
     cluster.apply(shrunk)
     drained = eventually(lambda: events(cluster, "bare", "Drained"), timeout=WAIT, message="Drained")
     assert drained[0].startswith("Pod bare-decode-1 drained: no-routers, 0 routers"), drained
+    assert operator.metric('pdserve_operator_drains_total{reason="no-routers"}') == 1
     assert cluster.status("bare")["routers"] == {"ready": 0, "current": 0, "summary": "0/0"}
 
 
@@ -313,5 +316,6 @@ def test_a_drain_waits_for_the_stream_on_the_pod_then_ends_routers_idle(
 
         drained = eventually(lambda: events(cluster, "busy", "Drained"), timeout=WAIT, message="Drained")
         assert drained[0].startswith("Pod busy-decode-1 drained: routers-idle, 1 router"), drained
+        assert operator.metric('pdserve_operator_drains_total{reason="routers-idle"}') == 1
     finally:
         group.stop_all()
