@@ -109,7 +109,8 @@ def test_the_router_namespace_variable_is_pdserves() -> None:
     from pdserve.deployment.validate import problems
     from tests.unit.test_podtemplate import pdd_of as template_pdd
 
-    template = {"spec": {"containers": [{"name": "router", "env": [{"name": "POD_NAMESPACE", "value": "x"}]}]}}
+    env = [{"name": "POD_NAMESPACE", "value": "x"}]
+    template = {"spec": {"containers": [{"name": "router", "env": env}]}}
     assert problems(template_pdd(router={"template": template}), None) == [
         "spec.router.template.spec.containers[router].env[0]: POD_NAMESPACE is set by pdserve "
         "(the namespace of the routing ConfigMap the router watches)"
