@@ -16,6 +16,9 @@
   checkpoint downloaded from the Hub at 100 MB/s takes about 25 minutes, then loading and CUDA
   graph capture) before the liveness probe may restart the pod; readiness and liveness probes
   have timeouts of their own.
+* **Clean shutdown:** engine and router pods sleep in a ``preStop`` hook before their process
+  gets SIGTERM (:data:`ENGINE_PRESTOP_SECONDS`, :data:`ROUTER_PRESTOP_SECONDS`), and their
+  ``terminationGracePeriodSeconds`` covers that sleep plus the time in-flight requests need.
 """
 
 from __future__ import annotations
@@ -27,6 +30,27 @@ CPU_PER_GPU = 4
 MEMORY_PER_GPU_GI = 32
 SIM_REQUESTS = {"cpu": "100m", "memory": "128Mi"}
 STARTUP_PERIOD_SECONDS = 10
+
+#: How long an engine pod that is being deleted keeps serving before its process gets SIGTERM.
+#: A pod deleted outside a rollout (by hand, an eviction) must first leave every router's
+#: table: the operator sees the deletionTimestamp on its pod watch and writes a table without
+#: the pod in one light pass (debounce 50 ms plus one ConfigMap write), and each router's watch
+#: delivers the new table in well under a second. Five seconds covers that with room for a
+#: busy API server; in-flight requests keep running meanwhile and no new one arrives.
+ENGINE_PRESTOP_SECONDS = 5
+#: What an engine's in-flight requests get after SIGTERM: a long generation runs for minutes
+#: (the same bound as the router's stream grace).
+ENGINE_SHUTDOWN_SECONDS = 120
+ENGINE_TERMINATION_GRACE_SECONDS = ENGINE_PRESTOP_SECONDS + ENGINE_SHUTDOWN_SECONDS
+
+#: A router pod being deleted sleeps this long before SIGTERM, so the endpoints controller and
+#: every kube-proxy or load balancer drop it from the Service first (the proxy also turns /ready
+#: 503 at SIGTERM).
+ROUTER_PRESTOP_SECONDS = 5
+#: ``pdserve proxy --shutdown-grace-seconds``: after SIGTERM, in-flight streams get this long.
+ROUTER_SHUTDOWN_GRACE_SECONDS = 120
+#: The sleep, the stream grace, and a few seconds for the proxy to close its connections.
+ROUTER_TERMINATION_GRACE_SECONDS = ROUTER_PRESTOP_SECONDS + ROUTER_SHUTDOWN_GRACE_SECONDS + 5
 
 
 def default_requests(gpus: int, sim: bool) -> dict[str, str]:

@@ -6,7 +6,11 @@ prints them, and the tests compare them with golden files. Names:
 * Pod ``<name>-<role>-<index>`` per instance (``hostname`` + ``subdomain`` give it a DNS name)
 * headless Service ``<name>-engines`` (that subdomain; not-ready pods included)
 * Deployment ``<name>-router`` running ``pdserve proxy``, Service ``<name>`` on the router port
-* ConfigMap ``<name>-routing`` holding ``routing.json``
+* ConfigMap ``<name>-routing`` holding ``routing.json``; the router pods watch it through the
+  API server as ServiceAccount ``<name>-router``, whose Role ``<name>-router`` (bound by
+  RoleBinding ``<name>-router``) grants get/list/watch on that one ConfigMap (``resourceNames``)
+  and nothing else. A router template may not set ``serviceAccountName`` (owned.py), so the
+  account is always this one.
 
 Choices the issue left open: engine ``sim`` requests no GPUs (the issue's "no GPUs", so demos
 run on kind; kwok tests that check GPU requests use engine ``vllm``, which kwok never runs);
@@ -24,6 +28,11 @@ from collections.abc import Mapping
 from typing import Any
 
 from pdserve.deployment.defaults import (
+    ENGINE_PRESTOP_SECONDS,
+    ENGINE_TERMINATION_GRACE_SECONDS,
+    ROUTER_PRESTOP_SECONDS,
+    ROUTER_SHUTDOWN_GRACE_SECONDS,
+    ROUTER_TERMINATION_GRACE_SECONDS,
     STARTUP_PERIOD_SECONDS,
     default_requests,
     engine_security_context,
@@ -41,8 +50,6 @@ from pdserve.deployment.spec import API_VERSION, DEFAULT_IMAGE, ENGINE_PORT, KIN
 from pdserve.deployment.storage import model_argument, storage_env, storage_mounts, storage_volumes
 from pdserve.routing import CONFIGMAP_KEY, Role, RoutingTable
 
-ROUTING_MOUNT = "/etc/pdserve/routing"
-ROUTING_FILE = f"{ROUTING_MOUNT}/{CONFIGMAP_KEY}"
 SHM_MOUNT = "/dev/shm"
 
 # Labels.
@@ -85,6 +92,11 @@ def router_name(pdd: PDDeployment) -> str:
 
 def routing_configmap_name(pdd: PDDeployment) -> str:
     return f"{pdd.name}-routing"
+
+
+def router_account_name(pdd: PDDeployment) -> str:
+    """The router's ServiceAccount, Role and RoleBinding share this name."""
+    return f"{pdd.name}-router"
 
 
 def labels(pdd: PDDeployment, component: str) -> dict[str, str]:
@@ -230,6 +242,8 @@ def _pod_spec(pdd: PDDeployment, role: Role, pod_name: str) -> dict[str, Any]:
             "failureThreshold": 6,
             "timeoutSeconds": 5,
         },
+        # Out of every router's table before SIGTERM (defaults.ENGINE_PRESTOP_SECONDS).
+        "lifecycle": {"preStop": {"sleep": {"seconds": ENGINE_PRESTOP_SECONDS}}},
     }
     pod: dict[str, Any] = {
         "hostname": pod_name,
@@ -237,7 +251,7 @@ def _pod_spec(pdd: PDDeployment, role: Role, pod_name: str) -> dict[str, Any]:
         "restartPolicy": "Always",
         "enableServiceLinks": False,
         "automountServiceAccountToken": False,  # an engine never calls the API (defaults.py)
-        "terminationGracePeriodSeconds": 60,
+        "terminationGracePeriodSeconds": ENGINE_TERMINATION_GRACE_SECONDS,
         "containers": [container],
         "volumes": [{"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": rs.shm_size}}],
     }
@@ -393,8 +407,12 @@ def _router_deployment(pdd: PDDeployment) -> dict[str, Any]:
         "command": ["pdserve"],
         "args": [
             "proxy",
-            "--routing-file",
-            ROUTING_FILE,
+            # Watched through the API server: a new table is served within a second of being
+            # written (a mounted ConfigMap would follow only on the kubelet's sync period).
+            "--routing-configmap",
+            f"$(POD_NAMESPACE)/{routing_configmap_name(pdd)}",
+            "--shutdown-grace-seconds",
+            str(ROUTER_SHUTDOWN_GRACE_SECONDS),
             "--host",
             "0.0.0.0",
             "--port",
@@ -405,6 +423,8 @@ def _router_deployment(pdd: PDDeployment) -> dict[str, Any]:
             str(router.backlog),
         ],
         "ports": [{"name": "http", "containerPort": router.port, "protocol": "TCP"}],
+        "env": [{"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}}],
+        # Ready only with a table that has a routable slot per role; 503 at once on SIGTERM.
         "readinessProbe": {
             "httpGet": {"path": "/ready", "port": "http"},
             "periodSeconds": 2,
@@ -417,7 +437,8 @@ def _router_deployment(pdd: PDDeployment) -> dict[str, Any]:
             "timeoutSeconds": 5,
         },
         "resources": {"requests": {"cpu": "100m", "memory": "128Mi"}},
-        "volumeMounts": [{"name": "routing", "mountPath": ROUTING_MOUNT, "readOnly": True}],
+        # Out of the Service's endpoints before SIGTERM (defaults.ROUTER_PRESTOP_SECONDS).
+        "lifecycle": {"preStop": {"sleep": {"seconds": ROUTER_PRESTOP_SECONDS}}},
     }
     return {
         "apiVersion": "apps/v1",
@@ -432,12 +453,50 @@ def _router_deployment(pdd: PDDeployment) -> dict[str, Any]:
                 "metadata": {"labels": labels(pdd, "router")},
                 "spec": {
                     "enableServiceLinks": False,
+                    # The token is how the router watches its routing ConfigMap.
+                    "serviceAccountName": router_account_name(pdd),
+                    "automountServiceAccountToken": True,
+                    "terminationGracePeriodSeconds": ROUTER_TERMINATION_GRACE_SECONDS,
                     "containers": [container],
-                    # A directory mount (not subPath), so kubelet's atomic ..data swap reaches the proxy.
-                    "volumes": [{"name": "routing", "configMap": {"name": routing_configmap_name(pdd)}}],
                 },
             },
         },
+    }
+
+
+def router_service_account(pdd: PDDeployment) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "ServiceAccount",
+        "metadata": _metadata(pdd, router_account_name(pdd), "router"),
+    }
+
+
+def router_role(pdd: PDDeployment) -> dict[str, Any]:
+    """Read access to the routing ConfigMap, by name: the only object a router reads."""
+    return {
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "Role",
+        "metadata": _metadata(pdd, router_account_name(pdd), "router"),
+        "rules": [
+            {
+                "apiGroups": [""],
+                "resources": ["configmaps"],
+                "resourceNames": [routing_configmap_name(pdd)],
+                "verbs": ["get", "list", "watch"],
+            }
+        ],
+    }
+
+
+def router_role_binding(pdd: PDDeployment) -> dict[str, Any]:
+    name = router_account_name(pdd)
+    return {
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "RoleBinding",
+        "metadata": _metadata(pdd, name, "router"),
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
+        "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": pdd.namespace}],
     }
 
 
@@ -484,8 +543,16 @@ def routing_configmap(pdd: PDDeployment, table: RoutingTable) -> dict[str, Any]:
 
 
 def desired_static_objects(pdd: PDDeployment) -> list[dict[str, Any]]:
-    """Objects whose content follows from the spec alone (no pod state): Services and the router."""
-    return [engine_service(pdd), router_service(pdd), router_deployment(pdd)]
+    """Objects whose content follows from the spec alone (no pod state): Services, the router's
+    account and its read access to the routing ConfigMap, and the router."""
+    return [
+        engine_service(pdd),
+        router_service(pdd),
+        router_service_account(pdd),
+        router_role(pdd),
+        router_role_binding(pdd),
+        router_deployment(pdd),
+    ]
 
 
 def render_all(pdd: PDDeployment, table: RoutingTable | None = None) -> list[dict[str, Any]]:

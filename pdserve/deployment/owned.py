@@ -140,7 +140,10 @@ ENGINE_MOUNTS_OWNED = OwnedNames(
     ("/dev/shm",),
 )
 ROUTER_VOLUMES_OWNED = OwnedNames(
-    Owned("template.spec.volumes", "the volume name routing is pdserve's (it holds the routing table)"),
+    Owned(
+        "template.spec.volumes",
+        "the volume name routing is reserved by pdserve (earlier versions mounted the routing table there)",
+    ),
     ("routing",),
 )
 

@@ -12,7 +12,9 @@ decode):
 * every wanted index without a pod is created (scale up, a deleted pod, the second half of a
   replacement); creating never reduces what can serve, so it is not rate-limited;
 * a pod to remove (index past ``instances`` or a stale template hash) is first marked draining
-  (the router stops sending it new work), and deleted once ``drainSeconds`` have passed;
+  (the router stops sending it new work), and deleted once every router has let go of it
+  (``released``, decided by :func:`pdserve.deployment.drain.drain_verdict`) or at the latest
+  once ``drainSeconds`` have passed;
 * at most ``maxUnavailable`` wanted indices are unavailable at once, counting missing, unready,
   draining and terminating pods plus removals still in flight; scale down and replacement share
   that budget, highest index first, replacement before scale down (the surplus pods keep
@@ -26,7 +28,7 @@ decode):
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from enum import StrEnum
 
@@ -89,8 +91,13 @@ def plan_role(
     max_unavailable: int,
     drain_seconds: float,
     now: float,
+    released: Mapping[int, str] | None = None,
 ) -> RolePlan:
-    """The actions to take now for one role; see the module docstring for the rules."""
+    """The actions to take now for one role; see the module docstring for the rules.
+
+    ``released``: draining indices that may be deleted before the bound, with why.
+    """
+    released = released or {}
     by_index = _by_index(pods)
     actions: list[Action] = []
     recheck: list[float] = []
@@ -111,7 +118,9 @@ def plan_role(
             actions.append(Action(ActionKind.UNDRAIN, role, pod.index, "wanted again"))
             continue
         remaining = pod.draining_since + drain_seconds - now
-        if remaining <= 0:
+        if pod.index in released:
+            actions.append(Action(ActionKind.DELETE, role, pod.index, released[pod.index]))
+        elif remaining <= 0:
             actions.append(Action(ActionKind.DELETE, role, pod.index, f"drained for {drain_seconds:g}s"))
         else:
             recheck.append(remaining)

@@ -59,6 +59,7 @@ def engine_reserved_env(spec: PDDeploymentSpec) -> dict[str, str]:
 def router_reserved(spec: PDDeploymentSpec) -> Reserved:
     env = {
         "PDSERVE_PROXY_ADMIN_PORT": "is set by pdserve from spec.router.adminPort",
+        "POD_NAMESPACE": "is set by pdserve (the namespace of the routing ConfigMap the router watches)",
     }
     if spec.router.api_key_secret_ref is not None:
         env["PDSERVE_PROXY_API_KEY"] = "is set by pdserve from spec.router.apiKeySecretRef"

@@ -5,6 +5,11 @@ router's readiness, and patches the result only when it differs from what is sto
 ``lastTransitionTime`` moves only when a condition's status flips, as Kubernetes convention
 asks, so an unchanged world produces a byte-identical status and no write.
 
+``routingGeneration`` is the generation the operator last wrote; ``servedGeneration`` the oldest
+one any Ready router serves (null when none answers), and ``routers`` counts the Ready router
+pods and those serving the written generation (``current``), as the routers last told the
+operator (pdserve.operator.routers).
+
 Conditions:
 
 * ``Ready``: every wanted instance of both roles is up to date and routable, nothing surplus is
@@ -22,6 +27,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from pdserve.deployment.drain import RoutersSummary
 from pdserve.deployment.rollout import ObservedPod
 from pdserve.routing.table import Role
 
@@ -106,6 +112,7 @@ class Observation:
     problems: Sequence[str] = ()  # spec problems beyond the schema: nothing is rendered
     error: str | None = None  # the last reconcile failed with this
     unschedulable: Sequence[str] = ()  # pods the scheduler cannot place, with its message
+    routers: RoutersSummary | None = None  # what the Ready routers serve; None: not asked yet
 
 
 def compute_status(obs: Observation, previous: Mapping[str, Any] | None, now: str) -> dict[str, Any]:
@@ -116,6 +123,12 @@ def compute_status(obs: Observation, previous: Mapping[str, Any] | None, now: st
         status["routingGeneration"] = obs.routing_generation
     elif previous and "routingGeneration" in previous:
         status["routingGeneration"] = previous["routingGeneration"]
+    if obs.routers is not None:
+        # null (removed by the merge patch) while no Ready router answers.
+        status["servedGeneration"] = obs.routers.served_generation
+        status["routers"] = obs.routers.to_status()
+    elif previous:
+        status.update({k: previous[k] for k in ("servedGeneration", "routers") if k in previous})
     for r in roles:
         status[r.role.value] = r.to_dict()
     old = {c.get("type"): c for c in (previous or {}).get("conditions", []) if isinstance(c, Mapping)}

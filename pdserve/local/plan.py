@@ -222,7 +222,8 @@ def plan_local_run(
         notes.append(_cores_note(engines, shares, spec.kv_transfer.connector == NIXL, len(set(cores))))
 
     router_container = router_deployment(run_pdd)["spec"]["template"]["spec"]["containers"][0]
-    router_args = list(router_container["args"])
+    # The table comes from a file the local runner writes, not from a ConfigMap watch.
+    router_args = _without_flag(list(router_container["args"]), "--routing-configmap")
     for flag, value in (("--routing-file", routing_file), ("--host", LOOPBACK), ("--port", str(router_port))):
         router_args = _with_flag(router_args, flag, value)
     # One router on loopback serves every path on its one port (no Service to keep admin paths from).

@@ -156,7 +156,7 @@ class Controller:
         self._failures.pop(key, None)
         self._full.discard(key)
         self._coalescer.forget(key)
-        self._reconciler.forget(*key)
+        self._reconciler.deployment_gone(*key)
         self._cache.forget(key)
 
     def request(self, key: Key, full: bool = False) -> None:

@@ -33,6 +33,9 @@ _KINDS: dict[str, tuple[str, str]] = {
     "Service": ("/api/v1", "services"),
     "ConfigMap": ("/api/v1", "configmaps"),
     "Event": ("/api/v1", "events"),
+    "ServiceAccount": ("/api/v1", "serviceaccounts"),
+    "Role": ("/apis/rbac.authorization.k8s.io/v1", "roles"),
+    "RoleBinding": ("/apis/rbac.authorization.k8s.io/v1", "rolebindings"),
     "Deployment": ("/apis/apps/v1", "deployments"),
     "PDDeployment": (f"/apis/{GROUP}/{VERSION}", PLURAL),
 }

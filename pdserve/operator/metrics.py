@@ -37,3 +37,13 @@ API_REQUESTS = Histogram(
     ["method"],
     buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
 )
+DRAINS = Counter(
+    "pdserve_operator_drains_total",
+    "Drains ended, by what ended them (routers-idle, timeout, no-routers).",
+    ["reason"],
+)
+ROUTER_QUERIES = Counter(
+    "pdserve_operator_router_queries_total",
+    "GET /routing/served sent to router pods, by outcome (answered, error).",
+    ["outcome"],
+)

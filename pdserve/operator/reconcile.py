@@ -33,6 +33,7 @@ from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from typing import Any
 
+from pdserve.deployment.drain import DrainVerdict
 from pdserve.deployment.objects import (
     DEPLOYMENT_LABEL,
     INSTANCE_LABEL,
@@ -67,6 +68,7 @@ from pdserve.deployment.validate import problems as spec_problems
 from pdserve.operator import metrics
 from pdserve.operator.cache import Body, ClusterCache, version_number
 from pdserve.operator.kube import Kube, KubeError
+from pdserve.operator.routers import POLL_SECONDS, Draining, Routers
 from pdserve.routing.table import CONFIGMAP_KEY, Role, RoutingTable, RoutingTableError, load_routing_table
 
 log = logging.getLogger("pdserve.operator")
@@ -167,8 +169,10 @@ class Reconciler:
         cache: ClusterCache | None = None,
         nodes: NodeGpus | None = None,
         clock: Callable[[], float] = time.time,
+        routers: Routers | None = None,
     ) -> None:
         self._kube = kube
+        self._routers = routers or Routers(kube)
         self._cache = cache or ClusterCache()
         self._nodes = nodes or NodeGpus(kube)
         self._clock = clock
@@ -187,6 +191,10 @@ class Reconciler:
 
     def forget(self, namespace: str, name: str) -> None:
         self._verified.pop((namespace, name), None)
+
+    def deployment_gone(self, namespace: str, name: str) -> None:
+        self.forget(namespace, name)
+        self._routers.forget((namespace, name))
 
     def reconcile(self, namespace: str, name: str, full: bool = True) -> Outcome:
         """One pass; ``full=False`` (pod and router events) plans from memory when it can."""
@@ -316,6 +324,19 @@ class Reconciler:
             return
 
         now = self._clock()
+        # Draining pods whose routers all let go of them (or have none) go before drainSeconds.
+        draining = [
+            Draining(p.observed.name, p.observed.draining_since)
+            for p in pods
+            if p.observed.draining_since is not None and not p.observed.terminating
+        ]
+        available = self._cache.router_available((pdd.namespace, pdd.name))
+        verdicts = self._routers.verdicts(pdd, draining, fresh, now, available)
+        released = {
+            (p.role, p.observed.index): verdicts[p.observed.name].reason.value
+            for p in pods
+            if p.observed.name in verdicts and verdicts[p.observed.name].done
+        }
         plans = {
             role: plan_role(
                 role,
@@ -325,6 +346,7 @@ class Reconciler:
                 max_unavailable=pdd.spec.rollout.max_unavailable,
                 drain_seconds=pdd.spec.rollout.drain_seconds,
                 now=now,
+                released={i: f"drained: {why}" for (r, i), why in released.items() if r is role},
             )
             for role in ROLES
         }
@@ -336,6 +358,12 @@ class Reconciler:
         pods = self._drain(pdd, pods, plans, now, outcome)
         # The routing table first: it is what users wait for; then everything else at once.
         table = self._write_routing_table(pdd, pods, verified, live, outcome)
+        poll = self._routers.table_written(
+            pdd,
+            table,
+            [p.observed.name for p in pods if p.observed.draining and not p.observed.terminating],
+            outcome.routing_written,
+        )
         # Each step sends its calls now and returns a function that waits for the answers.
         placements = _placements(pdd, raw_pods, pods)  # largest pods first (deployment/scheduling.py)
         creates = self._create(pdd, plans, outcome, placements)
@@ -346,7 +374,11 @@ class Reconciler:
         self._ungate(pdd, raw_pods, placements, outcome)
 
         rechecks = [p.recheck_after for p in plans.values() if p.recheck_after is not None]
+        if poll or rechecks:  # drains waiting for the routers, or a router catching up
+            rechecks.append(POLL_SECONDS)
         outcome.recheck_after = min(rechecks) if rechecks else None
+        outcome.events += _drained_events(pdd, plans, verdicts, self._routers.left_generation)
+        routers = self._routers.summary(pdd, table.generation)
         roles = [self._role_observation(pdd, r, [p.observed for p in pods if p.role is r]) for r in ROLES]
         obs = Observation(
             generation,
@@ -355,6 +387,7 @@ class Reconciler:
             router_replicas=pdd.spec.router.replicas,
             router_available=self._cache.router_available((pdd.namespace, pdd.name)) or 0,
             unschedulable=unschedulable_messages(placements),
+            routers=routers,
         )
         self._write_status(body, obs, outcome)
 
@@ -422,8 +455,8 @@ class Reconciler:
             pod_name = instance_name(pdd, action.role, action.index)
             if action.kind is ActionKind.DRAIN:
                 message = (
-                    f"Draining pod {pod_name} ({action.reason}): out of the routing table, "
-                    f"deleted after {pdd.spec.rollout.drain_seconds}s"
+                    f"Draining pod {pod_name} ({action.reason}): out of the routing table, deleted "
+                    f"once every router lets go of it, at most {pdd.spec.rollout.drain_seconds}s"
                 )
                 outcome.events.append(Event("Normal", "Draining", message))
             else:
@@ -678,6 +711,32 @@ class Reconciler:
 
 
 # --- pure helpers --------------------------------------------------------------------------------
+
+
+def _drained_events(
+    pdd: PDDeployment,
+    plans: Mapping[Role, RolePlan],
+    verdicts: Mapping[str, DrainVerdict],
+    left: Callable[[PDDeployment, str], int | None],
+) -> list[Event]:
+    """One ``Drained`` Event per draining pod deleted now, saying what ended its drain."""
+    out = []
+    for plan in plans.values():
+        for action in plan.of(ActionKind.DELETE):
+            name = instance_name(pdd, action.role, action.index)
+            verdict = verdicts.get(name)
+            if verdict is None:
+                if not action.reason.startswith("drained"):
+                    continue  # not a drain: a pod that was never Ready
+                why = "timeout, routers not asked"
+                metrics.DRAINS.labels("timeout").inc()
+            else:
+                why = verdict.describe()
+                metrics.DRAINS.labels(verdict.reason.value).inc()
+            generation = left(pdd, name)
+            at = f", left the table at generation {generation}" if generation is not None else ""
+            out.append(Event("Normal", "Drained", f"Pod {name} drained: {why}{at}"))
+    return out
 
 
 def _merged(events: Sequence[Event]) -> list[Event]:

@@ -217,6 +217,8 @@ def test_printer_columns_and_category(crd: KubeCluster, kube_namespace: str) -> 
     status = {
         "observedGeneration": 1,
         "routingGeneration": 4,
+        "servedGeneration": 3,
+        "routers": {"ready": 2, "current": 1, "summary": "1/2"},
         "prefill": {"instances": 2, "readyInstances": 2, "slots": 16, "readySlots": 16, "summary": "2/2"},
         "decode": {"instances": 4, "readyInstances": 3, "slots": 4, "readySlots": 3, "summary": "3/4"},
         "conditions": [
@@ -234,8 +236,10 @@ def test_printer_columns_and_category(crd: KubeCluster, kube_namespace: str) -> 
         "-p", json.dumps({"status": status}),
     )  # fmt: skip
     out = crd.kubectl("get", "pdd", "-n", kube_namespace).stdout.splitlines()
-    assert out[0].split() == ["NAME", "READY", "PREFILL", "DECODE", "P-SLOTS", "D-SLOTS", "AGE"]
-    assert out[1].split()[:6] == ["r1", "True", "2/2", "3/4", "16", "3"]
+    assert out[0].split() == ["NAME", "READY", "PREFILL", "DECODE", "P-SLOTS", "D-SLOTS", "ROUTERS", "AGE"]
+    assert out[1].split()[:7] == ["r1", "True", "2/2", "3/4", "16", "3", "1/2"]
+    stored = json.loads(crd.kubectl("get", "pdd", "r1", "-n", kube_namespace, "-o", "json").stdout)
+    assert (stored["status"]["servedGeneration"], stored["status"]["routers"]["current"]) == (3, 1)
     wide = crd.kubectl("get", "pdd", "-n", kube_namespace, "-o", "wide").stdout.splitlines()
     assert "MODEL" in wide[0].split() and "CONNECTOR" in wide[0].split()
     assert (

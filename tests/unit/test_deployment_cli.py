@@ -46,6 +46,9 @@ def test_render_yaml_stream(tmp_path: Path) -> None:
     assert names == [
         ("Service", "demo-engines"),
         ("Service", "demo"),
+        ("ServiceAccount", "demo-router"),
+        ("Role", "demo-router"),
+        ("RoleBinding", "demo-router"),
         ("Deployment", "demo-router"),
         ("ConfigMap", "demo-routing"),
         ("Pod", "demo-prefill-0"),
@@ -53,7 +56,7 @@ def test_render_yaml_stream(tmp_path: Path) -> None:
         ("Pod", "demo-decode-0"),
     ]
     assert all(d["metadata"]["namespace"] == "serving" for d in docs)
-    table = load_routing_table(docs[3]["data"]["routing.json"])
+    table = load_routing_table(docs[6]["data"]["routing.json"])
     assert table.deployment == "demo"
 
 
@@ -64,7 +67,7 @@ def test_render_json_list(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr
     doc = json.loads(proc.stdout)
     assert doc["kind"] == "List"
-    assert len(doc["items"]) == 7
+    assert len(doc["items"]) == 10
 
 
 def test_bad_field_exits_2_naming_it(tmp_path: Path) -> None:

@@ -165,7 +165,8 @@ def test_scale_subresource_targets_decode() -> None:
 
 def test_printer_columns() -> None:
     columns = {c["name"]: c for c in VERSION["additionalPrinterColumns"]}
-    assert list(columns)[:5] == ["Ready", "Prefill", "Decode", "P-Slots", "D-Slots"]
+    assert list(columns)[:6] == ["Ready", "Prefill", "Decode", "P-Slots", "D-Slots", "Routers"]
+    assert columns["Routers"]["jsonPath"] == ".status.routers.summary"  # current/ready
     assert columns["Ready"]["jsonPath"] == '.status.conditions[?(@.type=="Ready")].status'
     assert columns["P-Slots"]["jsonPath"] == ".status.prefill.readySlots"
     assert columns["Age"]["type"] == "date"

@@ -16,6 +16,12 @@ from typing import Any
 import pytest
 
 from pdserve.deployment.cli import to_yaml
+from pdserve.deployment.defaults import (
+    ENGINE_PRESTOP_SECONDS,
+    ENGINE_TERMINATION_GRACE_SECONDS,
+    ROUTER_PRESTOP_SECONDS,
+    ROUTER_SHUTDOWN_GRACE_SECONDS,
+)
 from pdserve.deployment.objects import (
     DEFAULT_IMAGE,
     desired_static_objects,
@@ -26,7 +32,10 @@ from pdserve.deployment.objects import (
     render_all,
     role_selector,
     router_deployment,
+    router_role,
+    router_role_binding,
     router_service,
+    router_service_account,
     routing_configmap,
     selector_string,
     template_hash,
@@ -348,7 +357,13 @@ def test_router_deployment() -> None:
     assert container["command"] == ["pdserve"]
     args = container["args"]
     assert args[0] == "proxy"
-    assert _flag(args, "--routing-file") == "/etc/pdserve/routing/routing.json"
+    # The table comes from a watch of the ConfigMap in the pod's own namespace (downward API).
+    assert _flag(args, "--routing-configmap") == "$(POD_NAMESPACE)/r1-routing"
+    assert "--routing-file" not in args
+    assert container["env"][0] == {
+        "name": "POD_NAMESPACE",
+        "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}},
+    }
     assert (_flag(args, "--port"), _flag(args, "--policy"), _flag(args, "--backlog")) == (
         "9100",
         "least-outstanding",
@@ -362,9 +377,53 @@ def test_router_deployment() -> None:
     assert router_service(pdd)["spec"]["ports"] == [
         {"name": "http", "port": 9100, "targetPort": "http", "protocol": "TCP"}
     ]
-    mount = container["volumeMounts"][0]
-    assert mount["mountPath"] == "/etc/pdserve/routing" and "subPath" not in mount
-    assert pod["spec"]["volumes"] == [{"name": "routing", "configMap": {"name": "r1-routing"}}]
+    assert "volumeMounts" not in container and "volumes" not in pod["spec"]
+    # Its token is how it watches: the account the Role is bound to, mounted.
+    assert pod["spec"]["serviceAccountName"] == "r1-router"
+    assert pod["spec"]["automountServiceAccountToken"] is True
+
+
+def test_router_shuts_down_cleanly() -> None:
+    """preStop sleeps while the endpoints drop it; the grace covers the sleep and the streams."""
+    pod = router_deployment(pdd_of())["spec"]["template"]["spec"]
+    container = pod["containers"][0]
+    assert container["lifecycle"] == {"preStop": {"sleep": {"seconds": ROUTER_PRESTOP_SECONDS}}}
+    grace = float(_flag(container["args"], "--shutdown-grace-seconds") or 0)
+    assert grace == ROUTER_SHUTDOWN_GRACE_SECONDS
+    assert pod["terminationGracePeriodSeconds"] >= ROUTER_PRESTOP_SECONDS + grace
+
+
+def test_engine_pods_leave_the_tables_before_sigterm() -> None:
+    for engine in ("sim", "vllm"):
+        pod = instance_pod(pdd_of(engine=engine), Role.DECODE, 0)["spec"]
+        container = pod["containers"][0]
+        assert container["lifecycle"] == {"preStop": {"sleep": {"seconds": ENGINE_PRESTOP_SECONDS}}}
+        assert pod["terminationGracePeriodSeconds"] == ENGINE_TERMINATION_GRACE_SECONDS
+        assert pod["terminationGracePeriodSeconds"] > ENGINE_PRESTOP_SECONDS
+        assert pod["automountServiceAccountToken"] is False  # an engine never calls the API
+
+
+def test_router_rbac_reads_only_its_routing_configmap() -> None:
+    pdd = pdd_of()
+    account = router_service_account(pdd)
+    role = router_role(pdd)
+    binding = router_role_binding(pdd)
+    assert {o["metadata"]["name"] for o in (account, role, binding)} == {"r1-router"}
+    assert role["rules"] == [
+        {
+            "apiGroups": [""],
+            "resources": ["configmaps"],
+            "resourceNames": ["r1-routing"],
+            "verbs": ["get", "list", "watch"],
+        }
+    ]
+    rbac = "rbac.authorization.k8s.io"
+    assert binding["roleRef"] == {"apiGroup": rbac, "kind": "Role", "name": "r1-router"}
+    assert binding["subjects"] == [
+        {"kind": "ServiceAccount", "name": "r1-router", "namespace": pdd.namespace}
+    ]
+    for obj in (account, role, binding):  # garbage-collected with the PDDeployment
+        assert obj["metadata"]["ownerReferences"][0]["uid"] == pdd.uid
 
 
 def test_services() -> None:
@@ -381,7 +440,14 @@ def test_services() -> None:
     pod_labels = instance_pod(pdd, Role.PREFILL, 0)["metadata"]["labels"]
     assert all(pod_labels[k] == v for k, v in headless["spec"]["selector"].items())
     assert not all(router_labels.get(k) == v for k, v in headless["spec"]["selector"].items())
-    assert [o["metadata"]["name"] for o in desired_static_objects(pdd)] == ["r1-engines", "r1", "r1-router"]
+    assert [(o["kind"], o["metadata"]["name"]) for o in desired_static_objects(pdd)] == [
+        ("Service", "r1-engines"),
+        ("Service", "r1"),
+        ("ServiceAccount", "r1-router"),
+        ("Role", "r1-router"),
+        ("RoleBinding", "r1-router"),
+        ("Deployment", "r1-router"),
+    ]
 
 
 def test_routing_configmap_holds_the_table_json() -> None:
@@ -397,7 +463,15 @@ def test_render_all_without_a_table_has_an_empty_one() -> None:
     objects = render_all(pdd_of())
     table = load_routing_table(next(o for o in objects if o["kind"] == "ConfigMap")["data"]["routing.json"])
     assert (table.prefill, table.decode, table.generation) == ((), (), 1)
-    assert [o["kind"] for o in objects[:4]] == ["Service", "Service", "Deployment", "ConfigMap"]
+    assert [o["kind"] for o in objects[:7]] == [
+        "Service",
+        "Service",
+        "ServiceAccount",
+        "Role",
+        "RoleBinding",
+        "Deployment",
+        "ConfigMap",
+    ]
 
 
 def test_no_owner_reference_without_uid() -> None:
@@ -458,7 +532,7 @@ def test_objects_are_fresh_copies() -> None:
     pdd = pdd_of()
     first = render_all(pdd)
     second = copy.deepcopy(first)
-    first[2]["spec"]["replicas"] = 99
+    first[5]["spec"]["replicas"] = 99
     assert render_all(pdd) == second
 
 

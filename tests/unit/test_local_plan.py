@@ -76,6 +76,8 @@ def test_router_runs_the_operators_proxy_command_on_loopback() -> None:
     argv = plan.router.argv
     assert argv[:4] == (PYTHON, "-m", "pdserve.cli", "proxy")
     assert _flag(argv, "--routing-file") == "/run/routing.json"
+    # One table source: the file the runner writes replaces the pod's ConfigMap watch.
+    assert "--routing-configmap" in rendered and "--routing-configmap" not in argv
     assert _flag(argv, "--host") == LOOPBACK
     assert _flag(argv, "--port") == "8000"
     assert _flag(argv, "--policy") == rendered[rendered.index("--policy") + 1]

@@ -414,4 +414,5 @@ def test_the_router_template_reaches_the_router_pods() -> None:
     assert {"name": "NCCL_DEBUG", "value": "INFO"} in router["env"]
     assert shipper["image"] == "fluent/fluent-bit:3.0"
     assert pod["spec"]["tolerations"] == PRODUCTION_TEMPLATE["spec"]["tolerations"]
-    assert pod["spec"]["volumes"][0]["name"] == "routing"
+    assert router["env"][0]["name"] == "POD_NAMESPACE"  # the rendered env stays beside the template's
+    assert pod["spec"]["serviceAccountName"] == "r1-router"

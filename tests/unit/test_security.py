@@ -102,3 +102,16 @@ def test_an_api_key_flag_is_refused() -> None:
         "spec.prefill.args[0]: --api-key is set by pdserve (use spec.engineApiKeySecretRef: a command "
         "line is visible in the pod spec and to ps); remove it from args"
     ]
+
+
+def test_the_router_namespace_variable_is_pdserves() -> None:
+    """The router reads its ConfigMap in $(POD_NAMESPACE): a template may not point it elsewhere."""
+    from pdserve.deployment.validate import problems
+    from tests.unit.test_podtemplate import pdd_of as template_pdd
+
+    env = [{"name": "POD_NAMESPACE", "value": "x"}]
+    template = {"spec": {"containers": [{"name": "router", "env": env}]}}
+    assert problems(template_pdd(router={"template": template}), None) == [
+        "spec.router.template.spec.containers[router].env[0]: POD_NAMESPACE is set by pdserve "
+        "(the namespace of the routing ConfigMap the router watches)"
+    ]

@@ -1,0 +1,183 @@
+"""The operator asks its router pods what they serve, and lets drains end on their answer.
+
+Each Ready router pod of a deployment is asked ``GET http://<pod IP>:<adminPort>/routing/served``
+(all at once, :data:`FETCH_TIMEOUT` each); the answers go into the pure
+:func:`pdserve.deployment.drain.drain_verdict` for every draining pod and into the status
+(``servedGeneration``, ``routers``). The routers are asked only when it matters: while a pod
+drains, on a full pass, and about every second (:data:`POLL_SECONDS`) while a router that
+answers is behind the table just written. A router that does not answer only keeps a drain
+waiting until ``drainSeconds``; it is not asked again early for the status.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import aiohttp
+
+from pdserve.deployment.drain import (
+    DrainVerdict,
+    RouterReport,
+    RoutersSummary,
+    drain_verdict,
+    parse_served,
+    summarize,
+)
+from pdserve.deployment.objects import COMPONENT, DEPLOYMENT_LABEL
+from pdserve.deployment.spec import PDDeployment
+from pdserve.operator import metrics
+from pdserve.operator.kube import Kube, KubeError
+from pdserve.routing.table import RoutingTable
+
+log = logging.getLogger("pdserve.operator")
+
+#: Seconds between passes while a drain waits for the routers (or a router catches up).
+POLL_SECONDS = 1.0
+#: Per router and request; a router on the pod network answers in milliseconds.
+FETCH_TIMEOUT = 0.5
+
+Key = tuple[str, str]
+
+
+@dataclass(frozen=True)
+class Draining:
+    """One draining pod as the verdict needs it."""
+
+    name: str
+    since: float
+
+
+@dataclass
+class _State:
+    reports: list[RouterReport] | None = None  # the last answers (None: never asked)
+    left: dict[str, int] = field(default_factory=dict)  # pod -> first generation written without it
+    due: bool = False  # ask on the next pass even without a drain
+
+
+class Routers:
+    """Per-deployment memory of what the routers said; the fetches are the only I/O."""
+
+    def __init__(self, kube: Kube, timeout: float = FETCH_TIMEOUT) -> None:
+        self._kube = kube
+        self._timeout = timeout
+        self._states: dict[Key, _State] = {}
+
+    def forget(self, key: Key) -> None:
+        self._states.pop(key, None)
+
+    def verdicts(
+        self,
+        pdd: PDDeployment,
+        draining: Sequence[Draining],
+        full: bool,
+        now: float,
+        available: int | None = None,
+    ) -> dict[str, DrainVerdict]:
+        """Asks the routers when a pod drains, on a full pass, when a poll is due, or when the
+        router Deployment's ``available`` count is not the number of Ready routers last seen
+        (a router pod came or went); one verdict per draining pod."""
+        state = self._states.setdefault((pdd.namespace, pdd.name), _State())
+        moved = available is not None and (state.reports is None or len(state.reports) != available)
+        if not (draining or full or state.due or moved):
+            return {}
+        state.due = False
+        state.reports = self.ask(pdd)
+        return {
+            d.name: drain_verdict(
+                d.name,
+                state.left.get(d.name),
+                d.since,
+                now,
+                pdd.spec.rollout.drain_seconds,
+                state.reports,
+            )
+            for d in draining
+        }
+
+    def table_written(
+        self, pdd: PDDeployment, table: RoutingTable, draining: Sequence[str], written: bool
+    ) -> bool:
+        """Records where each draining pod left the table; True when the routers should be asked
+        again in :data:`POLL_SECONDS` (a table was written and some router answers)."""
+        state = self._states.setdefault((pdd.namespace, pdd.name), _State())
+        state.left = {name: state.left.get(name, table.generation) for name in draining}
+        summary = self.summary(pdd, table.generation)
+        again = summary is not None and (
+            summary.behind > 0 or (written and summary.served_generation is not None)
+        )
+        state.due = state.due or again
+        return again
+
+    def summary(self, pdd: PDDeployment, written: int | None) -> RoutersSummary | None:
+        state = self._states.get((pdd.namespace, pdd.name))
+        if state is None or state.reports is None:
+            return None
+        return summarize(state.reports, written)
+
+    def left_generation(self, pdd: PDDeployment, pod: str) -> int | None:
+        state = self._states.get((pdd.namespace, pdd.name))
+        return state.left.get(pod) if state else None
+
+    # --- the edge ----------------------------------------------------------------------------
+
+    def ask(self, pdd: PDDeployment) -> list[RouterReport]:
+        """One report per Ready router pod; a failed listing is one error report (drains wait)."""
+        selector = f"{DEPLOYMENT_LABEL}={pdd.name},{COMPONENT}=router"
+        try:
+            pods = self._kube.list_objects("Pod", pdd.namespace, selector)
+        except KubeError as exc:
+            log.warning("cannot list the router pods of %s/%s: %s", pdd.namespace, pdd.name, exc)
+            return [RouterReport("router pods", error=f"cannot list them: {exc}")]
+        targets = ready_router_addresses(pods)
+        if not targets:
+            return []
+        reports = asyncio.run(fetch_reports(targets, pdd.spec.router.admin_port, pdd.name, self._timeout))
+        for report in reports:
+            metrics.ROUTER_QUERIES.labels("answered" if report.answered else "error").inc()
+        return reports
+
+
+def ready_router_addresses(pods: Sequence[Mapping[str, object]]) -> list[tuple[str, str]]:
+    """(name, IP) of the pods that are Ready, not terminating and have an IP."""
+    out = []
+    for pod in pods:
+        meta = pod.get("metadata")
+        status = pod.get("status")
+        if not isinstance(meta, Mapping) or not isinstance(status, Mapping) or meta.get("deletionTimestamp"):
+            continue
+        conditions = status.get("conditions")
+        ready = isinstance(conditions, list) and any(
+            isinstance(c, Mapping) and c.get("type") == "Ready" and c.get("status") == "True"
+            for c in conditions
+        )
+        ip = status.get("podIP")
+        if ready and isinstance(ip, str) and ip:
+            out.append((str(meta.get("name", "")), ip))
+    return out
+
+
+async def fetch_reports(
+    targets: Sequence[tuple[str, str]], port: int, deployment: str, timeout: float
+) -> list[RouterReport]:
+    """``GET /routing/served`` of every router at once."""
+    limit = aiohttp.ClientTimeout(total=timeout)
+    async with aiohttp.ClientSession(timeout=limit) as session:
+        return list(await asyncio.gather(*(_fetch(session, n, ip, port, deployment) for n, ip in targets)))
+
+
+async def _fetch(
+    session: aiohttp.ClientSession, name: str, ip: str, port: int, deployment: str
+) -> RouterReport:
+    host = f"[{ip}]" if ":" in ip else ip
+    url = f"http://{host}:{port}/routing/served"
+    try:
+        async with session.get(url) as response:
+            if response.status != 200:
+                return RouterReport(name, error=f"{url} answered {response.status}")
+            doc = await response.json(content_type=None)
+    except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+        return RouterReport(name, error=f"{url} unreachable: {type(exc).__name__} {exc}".rstrip())
+    return parse_served(name, doc, deployment)
