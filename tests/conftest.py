@@ -1,3 +1,3 @@
 """Shared fixtures: the Kubernetes test cluster (tests/support/kube.py) and loopback processes."""
 
-pytest_plugins = ["tests.support.kube", "tests.support.procs"]
+pytest_plugins = ["tests.support.kube", "tests.support.procs", "tests.support.operator"]

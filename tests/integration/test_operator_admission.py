@@ -13,17 +13,14 @@ import pytest
 from pdserve.deployment.owned import DIRECTIVE_REASON
 from pdserve.deployment.spec import parse_pddeployment
 from pdserve.deployment.validate import problems
-from tests.integration.test_operator import (  # noqa: F401  (fixtures)
+from tests.support.kube import eventually
+from tests.support.operator import (
     WAIT,
     Cluster,
     Operator,
-    cluster,
-    operator,
-    pdd_crd,
     pdd_manifest,
     ready,
 )
-from tests.support.kube import eventually
 
 pytestmark = pytest.mark.cluster
 
@@ -64,8 +61,8 @@ CASES = [
 
 @pytest.mark.parametrize(("role", "fields", "message"), CASES)
 def test_the_operator_refuses_what_cel_cannot_see_naming_the_field(
-    operator: Operator,  # noqa: F811
-    cluster: Cluster,  # noqa: F811
+    operator: Operator,
+    cluster: Cluster,
     role: str,
     fields: dict[str, Any],
     message: str,

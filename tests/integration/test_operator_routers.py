@@ -20,17 +20,14 @@ import pytest
 
 from pdserve.deployment.drain import DrainReason, drain_verdict
 from pdserve.operator.routers import fetch_reports
-from tests.integration.test_operator import (  # noqa: F401  (fixtures)
+from tests.support.kube import eventually, kubectl_for, router_kubeconfig
+from tests.support.operator import (
     WAIT,
     Cluster,
     Operator,
-    cluster,
-    operator,
-    pdd_crd,
     pdd_manifest,
     ready,
 )
-from tests.support.kube import eventually, kubectl_for, router_kubeconfig
 from tests.support.pdstack import HttpAnswer, configmap_proxy_args, http
 from tests.support.procs import ProcessGroup, free_port, wait_http
 
@@ -50,8 +47,8 @@ def events(on: Cluster, name: str, reason: str) -> list[str]:
 
 
 def test_the_router_may_read_its_routing_configmap_and_nothing_else(
-    operator: Operator,  # noqa: F811
-    cluster: Cluster,  # noqa: F811
+    operator: Operator,
+    cluster: Cluster,
 ) -> None:
     cluster.apply(pdd_manifest("rbac"))
     eventually(lambda: ready(cluster, "rbac"), timeout=WAIT, message="Ready=True")
@@ -78,8 +75,8 @@ def test_the_router_may_read_its_routing_configmap_and_nothing_else(
 
 
 def test_a_drain_ends_at_the_bound_when_the_routers_do_not_answer_and_says_so(
-    operator: Operator,  # noqa: F811
-    cluster: Cluster,  # noqa: F811
+    operator: Operator,
+    cluster: Cluster,
 ) -> None:
     cluster.apply(pdd_manifest("roll", drain_seconds=1))
     eventually(lambda: ready(cluster, "roll"), timeout=WAIT, message="Ready=True")
@@ -111,8 +108,8 @@ def test_a_drain_ends_at_the_bound_when_the_routers_do_not_answer_and_says_so(
 
 
 def test_without_a_ready_router_a_drain_ends_at_once(
-    operator: Operator,  # noqa: F811
-    cluster: Cluster,  # noqa: F811
+    operator: Operator,
+    cluster: Cluster,
 ) -> None:
     """No router pod, nobody can send the pod work: no-routers, long before drainSeconds (600)."""
     manifest = pdd_manifest("bare", drain_seconds=600)
@@ -129,8 +126,8 @@ def test_without_a_ready_router_a_drain_ends_at_once(
 
 
 def test_a_real_router_reads_the_table_with_the_operators_rbac_and_reports_it(
-    operator: Operator,  # noqa: F811
-    cluster: Cluster,  # noqa: F811
+    operator: Operator,
+    cluster: Cluster,
     tmp_path: Path,
 ) -> None:
     cluster.apply(pdd_manifest("live", decode_instances=2))
@@ -178,8 +175,8 @@ def test_a_real_router_reads_the_table_with_the_operators_rbac_and_reports_it(
 
 
 def test_a_drain_ends_as_soon_as_the_real_router_lets_go(
-    operator: Operator,  # noqa: F811
-    cluster: Cluster,  # noqa: F811
+    operator: Operator,
+    cluster: Cluster,
     tmp_path: Path,
 ) -> None:
     """A real `pdserve proxy` listens at the kwok router pod's own IP (loopback 127.128.x.y) and
@@ -230,8 +227,8 @@ def test_a_drain_ends_as_soon_as_the_real_router_lets_go(
 
 
 def test_a_drain_waits_for_the_stream_on_the_pod_then_ends_routers_idle(
-    operator: Operator,  # noqa: F811
-    cluster: Cluster,  # noqa: F811
+    operator: Operator,
+    cluster: Cluster,
     tmp_path: Path,
 ) -> None:
     """Real `pdserve sim` engines and a real router at the kwok pods' own IPs: a stream running on

@@ -10,22 +10,19 @@ from typing import Any
 
 import pytest
 
-from tests.integration.test_operator import (  # noqa: F401  (fixtures)
+from tests.support.kube import KubeCluster, eventually, gpu_pool
+from tests.support.operator import (
     WAIT,
     Cluster,
     Operator,
-    cluster,
-    operator,
-    pdd_crd,
     ready,
 )
-from tests.support.kube import KubeCluster, eventually, gpu_pool
 
 pytestmark = pytest.mark.cluster
 
 
 @pytest.fixture
-def two_nodes(pdd_crd: KubeCluster) -> Iterator[str]:  # noqa: F811
+def two_nodes(pdd_crd: KubeCluster) -> Iterator[str]:
     """Two dedicated 8-GPU nodes; the test's pods select and tolerate them only."""
     with gpu_pool(pdd_crd, 2) as names:
         pool = pdd_crd.kubectl(
@@ -57,8 +54,8 @@ def shape(name: str, pool: str, prefill: int, prefill_tp: int, decode: int, deco
 
 
 def test_a_shape_that_fits_becomes_ready_with_the_big_pod_placed_first(
-    operator: Operator,  # noqa: F811
-    cluster: Cluster,  # noqa: F811
+    operator: Operator,
+    cluster: Cluster,
     two_nodes: str,
 ) -> None:
     cluster.apply(shape("pack", two_nodes, 1, 8, 6, 1))  # 14 of 16 GPUs
@@ -77,8 +74,8 @@ def test_a_shape_that_fits_becomes_ready_with_the_big_pod_placed_first(
 
 
 def test_a_pod_that_cannot_fit_shows_in_status_conditions_and_describe(
-    operator: Operator,  # noqa: F811
-    cluster: Cluster,  # noqa: F811
+    operator: Operator,
+    cluster: Cluster,
     two_nodes: str,
 ) -> None:
     cluster.apply(shape("toomany", two_nodes, 3, 8, 0, 8))  # 24 GPUs wanted, 16 there
