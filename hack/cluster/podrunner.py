@@ -72,10 +72,11 @@ class Runner:
     def __init__(self, args: argparse.Namespace) -> None:
         from kubernetes import client, config
 
-        self.api_client = config.new_client_from_config(config_file=args.kubeconfig)
+        self.api_client: Any = config.new_client_from_config(config_file=args.kubeconfig)  # type: ignore[no-untyped-call]
         self.kube = Kube(self.api_client)
-        self.core = client.CoreV1Api(self.api_client)
-        self.coordination = client.CoordinationV1Api(self.api_client)
+        # dict bodies throughout: the client's typed models are not used
+        self.core: Any = client.CoreV1Api(self.api_client)
+        self.coordination: Any = client.CoordinationV1Api(self.api_client)
         self.ApiException = client.ApiException
         self.nodes = [f"run-node-{i}" for i in range(args.nodes)]
         self.addresses = Addresses(args.cidr)
@@ -260,7 +261,7 @@ class Runner:
                         lost = [w for w in self.workers.values() if w.node == node and w.uid not in present]
                     for w in lost:
                         w.gone.set()
-                stream = watch.Watch().stream(
+                stream = watch.Watch().stream(  # type: ignore[no-untyped-call]
                     self.core.list_pod_for_all_namespaces,
                     field_selector=selector,
                     resource_version=version,

@@ -68,7 +68,7 @@ class Kube:
         from kubernetes import client
 
         self.client = api_client
-        self.core = client.CoreV1Api(api_client)
+        self.core: Any = client.CoreV1Api(api_client)  # dict bodies: the typed models are not used
         self.ApiException = client.ApiException
 
     def _get(self, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
