@@ -19,7 +19,8 @@ from typing import Any
 
 import pytest
 
-from pdserve.deployment.objects import instance_pod
+from pdserve.deployment.objects import instance_pod, render_all
+from pdserve.deployment.routing import ObservedInstance, build_routing_table
 from pdserve.deployment.spec import parse_pddeployment
 from pdserve.routing import Role
 from tests.support.kube import KubeCluster, eventually
@@ -495,3 +496,69 @@ def test_rendered_vllm_engine_pod_runs_the_stand_in_and_turns_ready(
     log = Path(os.environ.get("PDSERVE_CLUSTER_DIR") or Path(__file__).resolve().parents[2] / ".cluster")
     text = (log / "logs" / "pods" / f"{ns}_{name}_engine.log").read_text()
     assert "pdserve simulator" in text and "--role prefill --dp-size 2" in text
+
+
+def test_rendered_sim_engines_and_router_serve_a_request_by_pod_ip(
+    kube_cluster: KubeCluster, kube_namespace: str
+) -> None:
+    """The operator's objects for ``engine: sim``, applied by hand: engines and router really run."""
+    require_runner(kube_cluster)
+    ns = kube_namespace
+    manifest = {
+        "apiVersion": "pdserve.io/v1alpha1",
+        "kind": "PDDeployment",
+        "metadata": {"name": "s", "namespace": ns, "generation": 1},
+        "spec": {
+            "model": "sim-model",
+            "engine": "sim",
+            "kvTransfer": {"connector": "NixlConnector"},
+            "prefill": {"instances": 1},
+            "decode": {"instances": 1, "dataParallel": 2},
+        },
+    }
+    pdd = parse_pddeployment(manifest)
+    objects = render_all(pdd)
+    pods = [o for o in objects if o["kind"] == "Pod"]
+    create(kube_cluster, ns, *pods)
+    observed = []
+    for p in pods:
+        name = p["metadata"]["name"]
+        eventually(
+            lambda n=name: condition(pod_json(kube_cluster, ns, n), "Ready") == "True",
+            timeout=60,
+            message=name,
+        )
+        role = Role(p["metadata"]["labels"]["pdserve.io/role"])
+        ip = pod_json(kube_cluster, ns, name)["status"]["podIP"]
+        observed.append(
+            ObservedInstance(role, int(p["metadata"]["labels"]["pdserve.io/instance"]), name, ip, True)
+        )
+    table = build_routing_table(pdd, observed, None)
+    rest = [o for o in render_all(pdd, table) if o["kind"] != "Pod"]
+    create(kube_cluster, ns, *rest)
+
+    def router_ip() -> str | None:
+        listed = json.loads(
+            kube_cluster.kubectl(
+                "get", "pods", "-n", ns, "-l", "app.kubernetes.io/component=router", "-o", "json"
+            ).stdout
+        )["items"]
+        ready = [p for p in listed if condition(p, "Ready") == "True"]
+        return ready[0]["status"]["podIP"] if ready else None
+
+    ip = eventually(router_ip, timeout=60, message="the router pod Ready")
+    request = urllib.request.Request(
+        f"http://{ip}:8000/v1/completions",
+        data=json.dumps({"model": "sim-model", "prompt": "hi", "max_tokens": 4}).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(request, timeout=30) as response:
+        body = json.loads(response.read())
+    assert body["choices"][0]["text"] == " tok0 tok1 tok2 tok3"
+    # The request went through both engines: one prefill leg, one decode leg, on the pods' own IPs.
+    legs = {}
+    for o in observed:
+        _, stats = http("GET", f"http://{o.pod_ip}:8000/sim/stats")
+        legs[o.role] = (stats["role"], stats["dp_size"], stats["by_leg"])
+    assert legs[Role.PREFILL] == ("prefill", 1, {"prefill": 1, "decode": 0, "plain": 0})
+    assert legs[Role.DECODE] == ("decode", 2, {"prefill": 0, "decode": 1, "plain": 0})
