@@ -41,6 +41,11 @@ ENV_SERVER = textwrap.dedent(
         def do_GET(self):
             if self.path == "/ready":
                 return self._send(200 if state["ready"] else 503, state)
+            if self.path.startswith("/file/"):
+                try:
+                    return self._send(200, open(self.path[len("/file"):]).read())
+                except OSError as exc:
+                    return self._send(404, str(exc))
             self._send(200, {"env": dict(os.environ), "argv": sys.argv})
         def do_POST(self):
             state["ready"] = self.path == "/ready/on"
@@ -171,6 +176,62 @@ def test_env_from_configmap_secret_downward_api_and_expansion(
     assert got["MSG"] == f"hello from env at {ip}, $(GREETING) $(UNDEFINED)"
     assert got["HOSTNAME"] == "env" and got["KUBERNETES_SERVICE_HOST"] == "127.0.0.1"
     assert body["argv"][1:] == [ip, "hello"]
+
+
+def test_volumes_configmap_secret_downward_api_and_memory_empty_dir(
+    kube_cluster: KubeCluster, kube_namespace: str
+) -> None:
+    require_runner(kube_cluster)
+    ns = kube_namespace
+    config = {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": {"name": "files"},
+        "data": {"a": "1", "b": "2"},
+    }
+    secret = {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "keys"}, "stringData": {"key": "k1"}}
+    volumes = [
+        {"name": "cfg", "configMap": {"name": "files", "items": [{"key": "a", "path": "sub/a.txt"}]}},
+        {"name": "whole", "configMap": {"name": "files"}},
+        {"name": "sec", "secret": {"secretName": "keys"}},
+        {
+            "name": "info",
+            "downwardAPI": {"items": [{"path": "labels", "fieldRef": {"fieldPath": "metadata.labels"}}]},
+        },
+        {"name": "shm", "emptyDir": {"medium": "Memory"}},
+    ]
+    mounts = [
+        {"name": "cfg", "mountPath": "/etc/podrunner-test/cfg", "readOnly": True},
+        {"name": "whole", "mountPath": "/etc/podrunner-test/whole"},
+        {"name": "whole", "mountPath": "/etc/podrunner-test/b-only", "subPath": "b"},
+        {"name": "sec", "mountPath": "/etc/podrunner-test/sec"},
+        {"name": "info", "mountPath": "/etc/podrunner-test/info"},
+        {"name": "shm", "mountPath": "/dev/shm"},
+    ]
+    create(
+        kube_cluster,
+        ns,
+        config,
+        secret,
+        pod("vols", [server_container(volumeMounts=mounts)], volumes=volumes),
+    )
+    ip = running_ip(kube_cluster, ns, "vols")
+
+    def read(path: str) -> Any:
+        code, body = http("GET", f"http://{ip}:8080/file{path}")
+        return body if code == 200 else None
+
+    assert eventually(lambda: read("/etc/podrunner-test/cfg/sub/a.txt"), timeout=30, message="a.txt") == "1"
+    assert read("/etc/podrunner-test/cfg/b") is None  # items: only the listed key
+    assert read("/etc/podrunner-test/b-only") == "2"
+    assert read("/etc/podrunner-test/sec/key") == "k1"
+    assert read("/etc/podrunner-test/info/labels") == 'app="vols"'
+    # The mounts are the container's own: the host sees none of them.
+    assert not Path("/etc/podrunner-test/cfg/sub/a.txt").exists()
+    # A ConfigMap change reaches a directory mount (the kubelet's atomic ..data swap).
+    config["data"]["b"] = "changed"
+    kube_cluster.kubectl("apply", "-n", ns, "-f", "-", input=json.dumps(config))
+    eventually(lambda: read("/etc/podrunner-test/whole/b") == "changed", timeout=30, message="the update")
 
 
 def test_missing_configmap_key_is_a_config_error_until_it_appears(
