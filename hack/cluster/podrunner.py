@@ -227,8 +227,9 @@ class Runner:
             if uid in self.finished or self.stop.is_set():
                 return
             phase = (pod.get("status") or {}).get("phase")
-            if pod["metadata"].get("deletionTimestamp") and phase in ("Succeeded", "Failed"):
-                self.kube.delete(pod)  # nothing runs for it any more
+            if phase in ("Succeeded", "Failed"):  # finished (before a runner restart): never rerun
+                if pod["metadata"].get("deletionTimestamp"):
+                    self.kube.delete(pod)  # nothing runs for it any more
                 return
             preferred = (pod.get("status") or {}).get("podIP")
             worker = PodWorker(pod, self.addresses.take(preferred), self.kube, self.config, self.worker_done)
