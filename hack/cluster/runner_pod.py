@@ -373,7 +373,11 @@ class PodWorker(threading.Thread):
         if c.kill_reason and c.alive():
             reason, c.kill_reason = c.kill_reason, None
             self._event("Normal", "Killing", f"Container {c.name} {reason}, will be restarted")
-            self._stop_container(c, int(self.pod["spec"].get("terminationGracePeriodSeconds", 30)), reason)
+            probe = c.spec.get("startupProbe" if "startup" in reason else "livenessProbe") or {}
+            grace = probe.get("terminationGracePeriodSeconds")  # a probe's own grace period wins
+            if grace is None:
+                grace = self.pod["spec"].get("terminationGracePeriodSeconds", 30)
+            self._stop_container(c, int(grace), reason)
         if c.proc is not None:
             code = c.proc.poll()
             if code is not None:
