@@ -115,3 +115,24 @@ def test_the_entry_point_exits_2_naming_the_argument() -> None:
     )
     assert out.returncode == 2
     assert "--frobnicate" in out.stderr
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_rendered_sim_commands_parse_with_the_simulators_own_parser(shape: str) -> None:
+    import argparse
+
+    from pdserve.sim import cli as sim_cli
+
+    doc = manifest("nixl", shape)
+    doc["spec"].update(engine="sim")
+    doc["spec"].pop("image")
+    doc["spec"]["prefill"]["args"] = ["--ttft-ms", "5"]  # a sim role's args are the simulator's flags
+    pdd = parse_pddeployment(doc)
+    for role in (Role.PREFILL, Role.DECODE):
+        argv = engine_argv(instance_pod(pdd, role, 0))
+        assert argv[:2] == ["pdserve", "sim"]
+        parser = argparse.ArgumentParser(exit_on_error=False)
+        sim_cli.configure(parser)
+        args = parser.parse_args([a.replace("$(POD_IP)", "127.128.128.3") for a in argv[2:]])
+        rs = pdd.spec.role(role)
+        assert (args.role, args.dp_size, args.tp_size) == (role.value, rs.data_parallel, rs.tensor_parallel)
