@@ -27,7 +27,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from runner_pod import Kube, PodWorker, RunnerConfig, kill_leftovers
+from runner_kube import Kube, kill_leftovers
+from runner_pod import PodWorker, RunnerConfig
 
 log = logging.getLogger("pod-runner")
 HEARTBEAT = 10.0
