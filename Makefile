@@ -25,13 +25,14 @@ unit: install
 	$(VENV)/bin/pytest tests/unit $(PYTEST_ARGS)
 
 lint: install
-	$(VENV)/bin/ruff check pdserve tests bench
-	$(VENV)/bin/ruff format --check pdserve tests bench
+	$(VENV)/bin/ruff check pdserve tests bench hack
+	$(VENV)/bin/ruff format --check pdserve tests bench hack
 	$(VENV)/bin/mypy
+	$(VENV)/bin/mypy --strict --ignore-missing-imports hack/cluster/*.py
 
 fmt: install
-	$(VENV)/bin/ruff format pdserve tests bench
-	$(VENV)/bin/ruff check --fix pdserve tests bench
+	$(VENV)/bin/ruff format pdserve tests bench hack
+	$(VENV)/bin/ruff check --fix pdserve tests bench hack
 
 bench: install
 	$(PY) -m bench.proxy_bench
@@ -45,7 +46,8 @@ bench-routing: install cluster-up
 cluster-build:
 	hack/cluster/build
 
-cluster-up: cluster-build
+## The pod runner (hack/cluster/podrunner.py) runs on the repo's venv.
+cluster-up: install cluster-build
 	hack/cluster/up
 
 cluster-down:

@@ -21,8 +21,13 @@ kcm_port="${PDSERVE_CLUSTER_CONTROLLER_MANAGER_PORT:-26257}"
 scheduler_port="${PDSERVE_CLUSTER_SCHEDULER_PORT:-26259}"
 node_count="${PDSERVE_CLUSTER_NODES:-4}"
 gpus_per_node="${PDSERVE_CLUSTER_GPUS_PER_NODE:-8}"
-pod_cidr="${PDSERVE_CLUSTER_POD_CIDR:-127.128.0.1/16}"
+# 127.128.0.0/16 split in two: kwok's fake pods take the lower half, the pod runner's the upper.
+pod_cidr="${PDSERVE_CLUSTER_POD_CIDR:-127.128.0.1/17}"
 node_ip="${PDSERVE_CLUSTER_NODE_IP:-127.0.0.2}"
+runner_nodes="${PDSERVE_CLUSTER_RUNNER_NODES:-1}"
+runner_cidr="${PDSERVE_CLUSTER_RUNNER_CIDR:-127.128.128.0/17}"
+runner_dir="$cluster_dir/runner"
+runner_python="${PDSERVE_CLUSTER_PYTHON:-$repo_root/.venv/bin/python}"
 
 # Start order; down stops them in reverse.
 components=(etcd kube-apiserver kube-controller-manager kube-scheduler kwok)
@@ -92,14 +97,29 @@ port_open() {
 
 # PID recorded for component $1 if that process is alive and is really that component.
 component_pid() {
-  local name="$1" f="$pids/$1.pid" pid
+  local name="$1" f="$pids/$1.pid" pid match="/$1 "
+  [[ "$name" == pod-runner ]] && match="/podrunner.py "
   [[ -f "$f" ]] || return 1
   pid="$(<"$f")"
   [[ "$pid" =~ ^[0-9]+$ ]] || return 1
   process_alive "$pid" || return 1
   # Guard against a recycled PID: the process must run our binary for this component.
-  tr '\0' ' ' <"/proc/$pid/cmdline" | grep -q -- "/$name " || return 1
+  tr '\0' ' ' <"/proc/$pid/cmdline" | grep -q -- "$match" || return 1
   echo "$pid"
+}
+
+# Kills the container process groups a pod runner left behind (pid files: "PID STARTTIME").
+kill_runner_leftovers() {
+  local f pid start now
+  for f in "$runner_dir"/pids/*.pid; do
+    [[ -f "$f" ]] || continue
+    read -r pid start <"$f" || true
+    if [[ "$pid" =~ ^[0-9]+$ && -r "/proc/$pid/stat" ]]; then
+      now="$(sed 's/.*) //' "/proc/$pid/stat" | awk '{print $20}')"
+      [[ "$now" == "$start" ]] && kill -KILL -- "-$pid" 2>/dev/null || true
+    fi
+    rm -f "$f"
+  done
 }
 
 # Stops component $1 by its recorded PID: TERM, wait up to $2 seconds (default 15), then KILL.

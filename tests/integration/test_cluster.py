@@ -85,7 +85,9 @@ def test_fake_gpu_nodes_are_ready_with_gpus(kube_cluster: KubeCluster, kube_api:
         assert ready and ready[0]["status"] == "True", (name, node["status"]["conditions"])
         assert node["status"]["allocatable"][GPU] == "8", (name, node["status"]["allocatable"])
         assert node["status"]["capacity"][GPU] == "8", name
-        assert not node["spec"].get("taints"), (name, node["spec"].get("taints"))
+        # Only GPU pods (which ExtendedResourceToleration lets tolerate it) land here.
+        gpu_taint = {"key": GPU, "value": "present", "effect": "NoSchedule"}
+        assert node["spec"].get("taints") == [gpu_taint], (name, node["spec"].get("taints"))
         assert node["metadata"]["annotations"]["kwok.x-k8s.io/node"] == "fake"
 
     # The Python client sees the same through the kube_api fixture.

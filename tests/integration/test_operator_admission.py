@@ -68,7 +68,10 @@ def test_the_operator_refuses_what_cel_cannot_see_naming_the_field(
     message: str,
 ) -> None:
     base = pdd_manifest("bad", decode_instances=1)
+    # Both roles: the pairing revision hashes --block-size, and the router (which really runs
+    # on the test cluster) pairs only prefills and decodes of one revision.
     base["spec"]["prefill"]["args"] = ["--block-size", "16"]
+    base["spec"]["decode"]["args"] = ["--block-size", "16"]
     manifest = _with(base, role, **fields)
     assert problems(parse_pddeployment(manifest), None) == [message]  # what `pdserve render` prints
     cluster.apply(manifest)

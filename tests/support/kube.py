@@ -5,8 +5,9 @@
 * ``PDSERVE_TEST_KUBECONFIG`` set: that cluster (e.g. kind, see ``hack/kind-e2e``); kubectl and
   helm come from the build cache if built, else from PATH. It is never stopped here.
 * else the local one from ``hack/cluster/up`` (etcd, kube-apiserver, kube-controller-manager,
-  kube-scheduler and kwok fake GPU nodes on loopback): reused when ``.cluster/kubeconfig``
-  answers, else built (``hack/cluster/build``, cached) and started, and then stopped with
+  kube-scheduler, kwok fake GPU nodes and the pod runner's node on loopback): reused when
+  ``.cluster/kubeconfig`` answers (hack/cluster/up is run anyway if the pod runner is not
+  running), else built (``hack/cluster/build``, cached) and started, and then stopped with
   ``hack/cluster/down`` at session end, only if this session started it (set
   ``PDSERVE_TEST_KEEP_CLUSTER=1`` to keep it running).
 
@@ -160,6 +161,16 @@ def _local_bin(build_if_missing: bool) -> Path | None:
     return Path(out.stdout.strip())
 
 
+def _runner_running() -> bool:
+    """True if the pod runner recorded in .cluster/pids is alive (hack/cluster/lib.sh's check)."""
+    try:
+        pid = int((CLUSTER_DIR / "pids" / "pod-runner.pid").read_text().strip())
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
+    except (OSError, ValueError):
+        return False
+    return b"/podrunner.py " in cmdline
+
+
 def _tool(name: str, bin_dir: Path | None, kubeconfig: Path) -> Tool:
     if bin_dir is not None and (bin_dir / name).exists():
         return Tool.bound(bin_dir / name, kubeconfig)
@@ -194,14 +205,17 @@ def kube_cluster() -> Iterator[KubeCluster]:
         kubeconfig, _tool("kubectl", bin_dir, kubeconfig), _tool("helm", bin_dir, kubeconfig), True
     )
     started_here = False
-    if not (kubeconfig.is_file() and cluster.ready()):
+    was_ready = kubeconfig.is_file() and cluster.ready()
+    # A running cluster without its pod runner (stopped, or started before the runner existed)
+    # gets it from hack/cluster/up's reuse path.
+    if not was_ready or not _runner_running():
         log = LOGS / "up.log"
         ok, tail = _run_logged([str(REPO / "hack" / "cluster" / "up")], log, UP_TIMEOUT)
         if not ok:
             pytest.fail(
                 f"hack/cluster/up failed; see {log} and the component logs in {LOGS}/:\n{tail}", pytrace=False
             )
-        started_here = True
+        started_here = not was_ready
         if not cluster.ready():
             pytest.fail(f"the test cluster started but does not answer; see {LOGS}/kube-apiserver.log")
     try:

@@ -1,0 +1,267 @@
+"""A ``vllm`` stand-in: ``vllm serve MODEL ...`` as the operator renders it, served by the simulator.
+
+The test cluster's pod runner puts this first on an engine pod's PATH as ``vllm``, so an
+``engine: vllm`` pod runs without a GPU. It knows a fixed set of vLLM 0.32 ``serve`` options
+(:data:`MAPPED` changes what the simulator does, :data:`ACCEPTED` is vLLM tuning with no effect
+on a simulator) and **refuses every other argument** (exit 2, naming it), so a flag the renderer
+gets wrong fails a test instead of being ignored. Like vLLM it also accepts ``--flag=value`` and
+underscores in flag names, and refuses a ``--kv-transfer-config`` that is not JSON or names a
+connector or role the simulator does not simulate.
+
+What maps where: ``--kv-transfer-config`` ``kv_role`` → ``--role`` (kv_producer: prefill,
+kv_consumer: decode, kv_both: both); ``--data-parallel-size``/``--tensor-parallel-size`` →
+``--dp-size``/``--tp-size``; the first ``--served-model-name`` (else MODEL) → ``--model``;
+``--max-model-len``; ``--api-key`` → the simulator's key (as ``VLLM_API_KEY``). The listen
+address is ``--host``, else ``$POD_IP`` (vLLM's default is every address; here pods share one
+network namespace), else 127.0.0.1. The instance name is ``$HOSTNAME`` (the pod name); the NIXL
+side channel is advertised at ``$VLLM_NIXL_SIDE_CHANNEL_HOST`` (else ``$VLLM_HOST_IP``, else the
+listen address) and ``$VLLM_NIXL_SIDE_CHANNEL_PORT`` (else 5600).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from pdserve.sim import cli as sim_cli
+
+VERSION = "0.32.0+pdserve.sim"
+CONNECTORS = ("NixlConnector", "MoRIIOConnector")
+ROLES = {"kv_producer": "prefill", "kv_consumer": "decode", "kv_both": "both"}
+#: vLLM 0.32's KVTransferConfig fields (vllm/config/kv_transfer.py).
+KV_TRANSFER_FIELDS = {
+    "kv_connector",
+    "engine_id",
+    "kv_buffer_device",
+    "kv_buffer_size",
+    "kv_role",
+    "kv_rank",
+    "kv_parallel_size",
+    "kv_ip",
+    "kv_port",
+    "kv_connector_extra_config",
+    "kv_connector_module_path",
+    "enable_permute_local_kv",
+    "kv_load_failure_policy",
+}
+
+#: Options that change what the simulator does: (flags, argparse keyword arguments).
+MAPPED: list[tuple[tuple[str, ...], dict[str, Any]]] = [
+    (("--model",), {"dest": "model_flag"}),
+    (("--host",), {}),
+    (("--port",), {"type": int, "default": 8000}),
+    (("--served-model-name",), {"nargs": "+"}),
+    (("--data-parallel-size", "-dp"), {"type": int, "default": 1}),
+    (("--tensor-parallel-size", "-tp"), {"type": int, "default": 1}),
+    (("--pipeline-parallel-size", "-pp"), {"type": int, "default": 1}),
+    (("--max-model-len",), {"type": int}),
+    (("--kv-transfer-config",), {}),
+    (("--api-key",), {}),
+]
+#: vLLM 0.32 options that tune a real engine and mean nothing to a simulator: accepted, ignored.
+ACCEPTED_VALUED = (
+    "--dtype",
+    "--block-size",
+    "--kv-cache-dtype",
+    "--kv-cache-memory-bytes",
+    "--gpu-memory-utilization",
+    "--max-num-seqs",
+    "--max-num-batched-tokens",
+    "--tokenizer",
+    "--tokenizer-mode",
+    "--tokenizer-revision",
+    "--revision",
+    "--code-revision",
+    "--quantization",
+    "--chat-template",
+    "--hf-overrides",
+    "--hf-config-path",
+    "--mamba-ssm-cache-dtype",
+    "--compilation-config",
+    "--seed",
+    "--download-dir",
+    "--load-format",
+    "--uvicorn-log-level",
+    "--max-logprobs",
+    "--generation-config",
+    "--override-generation-config",
+    "--distributed-executor-backend",
+    "--swap-space",
+    "--cpu-offload-gb",
+    "--limit-mm-per-prompt",
+    "--tool-call-parser",
+    "--reasoning-parser",
+    "--api-server-count",
+)
+ACCEPTED_VALUED_SHORT = {"--optimization-level": "-O"}
+ACCEPTED_SWITCHES = (
+    "--enforce-eager",
+    "--trust-remote-code",
+    "--enable-expert-parallel",
+    "--disable-log-stats",
+    "--enable-log-requests",
+    "--disable-uvicorn-access-log",
+    "--enable-auto-tool-choice",
+    "--enable-prefix-caching",
+    "--no-enable-prefix-caching",
+    "--enable-chunked-prefill",
+    "--no-enable-chunked-prefill",
+    "--disable-custom-all-reduce",
+)
+
+
+class Refused(Exception):
+    """An argument the stand-in does not know or cannot simulate; exit 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> Any:  # argparse would print usage and exit; say it our way
+        raise Refused(message)
+
+
+def parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="vllm serve", allow_abbrev=False, add_help=False)
+    p.add_argument("model", nargs="?")
+    for flags, kwargs in MAPPED:
+        p.add_argument(*flags, **kwargs)
+    for flag in ACCEPTED_VALUED:
+        p.add_argument(flag)
+    for flag, short in ACCEPTED_VALUED_SHORT.items():
+        p.add_argument(flag, short)
+    for flag in ACCEPTED_SWITCHES:
+        p.add_argument(flag, action="store_true")
+    return p
+
+
+def _normalise(args: Sequence[str]) -> list[str]:
+    """vLLM's FlexibleArgumentParser: ``--max_model_len`` is ``--max-model-len``."""
+    out = []
+    for arg in args:
+        if arg.startswith("--"):
+            flag, eq, value = arg.partition("=")
+            arg = flag.replace("_", "-") + eq + value
+        out.append(arg)
+    return out
+
+
+@dataclass(frozen=True)
+class Serve:
+    """What a parsed ``vllm serve`` command means to the simulator."""
+
+    model: str
+    role: str
+    dp: int
+    tp: int
+    port: int
+    host: str | None
+    max_model_len: int | None
+    api_key: str | None
+    connector: str | None
+
+
+def parse(args: Sequence[str]) -> Serve:
+    """Parse ``vllm serve`` arguments (after ``serve``); raises :class:`Refused`."""
+    ns = parser().parse_args(_normalise(args))
+    model = ns.model or ns.model_flag
+    if not model:
+        raise Refused("the model is missing (vllm serve MODEL)")
+    if ns.model and ns.model_flag and ns.model != ns.model_flag:
+        raise Refused(f"two models: {ns.model} and --model {ns.model_flag}")
+    if ns.pipeline_parallel_size != 1:
+        raise Refused("--pipeline-parallel-size other than 1 is not simulated")
+    for flag, value in (
+        ("--data-parallel-size", ns.data_parallel_size),
+        ("--tensor-parallel-size", ns.tensor_parallel_size),
+    ):
+        if value < 1:
+            raise Refused(f"{flag} must be >= 1, got {value}")
+    role, connector = "both", None
+    if ns.kv_transfer_config is not None:
+        try:
+            kv = json.loads(ns.kv_transfer_config)
+        except json.JSONDecodeError as exc:
+            raise Refused(f"--kv-transfer-config is not JSON: {exc}") from exc
+        if not isinstance(kv, dict):
+            raise Refused("--kv-transfer-config must be a JSON object")
+        connector = kv.get("kv_connector")
+        if connector not in CONNECTORS:
+            raise Refused(
+                f"--kv-transfer-config: kv_connector {connector!r} is not simulated ({', '.join(CONNECTORS)})"
+            )
+        if kv.get("kv_role") not in ROLES:
+            raise Refused(
+                f"--kv-transfer-config: kv_role {kv.get('kv_role')!r} is not one of {', '.join(ROLES)}"
+            )
+        unknown = sorted(set(kv) - KV_TRANSFER_FIELDS)
+        if unknown:
+            raise Refused(f"--kv-transfer-config: unknown keys {', '.join(unknown)}")
+        role = ROLES[kv["kv_role"]]
+    return Serve(
+        model=(ns.served_model_name or [model])[0],
+        role=role,
+        dp=ns.data_parallel_size,
+        tp=ns.tensor_parallel_size,
+        port=ns.port,
+        host=ns.host,
+        max_model_len=ns.max_model_len,
+        api_key=ns.api_key,
+        connector=connector,
+    )
+
+
+def sim_argv(serve: Serve, env: dict[str, str]) -> list[str]:
+    """The ``pdserve sim`` arguments for ``serve`` in environment ``env``."""
+    host = serve.host or env.get("POD_IP") or "127.0.0.1"
+    kv_host = env.get("VLLM_NIXL_SIDE_CHANNEL_HOST") or env.get("VLLM_HOST_IP") or host
+    argv = [
+        "--role", serve.role,
+        "--dp-size", str(serve.dp),
+        "--tp-size", str(serve.tp),
+        "--host", host,
+        "--port", str(serve.port),
+        "--model", serve.model,
+        "--instance-name", env.get("HOSTNAME") or f"vllm-{host}-{serve.port}",
+        "--kv-host", kv_host,
+        "--kv-port", env.get("VLLM_NIXL_SIDE_CHANNEL_PORT") or "5600",
+    ]  # fmt: skip
+    if serve.max_model_len is not None:
+        argv += ["--max-model-len", str(serve.max_model_len)]
+    return argv
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args in (["--version"], ["-v"]):
+        print(VERSION)
+        return 0
+    if not args or args[0] != "serve":
+        print(
+            f"vllm (pdserve simulator): error: only `vllm serve` is simulated, got {args[:1]}",
+            file=sys.stderr,
+        )
+        return 2
+    try:
+        serve = parse(args[1:])
+    except Refused as exc:
+        print(f"vllm serve (pdserve simulator): error: {exc}", file=sys.stderr)
+        return 2
+    if serve.api_key:
+        os.environ["VLLM_API_KEY"] = serve.api_key
+    sim_parser = argparse.ArgumentParser(prog="pdserve sim")
+    sim_cli.configure(sim_parser)
+    sim_args = sim_argv(serve, dict(os.environ))
+    print(
+        f"vllm serve (pdserve simulator {VERSION}): pdserve sim {' '.join(sim_args)}",
+        file=sys.stderr,
+        flush=True,
+    )
+    return sim_cli.run(sim_parser.parse_args(sim_args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
