@@ -13,6 +13,11 @@ and for routers that read the table from a file (``file``), side by side in one 
    Ready condition to False (and back) and times until every router serves a generation where
    that instance is not routable (routable again).
 
+Then, with the pods really running on the pod runner's node (``engine: sim``, two router pods
+deployed by the operator): a rollout of 3 decode instances under streaming load sent to the
+router pods' IPs: wall time from the template change until every router serves the three new
+pods, and the failed requests (target 0).
+
 For ``file`` the bench plays the kubelet at its very best: its own watch copies every new
 ConfigMap content into the file at once, with the kubelet's atomic ``..data`` swap. A real
 kubelet adds its sync period (60-90 s by default) on top, so the ``file`` figures here are a
@@ -40,12 +45,14 @@ from typing import Any
 from bench.operator_bench import Kubectl, kubeconfig_path, operator_process, percentile
 from bench.proxy_start_bench import table_json
 from tests.support.kube import grant_router_access, kubectl_for, router_kubeconfig
+from tests.support.load import Load
 from tests.support.procs import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results"
 NS_WRITE = "pdserve-bench-lag-write"
 NS_FLIP = "pdserve-bench-lag-flip"
+NS_ROLL = "pdserve-bench-lag-rollout"
 CONFIGMAP = "lag-routing"
 PDD = "lag"
 TARGETS = {"write_to_served_p99_s": 0.5, "notready_to_served_p99_s": 1.0}
@@ -256,6 +263,93 @@ def wait_all_routable(routers: list[Router], pods: list[str], timeout: float) ->
         raise SystemExit(f"routers never served all of {pods} as routable within {timeout:g}s")
 
 
+def rollout_manifest(decode: int) -> dict[str, Any]:
+    return {
+        "apiVersion": "pdserve.io/v1alpha1",
+        "kind": "PDDeployment",
+        "metadata": {"name": PDD, "namespace": NS_ROLL},
+        "spec": {
+            "model": "sim-model",
+            "engine": "sim",
+            "kvTransfer": {"connector": "NixlConnector"},
+            "prefill": {"instances": 1, "dataParallel": 2},
+            "decode": {"instances": decode, "dataParallel": 1},
+            "router": {"replicas": 2},
+            "rollout": {"maxUnavailable": 1, "drainSeconds": 30},
+        },
+    }
+
+
+def live_pods(api: Any, selector: str) -> list[Any]:
+    from kubernetes import client
+
+    items: list[Any] = client.CoreV1Api(api).list_namespaced_pod(NS_ROLL, label_selector=selector).items
+    return [p for p in items if p.metadata.deletion_timestamp is None]
+
+
+def is_ready(pod: Any) -> bool:
+    return any(c.type == "Ready" and c.status == "True" for c in pod.status.conditions or [])
+
+
+def router_targets(api: Any) -> list[str]:
+    selector = f"pdserve.io/deployment={PDD},app.kubernetes.io/component=router"
+    return [f"{p.status.pod_ip}:8000" for p in live_pods(api, selector) if is_ready(p) and p.status.pod_ip]
+
+
+def rollout_served(api: Any, decode: int, old: set[str]) -> bool:
+    """Every decode pod new and Ready, and both router pods serving exactly those."""
+    pods = live_pods(api, f"pdserve.io/deployment={PDD},pdserve.io/role=decode")
+    if len(pods) != decode or any(p.metadata.uid in old or not is_ready(p) for p in pods):
+        return False
+    targets = router_targets(api)
+    names = {p.metadata.name for p in pods}
+    for target in targets:
+        try:
+            with urllib.request.urlopen(f"http://{target}/routing/served", timeout=2) as r:
+                view = json.loads(r.read())
+        except OSError:
+            return False
+        routable = {n for n, row in view["instances"].items() if row["role"] == "decode" and row["routable"]}
+        if routable != names:
+            return False
+    return len(targets) == 2
+
+
+def measure_rollout(api: Any, kubectl: Kubectl, decode: int, concurrency: int) -> dict[str, Any]:
+    from kubernetes import client
+
+    custom = client.CustomObjectsApi(api)
+    deadline = time.monotonic() + 180
+    while not rollout_served(api, decode, set()):
+        if time.monotonic() > deadline:
+            raise SystemExit(f"{NS_ROLL}/{PDD} never served {decode} decode pods through 2 routers")
+        time.sleep(0.5)
+    old = {p.metadata.uid for p in live_pods(api, f"pdserve.io/deployment={PDD},pdserve.io/role=decode")}
+    with Load(lambda: router_targets(api), concurrency) as load:
+        time.sleep(2)
+        t0 = time.monotonic()
+        patch = {
+            "spec": {"decode": {"template": {"metadata": {"annotations": {"bench/rev": str(time.time())}}}}}
+        }
+        custom.patch_namespaced_custom_object("pdserve.io", "v1alpha1", NS_ROLL, "pddeployments", PDD, patch)
+        deadline = t0 + 600
+        while not rollout_served(api, decode, old):
+            if time.monotonic() > deadline:
+                raise SystemExit("the rollout did not finish within 600 s")
+            time.sleep(0.2)
+        wall = time.monotonic() - t0
+        time.sleep(1)
+        result = load.stop()
+    return {
+        "decode_instances": decode,
+        "concurrency": concurrency,
+        "wall_s": wall,
+        "ok": result.ok,
+        "failed": len(result.failed),
+        "failures": result.failed[:5],
+    }
+
+
 # --- main ----------------------------------------------------------------------------------------
 
 
@@ -294,6 +388,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--routers", type=int, default=2, help="routers per variant")
     parser.add_argument("--writes", type=int, default=40)
     parser.add_argument("--flips", type=int, default=20)
+    parser.add_argument("--concurrency", type=int, default=32, help="streams during the rollout")
     args = parser.parse_args(argv)
 
     from kubernetes import config
@@ -331,14 +426,23 @@ def main(argv: list[str] | None = None) -> int:
         result["write_to_served"] = {v: summarize(x) for v, x in writes.items()}
 
         log(f"2/2 NotReady -> served: the operator, a PDDeployment on kwok nodes, {args.flips} flips")
-        operator = stack.enter_context(operator_process(admin, work / "operator.log", NS_FLIP))
-        del operator
+        stack.enter_context(operator_process(admin, work / "operator.log", NS_FLIP))
         kubectl("apply", "-f", "-", input=json.dumps(pdd_manifest()))
         routers = start_routers(stack, admin, NS_FLIP, f"{PDD}-routing", work, args.routers, api)
         pods = [f"{PDD}-prefill-0", f"{PDD}-prefill-1", f"{PDD}-decode-0", f"{PDD}-decode-1"]
         wait_all_routable(routers, pods, 120)
         flips = measure_flips(api, routers, pods, args.flips)
         result["notready_to_served"] = {v: summarize(x) for v, x in flips.items()}
+
+        log(f"3/3 rollout of 3 decode instances under c={args.concurrency} streaming load (pod runner)")
+        kubectl("delete", "namespace", NS_ROLL, "--ignore-not-found", "--wait=true", "--timeout=120s")
+        kubectl("create", "namespace", NS_ROLL)
+        stack.callback(
+            kubectl, "delete", "namespace", NS_ROLL, "--ignore-not-found", "--wait=false", check=False
+        )
+        stack.enter_context(operator_process(admin, work / "operator-rollout.log", NS_ROLL))
+        kubectl("apply", "-f", "-", input=json.dumps(rollout_manifest(3)))
+        result["rollout"] = measure_rollout(api, kubectl, 3, args.concurrency)
 
     (RESULTS / f"routing-lag-{stamp}.json").write_text(json.dumps(result, indent=2) + "\n")
     (RESULTS / "routing-lag-latest.md").write_text(markdown(result, args))
@@ -370,6 +474,14 @@ def markdown(result: dict[str, Any], args: argparse.Namespace) -> str:
                 f"| {measure} | {variant} | {s['n']} | {s['missed']} | {s['p50_s']:.3f} | {s['p99_s']:.3f} "
                 f"| {s['max_s']:.3f} | {TARGETS[target] if variant == 'watch' else '-'} |"
             )
+    r = result["rollout"]
+    lines += [
+        "",
+        f"Rollout of {r['decode_instances']} decode instances (template change; maxUnavailable 1; "
+        f"pods run by the pod runner, 2 router pods) under c={r['concurrency']} streaming completions "
+        f"sent to the router pods' IPs: **{r['wall_s']:.1f} s** from the change until both routers serve "
+        f"the three new pods; {r['ok']} requests answered whole, **{r['failed']} failed** (target 0).",
+    ]
     return "\n".join(lines) + "\n"
 
 

@@ -12,20 +12,18 @@ The operator runs as a subprocess of the test (as in test_operator.py), so a tes
 
 from __future__ import annotations
 
-import asyncio
 import json
 import threading
 import time
 import urllib.request
 from collections import Counter
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
 from typing import Any
 
-import aiohttp
 import pytest
 
 from tests.support.kube import eventually
+from tests.support.load import Load
 from tests.support.operator import Cluster, Operator, pod_ready
 
 pytestmark = pytest.mark.cluster
@@ -73,6 +71,11 @@ def ready_ips(cluster: Cluster, component: str) -> list[str]:
     )
 
 
+def routers(cluster: Cluster) -> Callable[[], list[str]]:
+    """The Ready router pods' client addresses, for :class:`Load`."""
+    return lambda: [f"{ip}:{ROUTER_PORT}" for ip in ready_ips(cluster, "router")]
+
+
 def get_json(url: str, timeout: float = 3.0) -> dict[str, Any]:
     with urllib.request.urlopen(url, timeout=timeout) as r:
         return dict(json.loads(r.read()))
@@ -100,81 +103,7 @@ def stats(ip: str) -> dict[str, Any]:
     return get_json(f"http://{ip}:{ENGINE_PORT}/sim/stats")
 
 
-# --- load ----------------------------------------------------------------------------------------
-
-
-@dataclass
-class LoadResult:
-    ok: int = 0
-    failed: list[tuple[str, str]] = field(default_factory=list)  # (router ip, what went wrong)
-
-
-class Load:
-    """``concurrency`` clients streaming completions in a loop, spread over the Ready router pods
-    (re-read every second, as a Service's endpoints would be)."""
-
-    def __init__(self, cluster: Cluster, concurrency: int, max_tokens: int = 16) -> None:
-        self.cluster = cluster
-        self.concurrency = concurrency
-        self.max_tokens = max_tokens
-        self.result = LoadResult()
-        self._stop = threading.Event()
-        self._targets: list[str] = ready_ips(cluster, "router")
-        self._thread = threading.Thread(target=lambda: asyncio.run(self._run()), daemon=True)
-        self._refresher = threading.Thread(target=self._refresh, daemon=True)
-
-    def __enter__(self) -> Load:
-        assert self._targets, "no Ready router pod to send load to"
-        self._thread.start()
-        self._refresher.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
-
-    def stop(self) -> LoadResult:
-        self._stop.set()
-        self._thread.join(timeout=60)
-        self._refresher.join(timeout=10)
-        return self.result
-
-    def _refresh(self) -> None:
-        while not self._stop.wait(1.0):
-            try:
-                ips = ready_ips(self.cluster, "router")
-            except Exception:
-                continue
-            if ips:
-                self._targets = ips
-
-    async def _run(self) -> None:
-        timeout = aiohttp.ClientTimeout(total=60)
-        async with aiohttp.ClientSession(timeout=timeout) as session:
-            await asyncio.gather(*(self._client(session, i) for i in range(self.concurrency)))
-
-    async def _client(self, session: aiohttp.ClientSession, index: int) -> None:
-        n = index
-        while not self._stop.is_set():
-            targets = self._targets
-            ip = targets[n % len(targets)]
-            n += 1
-            body = {
-                "model": "sim-model",
-                "prompt": f"hello {n}",
-                "max_tokens": self.max_tokens,
-                "stream": True,
-            }
-            try:
-                async with session.post(f"http://{ip}:{ROUTER_PORT}/v1/completions", json=body) as resp:
-                    text = await resp.text()
-                    if resp.status != 200:
-                        self.result.failed.append((ip, f"HTTP {resp.status}: {text[:200]}"))
-                    elif "data: [DONE]" not in text or '"error"' in text:
-                        self.result.failed.append((ip, f"incomplete stream: {text[-200:]}"))
-                    else:
-                        self.result.ok += 1
-            except (aiohttp.ClientError, TimeoutError) as exc:
-                self.result.failed.append((ip, f"{type(exc).__name__}: {exc}"))
+# --- what the engines saw ----------------------------------------------------------------------
 
 
 class LastRequests:
@@ -277,7 +206,7 @@ def test_routers_serve_with_exact_per_slot_counts(e2e: Cluster) -> None:
 def test_prefill_template_change_under_load_fails_nothing(e2e: Cluster) -> None:
     deploy(e2e)
     before = {p["metadata"]["uid"] for p in pods(e2e, "prefill")}
-    with LastRequests(e2e) as last, Load(e2e, concurrency=32) as load:
+    with LastRequests(e2e) as last, Load(routers(e2e), concurrency=32) as load:
         time.sleep(2)
         patch = {"spec": {"prefill": {"template": {"metadata": {"annotations": {"e2e/rev": "2"}}}}}}
         e2e.kubectl("patch", "pdd", NAME, "--type=merge", "-p", json.dumps(patch))
@@ -298,7 +227,7 @@ def test_prefill_template_change_under_load_fails_nothing(e2e: Cluster) -> None:
 def test_decode_pod_deleted_by_hand_under_load_fails_nothing(e2e: Cluster) -> None:
     deploy(e2e)
     victim = pods(e2e, "decode")[0]
-    with Load(e2e, concurrency=16) as load:
+    with Load(routers(e2e), concurrency=16) as load:
         time.sleep(2)
         e2e.kubectl("delete", "pod", victim["metadata"]["name"], "--wait=false")
 
@@ -317,7 +246,7 @@ def test_decode_pod_deleted_by_hand_under_load_fails_nothing(e2e: Cluster) -> No
 
 def test_scale_decode_down_under_load_fails_nothing(e2e: Cluster) -> None:
     deploy(e2e, decode=3)
-    with Load(e2e, concurrency=16) as load:
+    with Load(routers(e2e), concurrency=16) as load:
         time.sleep(2)
         e2e.kubectl(
             "patch", "pdd", NAME, "--type=merge", "-p", json.dumps({"spec": {"decode": {"instances": 1}}})
@@ -333,7 +262,7 @@ def test_router_pod_deleted_under_load_cuts_only_its_own_streams(e2e: Cluster) -
     deploy(e2e)
     victim = pods(e2e, "router")[0]
     victim_ip = victim["status"]["podIP"]
-    with Load(e2e, concurrency=16, max_tokens=64) as load:
+    with Load(routers(e2e), concurrency=16, max_tokens=64) as load:
         time.sleep(2)
         deleted_at = time.monotonic()
         e2e.kubectl("delete", "pod", victim["metadata"]["name"], "--wait=false")
@@ -355,7 +284,7 @@ def test_router_pod_deleted_under_load_cuts_only_its_own_streams(e2e: Cluster) -
         result = load.stop()
     print(f"router replaced and serving {replaced_after:.1f}s after the delete")
     assert result.ok > 0
-    assert [f for f in result.failed if f[0] != victim_ip] == []
+    assert [f for f in result.failed if f[0] != f"{victim_ip}:{ROUTER_PORT}"] == []
 
 
 def test_operator_restarted_mid_rollout_converges(e2e: Cluster, operator: Operator) -> None:

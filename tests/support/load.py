@@ -1,106 +1,93 @@
-"""A bounded streaming load generator for end-to-end tests against real routers.
+"""Streaming load against routers that come and go, for the cluster e2e tests and benchmarks.
 
-Why its own event loop in a thread: the tests drive kubectl and the operator synchronously while
-the load runs, and read every request's outcome afterwards (which router, when it started and
-ended, whether the stream reached ``[DONE]``). It stops by itself after ``max_seconds`` or
-``max_requests``, so a test that forgets to stop it still ends.
+``Load`` keeps ``concurrency`` clients streaming completions in a loop, spread round-robin
+over the router addresses ``targets()`` returns (re-read every second, as a Service's
+endpoints would be), and records every answer that was not a whole stream.
 """
 
 from __future__ import annotations
 
 import asyncio
-import itertools
 import threading
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import aiohttp
 
 
 @dataclass
-class Outcome:
-    router: str
-    started: float
-    ended: float = 0.0
-    status: int = 0
-    done: bool = False  # the stream ended with [DONE] and carried no error event
-    error: str = ""
-
-    @property
-    def ok(self) -> bool:
-        return self.status == 200 and self.done and not self.error
+class LoadResult:
+    ok: int = 0
+    failed: list[tuple[str, str]] = field(default_factory=list)  # (router address, what went wrong)
 
 
-@dataclass
-class StreamLoad:
-    """``concurrency`` clients, each sending streaming completions one after another.
+class Load:
+    def __init__(
+        self,
+        targets: Callable[[], list[str]],
+        concurrency: int,
+        max_tokens: int = 16,
+        model: str = "sim-model",
+    ) -> None:
+        self.targets = targets
+        self.concurrency = concurrency
+        self.max_tokens = max_tokens
+        self.model = model
+        self.result = LoadResult()
+        self._stop = threading.Event()
+        self._current: list[str] = targets()
+        self._thread = threading.Thread(target=lambda: asyncio.run(self._run()), daemon=True)
+        self._refresher = threading.Thread(target=self._refresh, daemon=True)
 
-    ``routers`` is called before every request, so a test can change the set of router URLs
-    while the load runs (a router pod replaced, for instance).
-    """
-
-    routers: Callable[[], Sequence[str]]
-    model: str
-    concurrency: int = 32
-    max_tokens: int = 16
-    max_seconds: float = 300.0
-    max_requests: int = 200_000
-    outcomes: list[Outcome] = field(default_factory=list)
-    _stop: threading.Event = field(default_factory=threading.Event)
-    _thread: threading.Thread | None = None
-
-    def start(self) -> StreamLoad:
-        self._thread = threading.Thread(target=lambda: asyncio.run(self._main()), daemon=True)
+    def __enter__(self) -> Load:
+        assert self._current, "no router to send load to"
         self._thread.start()
+        self._refresher.start()
         return self
 
-    def stop(self) -> list[Outcome]:
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def stop(self) -> LoadResult:
         self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=self.max_seconds + 60)
-        return list(self.outcomes)
+        self._thread.join(timeout=60)
+        self._refresher.join(timeout=10)
+        return self.result
 
-    def failed(self) -> list[Outcome]:
-        return [o for o in self.outcomes if o.ended and not o.ok]
+    def _refresh(self) -> None:
+        while not self._stop.wait(1.0):
+            try:
+                current = self.targets()
+            except Exception:  # keep the last list while the API server hiccups
+                continue
+            if current:
+                self._current = current
 
-    def completed(self) -> list[Outcome]:
-        return [o for o in self.outcomes if o.ok]
-
-    async def _main(self) -> None:
-        deadline = time.monotonic() + self.max_seconds
-        budget = itertools.count()
-        timeout = aiohttp.ClientTimeout(total=120, sock_connect=5)
+    async def _run(self) -> None:
+        timeout = aiohttp.ClientTimeout(total=60)
         async with aiohttp.ClientSession(timeout=timeout) as session:
+            await asyncio.gather(*(self._client(session, i) for i in range(self.concurrency)))
 
-            async def client(n: int) -> None:
-                pick = itertools.count(n)
-                while not self._stop.is_set() and time.monotonic() < deadline:
-                    if next(budget) >= self.max_requests:
-                        return
-                    urls = list(self.routers())
-                    if not urls:
-                        await asyncio.sleep(0.05)
-                        continue
-                    await self._one(session, urls[next(pick) % len(urls)])
-
-            await asyncio.gather(*(client(n) for n in range(self.concurrency)))
-
-    async def _one(self, session: aiohttp.ClientSession, router: str) -> None:
-        outcome = Outcome(router=router, started=time.time())
-        self.outcomes.append(outcome)
-        body = {"model": self.model, "prompt": "hello " * 8, "max_tokens": self.max_tokens, "stream": True}
-        try:
-            async with session.post(f"{router}/v1/completions", json=body) as resp:
-                outcome.status = resp.status
-                data = await resp.read()
-            text = data.decode(errors="replace")
-            outcome.done = text.rstrip().endswith("data: [DONE]")
-            if '"error"' in text:
-                outcome.error = text[-300:]
-            elif resp.status != 200:
-                outcome.error = text[:300]
-        except (TimeoutError, aiohttp.ClientError, OSError) as exc:
-            outcome.error = f"{type(exc).__name__}: {exc}"
-        finally:
-            outcome.ended = time.time()
+    async def _client(self, session: aiohttp.ClientSession, index: int) -> None:
+        n = index
+        while not self._stop.is_set():
+            current = self._current
+            target = current[n % len(current)]
+            n += 1
+            body = {
+                "model": self.model,
+                "prompt": f"hello {n}",
+                "max_tokens": self.max_tokens,
+                "stream": True,
+            }
+            try:
+                async with session.post(f"http://{target}/v1/completions", json=body) as resp:
+                    text = await resp.text()
+                    if resp.status != 200:
+                        self.result.failed.append((target, f"HTTP {resp.status}: {text[:200]}"))
+                    elif "data: [DONE]" not in text or '"error"' in text:
+                        self.result.failed.append((target, f"incomplete stream: {text[-200:]}"))
+                    else:
+                        self.result.ok += 1
+            except (aiohttp.ClientError, TimeoutError) as exc:
+                self.result.failed.append((target, f"{type(exc).__name__}: {exc}"))
