@@ -14,9 +14,9 @@ before heterogeneous TP landed): check the version an image carries before relyi
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 
+from pdserve.deployment.revision import last_value
 from pdserve.deployment.spec import PDDeploymentSpec, RoleSpec
 
 NIXL = "NixlConnector"
@@ -106,7 +106,7 @@ def problems(spec: PDDeploymentSpec) -> list[str]:
     if connector == NIXL:
         found += _block_sizes(p, d)
     for flag, default in MATCHING_FLAGS:
-        pv, dv = _flag(p.args, flag) or default, _flag(d.args, flag) or default
+        pv, dv = last_value(p.args, flag) or default, last_value(d.args, flag) or default
         if pv != dv:
             found.append(
                 f"spec.prefill.args, spec.decode.args: {flag} is {pv} on prefill and {dv} on decode; "
@@ -116,7 +116,7 @@ def problems(spec: PDDeploymentSpec) -> list[str]:
 
 
 def _block_sizes(prefill: RoleSpec, decode: RoleSpec) -> list[str]:
-    p, d = _flag(prefill.args, "--block-size"), _flag(decode.args, "--block-size")
+    p, d = last_value(prefill.args, "--block-size"), last_value(decode.args, "--block-size")
     if p is None or d is None or not (p.isdigit() and d.isdigit()) or int(p) == 0:
         return []
     if int(p) <= int(d) and int(d) % int(p) == 0:
@@ -125,14 +125,3 @@ def _block_sizes(prefill: RoleSpec, decode: RoleSpec) -> list[str]:
         f"spec.prefill.args, spec.decode.args: --block-size {p} on prefill and {d} on decode; with "
         "NixlConnector the prefill's block size must be at most the decode's and divide it"
     ]
-
-
-def _flag(args: Sequence[str], flag: str) -> str | None:
-    """The last value of ``flag`` (``--flag v`` or ``--flag=v``), as vLLM's parser keeps the last."""
-    value = None
-    for i, arg in enumerate(args):
-        if arg == flag and i + 1 < len(args):
-            value = args[i + 1]
-        elif arg.startswith(flag + "="):
-            value = arg.split("=", 1)[1]
-    return value

@@ -14,7 +14,10 @@ are never paired, rather than silently corrupting each other's KV):
   role by design);
 * the role's ``args`` among :data:`KV_FLAGS` (weights, tokenizer, KV layout), in either
   ``--flag value`` or ``--flag=value`` form, order-independent;
-* the role's ``env`` among :data:`KV_ENV`.
+* the role's ``env`` among :data:`KV_ENV`;
+* both roles' ``--block-size``, as a pair and in both revisions: NIXL pairs a prefill whose block
+  size divides the decode's (admission.py checks the pair), so the sizes need not be equal, but
+  a change of either is a change of what the two sides agree on and rolls them as one.
 
 Everything else (DP/TP sizes, scheduling flags such as ``--max-num-seqs``, resources) may
 differ between prefill and decode and between revisions of one role: NIXL handles
@@ -49,7 +52,6 @@ KV_FLAGS = frozenset(
         "--chat-template",
         # the KV cache's layout
         "--kv-cache-dtype",
-        "--block-size",
         "--calculate-kv-scales",
         "--attention-backend",
         "--mamba-ssm-cache-dtype",
@@ -57,6 +59,9 @@ KV_FLAGS = frozenset(
 )
 #: Environment variables that change the KV layout (vLLM reads them at start-up).
 KV_ENV = frozenset({"VLLM_KV_CACHE_LAYOUT", "VLLM_ATTENTION_BACKEND"})
+
+#: KV-layout flags that may differ between the roles within a rule: hashed as a pair.
+PAIR_FLAGS = ("--block-size",)
 
 REVISION_LENGTH = 12
 
@@ -66,7 +71,7 @@ def pairing_revision(pdd: PDDeployment, role: Role) -> str:
     spec = pdd.spec
     rs = spec.role(role)
     kv = spec.kv_transfer
-    factors = {
+    factors: dict[str, object] = {
         "model": spec.model,
         "servedModelName": spec.served_model_name,
         "image": spec.engine_image,
@@ -81,8 +86,24 @@ def pairing_revision(pdd: PDDeployment, role: Role) -> str:
             (str(e.get("name")), json.dumps(e, sort_keys=True)) for e in rs.env if e.get("name") in KV_ENV
         ),
     }
+    pairs = {
+        flag: [last_value(spec.role(r).args, flag) for r in (Role.PREFILL, Role.DECODE)]
+        for flag in PAIR_FLAGS
+    }
+    factors.update({flag: pair for flag, pair in pairs.items() if pair != [None, None]})
     text = json.dumps(factors, sort_keys=True, separators=(",", ":"), default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:REVISION_LENGTH]
+
+
+def last_value(argv: Sequence[str], flag: str) -> str | None:
+    """The last value of ``flag`` (``--flag v`` or ``--flag=v``), as vLLM's parser keeps the last."""
+    value = None
+    for i, arg in enumerate(argv):
+        if arg == flag and i + 1 < len(argv):
+            value = argv[i + 1]
+        elif arg.startswith(flag + "="):
+            value = arg.split("=", 1)[1]
+    return value
 
 
 def kv_args(argv: Sequence[str]) -> list[tuple[str, str | None]]:

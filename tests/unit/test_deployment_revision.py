@@ -49,7 +49,6 @@ def test_a_shared_setting_changes_both_revisions(change: dict[str, Any]) -> None
     "args",
     [
         ["--kv-cache-dtype", "fp8"],
-        ["--block-size=32"],
         ["--dtype", "bfloat16"],
         ["--tokenizer", "other/tok"],
         ["--chat-template", "/t.jinja"],
@@ -65,6 +64,22 @@ def test_a_kv_flag_on_one_side_only_splits_the_revisions(args: list[str]) -> Non
         decode={"instances": 2, "tensorParallel": 4, "args": args},
     )
     assert pairing_revision(both, P) == pairing_revision(both, D)
+
+
+def test_block_sizes_are_hashed_as_a_pair_in_both_revisions() -> None:
+    """NIXL pairs a prefill block size that divides the decode's (admission.py): P16/D32 pair, and
+    changing either side's size re-revisions both, so a rollout never mixes old and new sizes."""
+    mixed = pdd_of(
+        prefill={"args": ["--block-size", "16"]}, decode={"instances": 2, "args": ["--block-size=32"]}
+    )
+    assert pairing_revision(mixed, P) == pairing_revision(mixed, D)
+    one_side = pdd_of(decode={"instances": 2, "args": ["--block-size=32"]})  # prefill: vLLM's default
+    assert pairing_revision(one_side, P) == pairing_revision(one_side, D)
+    base = pdd_of()
+    for changed in (mixed, one_side):
+        for role in (P, D):
+            assert pairing_revision(changed, role) != pairing_revision(base, role)
+    assert pairing_revision(mixed, P) != pairing_revision(one_side, P)
 
 
 def test_what_may_differ_between_the_roles_does_not_change_the_revision() -> None:
@@ -87,12 +102,16 @@ def test_kv_env_counts_and_other_env_does_not() -> None:
 
 
 def test_kv_args_reads_both_flag_forms_order_independently() -> None:
-    assert kv_args(["--dtype", "half", "--max-num-seqs", "4", "--block-size=16", "--trust-remote-code"]) == [
-        ("--block-size", "16"),
+    assert kv_args(
+        ["--dtype", "half", "--max-num-seqs", "4", "--kv-cache-dtype=fp8", "--trust-remote-code"]
+    ) == [
         ("--dtype", "half"),
+        ("--kv-cache-dtype", "fp8"),
         ("--trust-remote-code", None),
     ]
-    assert kv_args(["--block-size=16", "--dtype", "half"]) == kv_args(["--dtype=half", "--block-size", "16"])
+    assert kv_args(["--kv-cache-dtype=fp8", "--dtype", "half"]) == kv_args(
+        ["--dtype=half", "--kv-cache-dtype", "fp8"]
+    )
     assert "--max-num-seqs" not in KV_FLAGS
 
 
