@@ -313,12 +313,19 @@ def test_data_parallel_change_advertises_each_pods_own_size(
 def test_restart_mid_rollout_creates_no_duplicate_and_finishes(
     operator: Operator, cluster: Cluster, recorder: Recorder
 ) -> None:
-    cluster.apply(pdd_manifest("phoenix2", decode_instances=3, drain_seconds=3))
+    # A router that never answers keeps each drain for its 3 s bound: long enough to restart in.
+    cluster.apply(pdd_manifest("phoenix2", decode_instances=3, drain_seconds=3, silent_router=True))
     eventually(lambda: ready(cluster, "phoenix2"), timeout=WAIT, message="Ready=True")
     old_hash = cluster.status("phoenix2")["decode"]["templateHash"]
     start = len(recorder.records)
     cluster.apply(
-        pdd_manifest("phoenix2", decode_instances=3, drain_seconds=3, decode_args=["--max-num-seqs", "8"])
+        pdd_manifest(
+            "phoenix2",
+            decode_instances=3,
+            drain_seconds=3,
+            decode_args=["--max-num-seqs", "8"],
+            silent_router=True,
+        )
     )
 
     def draining() -> bool:

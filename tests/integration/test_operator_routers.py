@@ -78,7 +78,7 @@ def test_a_drain_ends_at_the_bound_when_the_routers_do_not_answer_and_says_so(
     operator: Operator,
     cluster: Cluster,
 ) -> None:
-    cluster.apply(pdd_manifest("roll", drain_seconds=1))
+    cluster.apply(pdd_manifest("roll", drain_seconds=1, silent_router=True))
     eventually(lambda: ready(cluster, "roll"), timeout=WAIT, message="Ready=True")
     eventually(lambda: cluster.status("roll").get("routers", {}).get("ready") == 1, timeout=WAIT)
     status = cluster.status("roll")
@@ -89,7 +89,9 @@ def test_a_drain_ends_at_the_bound_when_the_routers_do_not_answer_and_says_so(
     assert columns[6] == "0/1"  # the Routers column
 
     old = {p["metadata"]["name"]: p["metadata"]["uid"] for p in cluster.pods("roll")}
-    cluster.apply(pdd_manifest("roll", drain_seconds=1, decode_args=["--max-num-seqs", "64"]))
+    cluster.apply(
+        pdd_manifest("roll", drain_seconds=1, decode_args=["--max-num-seqs", "64"], silent_router=True)
+    )
     drained = eventually(lambda: events(cluster, "roll", "Drained"), timeout=WAIT, message="a Drained Event")
     assert any(
         m.startswith("Pod roll-decode-1 drained: timeout, 1 router (roll-router-") and "unreachable" in m
@@ -182,7 +184,7 @@ def test_a_drain_ends_as_soon_as_the_real_router_lets_go(
     """A real `pdserve proxy` listens at the kwok router pod's own IP (loopback 127.128.x.y) and
     ports, with the operator's RBAC: the operator asks it, and the drain ends by routers-idle
     long before drainSeconds (600)."""
-    cluster.apply(pdd_manifest("idle", decode_instances=2, drain_seconds=600))
+    cluster.apply(pdd_manifest("idle", decode_instances=2, drain_seconds=600, silent_router=True))
     eventually(lambda: ready(cluster, "idle"), timeout=WAIT, message="Ready=True")
     selector = "pdserve.io/deployment=idle,app.kubernetes.io/component=router"
     (router_pod,) = json.loads(cluster.kubectl("get", "pods", "-o", "json", "-l", selector))["items"]
@@ -206,7 +208,7 @@ def test_a_drain_ends_as_soon_as_the_real_router_lets_go(
 
         eventually(current, timeout=WAIT, message="the operator sees the real router current")
 
-        cluster.apply(pdd_manifest("idle", decode_instances=1, drain_seconds=600))
+        cluster.apply(pdd_manifest("idle", decode_instances=1, drain_seconds=600, silent_router=True))
         drained = eventually(lambda: events(cluster, "idle", "Drained"), timeout=WAIT, message="Drained")
         assert drained[0].startswith(
             "Pod idle-decode-1 drained: routers-idle, 1 router, left the table at generation"
@@ -234,7 +236,7 @@ def test_a_drain_waits_for_the_stream_on_the_pod_then_ends_routers_idle(
     """Real `pdserve sim` engines and a real router at the kwok pods' own IPs: a stream running on
     decode-1 when it starts draining keeps its pod alive, finishes whole, and then the drain ends
     by routers-idle (drainSeconds 600 is never reached)."""
-    cluster.apply(pdd_manifest("busy", decode_instances=2, drain_seconds=600))
+    cluster.apply(pdd_manifest("busy", decode_instances=2, drain_seconds=600, silent_router=True))
     eventually(lambda: ready(cluster, "busy"), timeout=WAIT, message="Ready=True")
     pods = {p["metadata"]["name"]: p for p in cluster.pods("busy")}
     selector = "pdserve.io/deployment=busy,app.kubernetes.io/component=router"
@@ -285,7 +287,7 @@ def test_a_drain_waits_for_the_stream_on_the_pod_then_ends_routers_idle(
             return bool(row.get("in_flight"))
 
         eventually(on_decode_1, timeout=WAIT, message="a stream on decode-1")
-        cluster.apply(pdd_manifest("busy", decode_instances=1, drain_seconds=600))
+        cluster.apply(pdd_manifest("busy", decode_instances=1, drain_seconds=600, silent_router=True))
 
         def drained_in_router() -> dict[str, Any] | None:
             row = http("GET", served_url).json()["instances"].get("busy-decode-1") or {}

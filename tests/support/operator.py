@@ -39,8 +39,13 @@ def pdd_manifest(
     decode_args: list[str] | None = None,
     drain_seconds: int = 1,
     max_unavailable: int = 1,
+    silent_router: bool = False,
 ) -> dict[str, Any]:
-    return {
+    """An ``engine: vllm`` deployment: its GPU pods land on kwok's nodes (Ready, nothing runs);
+    its router pod asks for no GPU and really runs on the pod runner's node, unless
+    ``silent_router`` pins it to a kwok node too, where it is Ready but never answers (so drains
+    end at the ``drainSeconds`` bound)."""
+    doc: dict[str, Any] = {
         "apiVersion": "pdserve.io/v1alpha1",
         "kind": "PDDeployment",
         "metadata": {"name": name},
@@ -59,6 +64,16 @@ def pdd_manifest(
             "rollout": {"maxUnavailable": max_unavailable, "drainSeconds": drain_seconds},
         },
     }
+    if silent_router:
+        doc["spec"]["router"] = {"template": {"spec": KWOK_PLACEMENT}}
+    return doc
+
+
+#: Places a pod that asks for no GPU on a kwok node anyway.
+KWOK_PLACEMENT: dict[str, Any] = {
+    "nodeSelector": {"type": "kwok"},
+    "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
+}
 
 
 # --- fixtures ------------------------------------------------------------------------------------
