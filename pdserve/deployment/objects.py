@@ -6,6 +6,7 @@ prints them, and the tests compare them with golden files. Names:
 * Pod ``<name>-<role>-<index>`` per instance (``hostname`` + ``subdomain`` give it a DNS name)
 * headless Service ``<name>-engines`` (that subdomain; not-ready pods included)
 * Deployment ``<name>-router`` running ``pdserve proxy``, Service ``<name>`` on the router port
+* PodDisruptionBudget ``<name>-prefill`` and ``<name>-decode``, one per role (:func:`disruption_budget`)
 * ConfigMap ``<name>-routing`` holding ``routing.json``; the router pods watch it through the
   API server as ServiceAccount ``<name>-router``, whose Role ``<name>-router`` (bound by
   RoleBinding ``<name>-router``) grants get/list/watch on that one ConfigMap (``resourceNames``)
@@ -97,6 +98,10 @@ def routing_configmap_name(pdd: PDDeployment) -> str:
 def router_account_name(pdd: PDDeployment) -> str:
     """The router's ServiceAccount, Role and RoleBinding share this name."""
     return f"{pdd.name}-router"
+
+
+def disruption_budget_name(pdd: PDDeployment, role: Role) -> str:
+    return f"{pdd.name}-{role.value}"
 
 
 def labels(pdd: PDDeployment, component: str) -> dict[str, str]:
@@ -530,6 +535,30 @@ def engine_service(pdd: PDDeployment) -> dict[str, Any]:
     }
 
 
+def disruption_budget(pdd: PDDeployment, role: Role) -> dict[str, Any]:
+    """The role's PodDisruptionBudget: evictions may leave at most maxUnavailable instances not Ready.
+
+    Rendered as an integer ``minAvailable`` (instances minus the allowed count), because for
+    ``maxUnavailable`` and percentages the disruption controller reads the expected count from
+    the pods' controller's scale subresource, and the PDDeployment's scale is decode's: a
+    prefill budget would be computed against decode's instances. An integer minAvailable is
+    counted against the pods that exist. ``AlwaysAllow`` lets a drain evict a pod that is
+    running but not Ready (crashlooping, or still loading its model), which serves nothing, even
+    when the budget is spent, so one broken pod cannot block a node's drain.
+    """
+    rs = pdd.spec.role(role)
+    return {
+        "apiVersion": "policy/v1",
+        "kind": "PodDisruptionBudget",
+        "metadata": _metadata(pdd, disruption_budget_name(pdd, role), role.value),
+        "spec": {
+            "minAvailable": rs.instances - rs.disruption_budget.allowed(rs.instances),
+            "selector": {"matchLabels": role_selector(pdd, role)},
+            "unhealthyPodEvictionPolicy": "AlwaysAllow",
+        },
+    }
+
+
 def routing_configmap(pdd: PDDeployment, table: RoutingTable) -> dict[str, Any]:
     return {
         "apiVersion": "v1",
@@ -544,7 +573,8 @@ def routing_configmap(pdd: PDDeployment, table: RoutingTable) -> dict[str, Any]:
 
 def desired_static_objects(pdd: PDDeployment) -> list[dict[str, Any]]:
     """Objects whose content follows from the spec alone (no pod state): Services, the router's
-    account and its read access to the routing ConfigMap, and the router."""
+    account and its read access to the routing ConfigMap, the router, and the roles' disruption
+    budgets (also for a role of 0 instances: minAvailable 0 over no pods, so nothing to prune)."""
     return [
         engine_service(pdd),
         router_service(pdd),
@@ -552,6 +582,8 @@ def desired_static_objects(pdd: PDDeployment) -> list[dict[str, Any]]:
         router_role(pdd),
         router_role_binding(pdd),
         router_deployment(pdd),
+        disruption_budget(pdd, Role.PREFILL),
+        disruption_budget(pdd, Role.DECODE),
     ]
 
 

@@ -76,6 +76,8 @@ DEFAULT_ADMIN_PORT = 9000
 DEFAULT_SERVICE_TYPE = "ClusterIP"
 DEFAULT_MAX_UNAVAILABLE = 1
 DEFAULT_DRAIN_SECONDS = 30
+#: Instances of a role a voluntary disruption (a node drain's evictions) may take at once.
+DEFAULT_DISRUPTION_MAX_UNAVAILABLE = 1
 #: /dev/shm of an engine pod (a memory-backed emptyDir). vLLM's Kubernetes guide gives 2Gi to a
 #: one-GPU pod and 8Gi to its ROCm example; NCCL's SHM transport and vLLM's shared-memory queues
 #: grow with the ranks of an instance. It counts against the pod's memory limit when used.
@@ -83,6 +85,7 @@ DEFAULT_SHM_SIZE = "8Gi"
 #: Seconds the startup probe allows a vLLM engine to load its model (defaults.py).
 DEFAULT_STARTUP_TIMEOUT = 3600
 MAX_STARTUP_TIMEOUT = 86400
+_PERCENT = re.compile(r"^(100|[1-9]?[0-9])%$")
 _QUANTITY = re.compile(r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E)?$")
 
 # Bounds; equal to the CRD schema's.
@@ -107,6 +110,24 @@ class KVTransferSpec:
 
 
 @dataclass(frozen=True)
+class DisruptionBudgetSpec:
+    """How many of a role's instances evictions (``kubectl drain``) may take down at once.
+
+    ``max_unavailable`` is an integer or a percentage string ("25%") of the role's instances,
+    rounded up as Kubernetes rounds a PodDisruptionBudget's maxUnavailable.
+    """
+
+    max_unavailable: int | str = DEFAULT_DISRUPTION_MAX_UNAVAILABLE
+
+    def allowed(self, instances: int) -> int:
+        """Instances of ``instances`` that may be unavailable, never more than there are."""
+        value = self.max_unavailable
+        if isinstance(value, str):
+            value = -(-int(value[:-1]) * instances // 100)  # ceil, like Kubernetes
+        return min(value, instances)
+
+
+@dataclass(frozen=True)
 class RoleSpec:
     """One role's instances; each instance is one pod running one ``vllm serve`` (DP x TP GPUs)."""
 
@@ -126,6 +147,8 @@ class RoleSpec:
     template: PodTemplate = field(default_factory=PodTemplate)
     shm_size: str = DEFAULT_SHM_SIZE
     startup_timeout_seconds: int = DEFAULT_STARTUP_TIMEOUT
+    #: Rendered as the role's PodDisruptionBudget (objects.py); the operator's own deletes ignore it.
+    disruption_budget: DisruptionBudgetSpec = field(default_factory=DisruptionBudgetSpec)
 
     @property
     def gpus_per_instance(self) -> int:
@@ -368,6 +391,7 @@ _ROLE_FIELDS = (
     "template",
     "shmSize",
     "startupTimeoutSeconds",
+    "disruptionBudget",
 )
 
 
@@ -411,6 +435,25 @@ def _parse_role(value: object, path: str) -> RoleSpec:
         startup_timeout_seconds=_integer(
             doc, "startupTimeoutSeconds", path, DEFAULT_STARTUP_TIMEOUT, 10, MAX_STARTUP_TIMEOUT
         ),
+        disruption_budget=_parse_disruption_budget(
+            doc.get("disruptionBudget", {}), f"{path}.disruptionBudget"
+        ),
+    )
+
+
+def _parse_disruption_budget(value: object, path: str) -> DisruptionBudgetSpec:
+    doc = _object(value, path)
+    _no_unknown(doc, path, ("maxUnavailable",))
+    raw = doc.get("maxUnavailable", DEFAULT_DISRUPTION_MAX_UNAVAILABLE)
+    where = f"{path}.maxUnavailable"
+    if isinstance(raw, str):
+        if not _PERCENT.match(raw):
+            raise SpecError(
+                where, f'expected an integer or a percentage from "0%" to "100%", got {_show(raw)}'
+            )
+        return DisruptionBudgetSpec(raw)
+    return DisruptionBudgetSpec(
+        _integer(doc, "maxUnavailable", path, DEFAULT_DISRUPTION_MAX_UNAVAILABLE, 0, MAX_INSTANCES)
     )
 
 

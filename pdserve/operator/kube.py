@@ -37,6 +37,7 @@ _KINDS: dict[str, tuple[str, str]] = {
     "Role": ("/apis/rbac.authorization.k8s.io/v1", "roles"),
     "RoleBinding": ("/apis/rbac.authorization.k8s.io/v1", "rolebindings"),
     "Deployment": ("/apis/apps/v1", "deployments"),
+    "PodDisruptionBudget": ("/apis/policy/v1", "poddisruptionbudgets"),
     "PDDeployment": (f"/apis/{GROUP}/{VERSION}", PLURAL),
 }
 

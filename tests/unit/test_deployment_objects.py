@@ -447,6 +447,8 @@ def test_services() -> None:
         ("Role", "r1-router"),
         ("RoleBinding", "r1-router"),
         ("Deployment", "r1-router"),
+        ("PodDisruptionBudget", "r1-prefill"),
+        ("PodDisruptionBudget", "r1-decode"),
     ]
 
 
@@ -463,13 +465,15 @@ def test_render_all_without_a_table_has_an_empty_one() -> None:
     objects = render_all(pdd_of())
     table = load_routing_table(next(o for o in objects if o["kind"] == "ConfigMap")["data"]["routing.json"])
     assert (table.prefill, table.decode, table.generation) == ((), (), 1)
-    assert [o["kind"] for o in objects[:7]] == [
+    assert [o["kind"] for o in objects[:9]] == [
         "Service",
         "Service",
         "ServiceAccount",
         "Role",
         "RoleBinding",
         "Deployment",
+        "PodDisruptionBudget",
+        "PodDisruptionBudget",
         "ConfigMap",
     ]
 
