@@ -86,6 +86,7 @@ def test_valid_manifest_is_accepted_and_defaulted_like_the_parser(
         "affinity": {},
         "shmSize": "8Gi",
         "startupTimeoutSeconds": 3600,
+        "disruptionBudget": {"maxUnavailable": 1},
     }
     assert spec["decode"] == spec["prefill"]
     assert spec["router"] == {
@@ -123,6 +124,9 @@ def test_preserved_fields_keep_their_content(crd: KubeCluster, kube_namespace: s
     assert stored["prefill"]["tolerations"] == [{"key": "gpu", "operator": "Exists"}]
 
 
+BUDGET_MESSAGE = (
+    "disruptionBudget.maxUnavailable: expected an integer from 0 to 1024 or a percentage from 0% to 100%"
+)
 REFUSED = [
     pytest.param(
         {"kvTransfer": {"connector": "MoRIIOConnector"}},
@@ -159,6 +163,19 @@ REFUSED = [
     pytest.param(
         {"rollout": {"maxUnavailable": 0}}, "should be greater than or equal to 1", id="bound-max-unavail"
     ),
+    *[
+        pytest.param(
+            {"decode": {"disruptionBudget": {"maxUnavailable": value}}},
+            BUDGET_MESSAGE,
+            id=f"cel-disruption-budget-{value}",
+        )
+        for value in (-1, 1025, "1", "101%", "50 %", "")
+    ],
+    pytest.param(
+        {"prefill": {"disruptionBudget": {"maxUnavailable": 1.5}}},
+        "must be of type",  # int-or-string admits no fractions
+        id="type-disruption-budget",
+    ),
     pytest.param({"prefill": {"tensorParallel": 65}}, "should be less than or equal to 64", id="bound-tp"),
     pytest.param({"decode": {"instances": -1}}, "should be greater than or equal to 0", id="bound-instances"),
     pytest.param({"prefill": {"dataParallel": "8"}}, "must be of type integer", id="type-dp"),
@@ -172,6 +189,17 @@ def test_invalid_manifest_is_refused_with_the_rules_message(
     crd: KubeCluster, kube_namespace: str, spec: dict[str, Any], message: str
 ) -> None:
     assert_refused(crd, kube_namespace, spec, message)
+
+
+@pytest.mark.parametrize("value", [0, 1, 3, 1024, "0%", "25%", "100%"])
+def test_disruption_budget_values_are_stored_as_written(
+    crd: KubeCluster, kube_namespace: str, value: object
+) -> None:
+    obj = manifest(prefill={"instances": 3, "disruptionBudget": {"maxUnavailable": value}})
+    create(crd, kube_namespace, obj)
+    stored = get(crd, kube_namespace, "r1")
+    assert stored["spec"]["prefill"]["disruptionBudget"] == {"maxUnavailable": value}
+    assert parse_pddeployment(stored).spec.prefill.disruption_budget.max_unavailable == value
 
 
 def test_name_rule(crd: KubeCluster, kube_namespace: str) -> None:

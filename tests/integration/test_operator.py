@@ -91,6 +91,8 @@ def test_repeated_reconciles_change_nothing(operator: Operator, cluster: Cluster
             ("pdd", "idle"),
             ("service", "idle"),
             ("deployment", "idle-router"),
+            ("pdb", "idle-prefill"),
+            ("pdb", "idle-decode"),
         ):
             obj = cluster.get(kind, name)
             assert obj is not None
@@ -358,7 +360,7 @@ def test_deleting_the_pddeployment_removes_everything(operator: Operator, cluste
     def nothing_left() -> bool:
         out = cluster.kubectl(
             "get",
-            "pods,services,deployments,replicasets,configmaps",
+            "pods,services,deployments,replicasets,configmaps,poddisruptionbudgets",
             "-l",
             "pdserve.io/deployment=gone",
             "-o",

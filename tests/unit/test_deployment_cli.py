@@ -50,13 +50,15 @@ def test_render_yaml_stream(tmp_path: Path) -> None:
         ("Role", "demo-router"),
         ("RoleBinding", "demo-router"),
         ("Deployment", "demo-router"),
+        ("PodDisruptionBudget", "demo-prefill"),
+        ("PodDisruptionBudget", "demo-decode"),
         ("ConfigMap", "demo-routing"),
         ("Pod", "demo-prefill-0"),
         ("Pod", "demo-prefill-1"),
         ("Pod", "demo-decode-0"),
     ]
     assert all(d["metadata"]["namespace"] == "serving" for d in docs)
-    table = load_routing_table(docs[6]["data"]["routing.json"])
+    table = load_routing_table(docs[8]["data"]["routing.json"])
     assert table.deployment == "demo"
 
 
@@ -67,7 +69,7 @@ def test_render_json_list(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr
     doc = json.loads(proc.stdout)
     assert doc["kind"] == "List"
-    assert len(doc["items"]) == 10
+    assert len(doc["items"]) == 12
 
 
 def test_bad_field_exits_2_naming_it(tmp_path: Path) -> None:
