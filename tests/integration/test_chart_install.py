@@ -143,6 +143,7 @@ def _serve_examples(kube_cluster: KubeCluster, ns: str, operator: subprocess.Pop
     for name in names:
         table = json.loads(_get(kube_cluster, ns, "configmap", f"{name}-routing")["data"]["routing.json"])
         assert all(i["ready"] for i in table["prefill"] + table["decode"])
+        kube_cluster.kubectl("get", "pdb", f"{name}-prefill", f"{name}-decode", "-n", ns)  # the chart's RBAC
     assert "Forbidden" not in log.read_text(), "the chart's RBAC must cover everything the operator does"
 
 
