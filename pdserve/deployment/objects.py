@@ -3,7 +3,11 @@
 Nothing here talks to a cluster: the operator diffs and applies these, ``pdserve render``
 prints them, and the tests compare them with golden files. Names:
 
-* Pod ``<name>-<role>-<index>`` per instance (``hostname`` + ``subdomain`` give it a DNS name)
+* Pod ``<name>-<role>-<index>-<suffix>`` per instance, the suffix random and chosen by the
+  operator, so a replacement can start while the pod it replaces still exists (surge, a pod
+  stuck Terminating on a lost node); the index is the ``pdserve.io/instance`` label.
+  ``hostname`` ``<role>-<index>-<suffix>`` + ``subdomain`` give it a DNS name. Rendered without
+  a cluster (``pdserve render``, local mode) the suffix is left out.
 * headless Service ``<name>-engines`` (that subdomain; not-ready pods included)
 * Deployment ``<name>-router`` running ``pdserve proxy``, Service ``<name>`` on the router port
 * PodDisruptionBudget ``<name>-prefill`` and ``<name>-decode``, one per role (:func:`disruption_budget`)
@@ -79,8 +83,20 @@ _SIM_STARTUP = {"periodSeconds": 1, "failureThreshold": 120}
 # --- names and labels --------------------------------------------------------------------------
 
 
-def instance_name(pdd: PDDeployment, role: Role, index: int) -> str:
-    return f"{pdd.name}-{role.value}-{index}"
+def instance_name(pdd: PDDeployment, role: Role, index: int, suffix: str = "") -> str:
+    """``<name>-<role>-<index>``, plus ``-<suffix>`` for a pod the operator creates."""
+    return f"{pdd.name}-{role.value}-{index}" + (f"-{suffix}" if suffix else "")
+
+
+def instance_hostname(role: Role, index: int, suffix: str = "") -> str:
+    """A DNS label (63 characters at most) under the ``<name>-engines`` subdomain."""
+    return f"{role.value}-{index}" + (f"-{suffix}" if suffix else "")
+
+
+def is_instance_name(pdd: PDDeployment, role: Role, index: int, name: str) -> bool:
+    """Whether ``name`` is one of :func:`instance_name`'s, for any suffix."""
+    base = instance_name(pdd, role, index)
+    return name == base or (name.startswith(base + "-") and "-" not in name[len(base) + 1 :])
 
 
 def engine_service_name(pdd: PDDeployment) -> str:
@@ -145,8 +161,8 @@ def _metadata(pdd: PDDeployment, name: str, component: str) -> dict[str, Any]:
 # --- engine pods -------------------------------------------------------------------------------
 
 
-def instance_pod(pdd: PDDeployment, role: Role, index: int) -> dict[str, Any]:
-    name = instance_name(pdd, role, index)
+def instance_pod(pdd: PDDeployment, role: Role, index: int, suffix: str = "") -> dict[str, Any]:
+    name = instance_name(pdd, role, index, suffix)
     meta = _metadata(pdd, name, role.value)
     meta["labels"].update(
         {
@@ -163,7 +179,8 @@ def instance_pod(pdd: PDDeployment, role: Role, index: int) -> dict[str, Any]:
         REVISION_ANNOTATION: pairing_revision(pdd, role),
     }
     meta = merge_metadata(meta, rs.template)
-    return {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": _pod_spec(pdd, role, name)}
+    spec = _pod_spec(pdd, role, name, instance_hostname(role, index, suffix))
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": spec}
 
 
 def pod_parallel_sizes(pod: Mapping[str, Any]) -> tuple[int | None, int | None]:
@@ -209,7 +226,7 @@ def template_hash(pdd: PDDeployment, role: Role) -> str:
     changes exactly when a pod would come out different: image, args, env, resources, DP/TP,
     connector, and pdserve's own rendering. The instance count is not part of a pod.
     """
-    spec: dict[str, Any] = _pod_spec(pdd, role, "{instance}")
+    spec: dict[str, Any] = _pod_spec(pdd, role, "{instance}", "{instance}")
     template_metadata = pdd.spec.role(role).template.metadata
     if template_metadata:  # labels and annotations of a template are part of the pod too
         spec = {"spec": spec, "metadata": template_metadata}
@@ -217,7 +234,7 @@ def template_hash(pdd: PDDeployment, role: Role) -> str:
     return digest[:10]
 
 
-def _pod_spec(pdd: PDDeployment, role: Role, pod_name: str) -> dict[str, Any]:
+def _pod_spec(pdd: PDDeployment, role: Role, pod_name: str, hostname: str) -> dict[str, Any]:
     spec = pdd.spec
     rs = spec.role(role)
     sim = spec.engine == "sim"
@@ -251,7 +268,7 @@ def _pod_spec(pdd: PDDeployment, role: Role, pod_name: str) -> dict[str, Any]:
         "lifecycle": {"preStop": {"sleep": {"seconds": ENGINE_PRESTOP_SECONDS}}},
     }
     pod: dict[str, Any] = {
-        "hostname": pod_name,
+        "hostname": hostname,
         "subdomain": engine_service_name(pdd),
         "restartPolicy": "Always",
         "enableServiceLinks": False,

@@ -83,7 +83,8 @@ ROUTER_OWNED = _owned_container(
 #: Pod-level fields of an engine pod that a template may not set.
 ENGINE_POD_OWNED = {
     "hostname": Owned(
-        "template.spec.hostname", "set by pdserve: the pod's name, its DNS name in the <name>-engines Service"
+        "template.spec.hostname",
+        "set by pdserve: <role>-<index>-<suffix>, its DNS name in the <name>-engines Service",
     ),
     "subdomain": Owned("template.spec.subdomain", "set by pdserve: the <name>-engines headless Service"),
     "restartPolicy": Owned(

@@ -58,7 +58,7 @@ ENGINE_PORT = 8000
 #: The pdserve image of this version: the router's, and the simulator's when ``image`` is "".
 DEFAULT_IMAGE = f"ghcr.io/pdserve/pdserve:{__version__}"
 
-#: Longest PDDeployment name: a pod hostname ``<name>-prefill-1023`` must be a 63-character DNS label.
+#: Longest PDDeployment name: Service names (``<name>-engines``) and label values have 63 characters.
 MAX_NAME_LENGTH = 50
 _DNS_1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 _DNS_1123 = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
@@ -75,7 +75,10 @@ DEFAULT_ROUTER_PORT = 8000
 DEFAULT_ADMIN_PORT = 9000
 DEFAULT_SERVICE_TYPE = "ClusterIP"
 DEFAULT_MAX_UNAVAILABLE = 1
+DEFAULT_MAX_SURGE = 1
 DEFAULT_DRAIN_SECONDS = 30
+#: Like the taint-based eviction's default tolerationSeconds for node.kubernetes.io/unreachable.
+DEFAULT_NODE_LOSS_SECONDS = 300
 #: Instances of a role a voluntary disruption (a node drain's evictions) may take at once.
 DEFAULT_DISRUPTION_MAX_UNAVAILABLE = 1
 #: /dev/shm of an engine pod (a memory-backed emptyDir). vLLM's Kubernetes guide gives 2Gi to a
@@ -94,6 +97,7 @@ MAX_PARALLEL = 64
 MAX_ROUTER_REPLICAS = 64
 MAX_BACKLOG = 1_000_000
 MAX_DRAIN_SECONDS = 3600
+MAX_NODE_LOSS_SECONDS = 86400
 
 
 @dataclass(frozen=True)
@@ -177,7 +181,9 @@ class RouterSpec:
 @dataclass(frozen=True)
 class RolloutSpec:
     max_unavailable: int = DEFAULT_MAX_UNAVAILABLE
+    max_surge: int = DEFAULT_MAX_SURGE
     drain_seconds: int = DEFAULT_DRAIN_SECONDS
+    node_loss_seconds: int = DEFAULT_NODE_LOSS_SECONDS
 
 
 @dataclass(frozen=True)
@@ -487,8 +493,17 @@ def _parse_router(value: object, path: str) -> RouterSpec:
 
 def _parse_rollout(value: object, path: str) -> RolloutSpec:
     doc = _object(value, path)
-    _no_unknown(doc, path, ("maxUnavailable", "drainSeconds"))
-    return RolloutSpec(
-        max_unavailable=_integer(doc, "maxUnavailable", path, DEFAULT_MAX_UNAVAILABLE, 1, MAX_INSTANCES),
+    _no_unknown(doc, path, ("maxUnavailable", "maxSurge", "drainSeconds", "nodeLossSeconds"))
+    rollout = RolloutSpec(
+        max_unavailable=_integer(doc, "maxUnavailable", path, DEFAULT_MAX_UNAVAILABLE, 0, MAX_INSTANCES),
+        max_surge=_integer(doc, "maxSurge", path, DEFAULT_MAX_SURGE, 0, MAX_INSTANCES),
         drain_seconds=_integer(doc, "drainSeconds", path, DEFAULT_DRAIN_SECONDS, 0, MAX_DRAIN_SECONDS),
+        node_loss_seconds=_integer(
+            doc, "nodeLossSeconds", path, DEFAULT_NODE_LOSS_SECONDS, 0, MAX_NODE_LOSS_SECONDS
+        ),
     )
+    if rollout.max_surge == 0 and rollout.max_unavailable == 0:
+        raise SpecError(
+            path, "maxSurge and maxUnavailable cannot both be 0: no instance could ever be replaced"
+        )
+    return rollout

@@ -17,8 +17,14 @@ Conditions:
 * ``Progressing``: the operator is still moving the cluster towards the spec (creating, rolling,
   scaling). False once Ready, and False while the spec is invalid (nothing will move).
 * ``Degraded``: the spec cannot be served as written (problems beyond the schema), the last
-  reconcile failed, or the scheduler cannot place a pod (reason ``PodsUnschedulable``, with the
+  reconcile failed, a pod's node is NotReady (reason ``NodeNotReady``: since when, and when the
+  pod is replaced), or the scheduler cannot place a pod (reason ``PodsUnschedulable``, with the
   scheduler's own message); the message says what to fix.
+
+Per role, like a Deployment's rollout status: ``instances`` (pods that exist, surge included),
+``readyInstances`` (routable pods), ``updatedInstances`` (on the current template),
+``availableInstances`` (wanted indices served by a routable pod, old template or new) and
+``unreachableInstances`` (pods on NotReady nodes).
 """
 
 from __future__ import annotations
@@ -49,8 +55,10 @@ class RoleStatus:
     role: Role
     wanted: int
     instances: int  # pods that exist and are not terminating
-    ready_instances: int  # routable: Ready, not draining, not terminating
+    ready_instances: int  # routable: Ready, not draining, not terminating, on a Ready node
     updated_instances: int  # existing pods with the current template hash
+    available_instances: int  # wanted indices served by a routable pod, of any template
+    unreachable_instances: int  # pods whose node is NotReady (replaced after rollout.nodeLossSeconds)
     slots: int  # wanted slots: instances x dataParallel of the spec
     ready_slots: int
     surplus: int  # pods past the wanted count still around
@@ -71,6 +79,8 @@ class RoleStatus:
             "instances": self.instances,
             "readyInstances": self.ready_instances,
             "updatedInstances": self.updated_instances,
+            "availableInstances": self.available_instances,
+            "unreachableInstances": self.unreachable_instances,
             "slots": self.slots,
             "readySlots": self.ready_slots,
             "summary": f"{self.ready_instances}/{self.wanted}",
@@ -91,6 +101,8 @@ def role_status(obs: RoleObservation) -> RoleStatus:
         updated_instances=sum(
             1 for p in live if p.template_hash == obs.template_hash and p.index < obs.instances
         ),
+        available_instances=len({p.index for p in serving if p.index < obs.instances}),
+        unreachable_instances=sum(1 for p in live if p.node_down_since is not None),
         slots=obs.instances * obs.data_parallel,
         # What runs: mid-rollout from DP4 to DP8, an old pod serves 4 slots, a new one 8.
         ready_slots=sum(obs.data_parallel if p.dp_size is None else p.dp_size for p in serving),
@@ -112,6 +124,7 @@ class Observation:
     problems: Sequence[str] = ()  # spec problems beyond the schema: nothing is rendered
     error: str | None = None  # the last reconcile failed with this
     unschedulable: Sequence[str] = ()  # pods the scheduler cannot place, with its message
+    unreachable: Sequence[str] = ()  # pods on NotReady nodes, since when, and when they are replaced
     routers: RoutersSummary | None = None  # what the Ready routers serve; None: not asked yet
 
 
@@ -157,6 +170,8 @@ def _conditions(obs: Observation, roles: Sequence[RoleStatus]) -> list[tuple[boo
         progressing = (True, *_progress(roles, router_ok))
     if obs.error:
         degraded = (True, "ReconcileError", obs.error)
+    elif obs.unreachable:
+        degraded = (True, "NodeNotReady", "; ".join(obs.unreachable))
     elif obs.unschedulable:
         degraded = (True, "PodsUnschedulable", "; ".join(obs.unschedulable))
     else:
@@ -195,6 +210,13 @@ def _progress(roles: Sequence[RoleStatus], router_ok: bool) -> tuple[str, str]:
             bits.append(f"{r.updated_instances}/{r.wanted} updated")
         if r.ready_instances < r.wanted:
             bits.append(f"{r.ready_instances}/{r.wanted} ready")
+        if r.available_instances < r.wanted:
+            bits.append(f"{r.available_instances}/{r.wanted} available")
+        if r.unreachable_instances:
+            bits.append(f"{r.unreachable_instances} on NotReady nodes")
+        extra = r.instances - r.wanted - r.surplus - r.unreachable_instances
+        if extra > 0:
+            bits.append(f"{extra} surge")
         if r.surplus:
             bits.append(f"{r.surplus} to remove")
         parts.append(f"{r.role.value}: " + ", ".join(bits or ["settling"]))

@@ -47,3 +47,7 @@ ROUTER_QUERIES = Counter(
     "GET /routing/served sent to router pods, by outcome (answered, error).",
     ["outcome"],
 )
+NODE_LOSS_REPLACEMENTS = Counter(
+    "pdserve_operator_node_loss_replacements_total",
+    "Instance pods deleted and replaced because their node was NotReady past rollout.nodeLossSeconds.",
+)

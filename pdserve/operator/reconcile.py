@@ -26,6 +26,7 @@ import contextlib
 import hashlib
 import json
 import logging
+import secrets
 import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -40,9 +41,9 @@ from pdserve.deployment.objects import (
     ROLE_LABEL,
     TEMPLATE_HASH_LABEL,
     desired_static_objects,
-    instance_name,
     instance_pod,
     instance_pod_revision,
+    is_instance_name,
     pod_parallel_sizes,
     role_selector,
     router_name,
@@ -51,7 +52,15 @@ from pdserve.deployment.objects import (
     selector_string,
     template_hash,
 )
-from pdserve.deployment.rollout import Action, ActionKind, ObservedPod, RolePlan, apply_drains, plan_role
+from pdserve.deployment.rollout import (
+    Action,
+    ActionKind,
+    ObservedPod,
+    RolePlan,
+    apply_drains,
+    plan_role,
+    rollout_policy,
+)
 from pdserve.deployment.routing import ObservedInstance, build_routing_table
 from pdserve.deployment.scheduling import (
     GATE,
@@ -106,6 +115,7 @@ class PodView:
     ip: str | None
     tp_size: int | None = None  # what the pod runs (dp_size is on ``observed``, status needs it)
     revision: str | None = None  # the pairing revision the pod runs (None: created before revisions)
+    node: str | None = None  # spec.nodeName, once scheduled
 
 
 class NodeGpus:
@@ -133,6 +143,10 @@ class NodeGpus:
         if self._nodes is None:
             return None
         return [_quantity(n.get(resource, 0)) for n in self._nodes]
+
+    def not_ready_since(self, node: str) -> float | None:
+        """Node readiness is not listed here; a watch-fed node view answers it."""
+        return None
 
 
 @dataclass
@@ -332,21 +346,17 @@ class Reconciler:
         ]
         available = self._cache.router_available((pdd.namespace, pdd.name))
         verdicts = self._routers.verdicts(pdd, draining, fresh, now, available)
-        released = {
-            (p.role, p.observed.index): verdicts[p.observed.name].reason.value
-            for p in pods
-            if p.observed.name in verdicts and verdicts[p.observed.name].done
-        }
+        released = {name: f"drained: {v.reason.value}" for name, v in verdicts.items() if v.done}
+        policy = rollout_policy(pdd)
         plans = {
             role: plan_role(
                 role,
                 instances=pdd.spec.role(role).instances,
                 template_hash=template_hash(pdd, role),
                 pods=[p.observed for p in pods if p.role is role],
-                max_unavailable=pdd.spec.rollout.max_unavailable,
-                drain_seconds=pdd.spec.rollout.drain_seconds,
+                policy=policy,
                 now=now,
-                released={i: f"drained: {why}" for (r, i), why in released.items() if r is role},
+                released=released,
             )
             for role in ROLES
         }
@@ -387,6 +397,7 @@ class Reconciler:
             router_replicas=pdd.spec.router.replicas,
             router_available=self._cache.router_available((pdd.namespace, pdd.name)) or 0,
             unschedulable=unschedulable_messages(placements),
+            unreachable=_unreachable_messages(pods, pdd.spec.rollout.node_loss_seconds),
             routers=routers,
         )
         self._write_status(body, obs, outcome)
@@ -394,7 +405,7 @@ class Reconciler:
     def _observe_pods(self, pdd: PDDeployment, items: Sequence[Body]) -> list[PodView]:
         views = []
         for pod in items:
-            view = _pod_view(pdd, pod)
+            view = _pod_view(pdd, pod, self._nodes.not_ready_since)
             if view is None:
                 log.warning(
                     "ignoring pod %s/%s: labelled for %s but not one of its instance pods",
@@ -444,15 +455,12 @@ class Reconciler:
         def mark(action: Action) -> dict[str, Any]:
             value = stamp if action.kind is ActionKind.DRAIN else None
             return self._kube.merge_patch(
-                "Pod",
-                pdd.namespace,
-                instance_name(pdd, action.role, action.index),
-                {"metadata": {"annotations": {DRAINING_ANNOTATION: value}}},
+                "Pod", pdd.namespace, action.pod, {"metadata": {"annotations": {DRAINING_ANNOTATION: value}}}
             )
 
         for action, patched in zip(actions, self._io.map(mark, actions), strict=True):
             self._cache.pod_event("MODIFIED", patched)
-            pod_name = instance_name(pdd, action.role, action.index)
+            pod_name = action.pod
             if action.kind is ActionKind.DRAIN:
                 message = (
                     f"Draining pod {pod_name} ({action.reason}): out of the routing table, deleted "
@@ -461,11 +469,7 @@ class Reconciler:
                 outcome.events.append(Event("Normal", "Draining", message))
             else:
                 outcome.events.append(Event("Normal", "Undrained", f"Pod {pod_name} is wanted again"))
-        out = []
-        for view in pods:
-            (observed,) = apply_drains([view.observed], plans[view.role], now)
-            out.append(replace(view, observed=observed))
-        return out
+        return [replace(v, observed=apply_drains([v.observed], plans[v.role], now)[0]) for v in pods]
 
     def _write_routing_table(
         self,
@@ -481,7 +485,8 @@ class Reconciler:
                 index=p.observed.index,
                 pod_name=p.observed.name,
                 pod_ip=p.ip,
-                ready=p.observed.ready,
+                # A pod on a NotReady node leaves the table at once, before any grace.
+                ready=p.observed.ready and p.observed.node_down_since is None,
                 draining=p.observed.draining or p.observed.terminating,
                 dp_size=p.observed.dp_size,
                 tp_size=p.tp_size,
@@ -565,28 +570,34 @@ class Reconciler:
         self, pdd: PDDeployment, pods: list[PodView], plans: Mapping[Role, RolePlan], outcome: Outcome
     ) -> Callable[[], list[PodView]]:
         """Deletes the pods whose drain is over; the views come back marked terminating."""
-        by_key = {(p.role, p.observed.index): p for p in pods}
+        by_name = {p.observed.name: p for p in pods}
         actions = [a for plan in plans.values() for a in plan.of(ActionKind.DELETE)]
 
         def delete(action: Action) -> dict[str, Any] | None:
-            view = by_key[(action.role, action.index)]
-            return self._kube.delete("Pod", pdd.namespace, view.observed.name, uid=view.uid)
+            return self._kube.delete("Pod", pdd.namespace, action.pod, uid=by_name[action.pod].uid)
 
         answers = self._io.map(delete, actions)
 
         def finish() -> list[PodView]:
             for action, answer in zip(actions, answers, strict=True):
-                view = by_key[(action.role, action.index)]
+                view = by_name[action.pod]
                 if answer is not None:
                     metrics.OBJECT_CHANGES.labels("Pod", "delete").inc()
-                    message = f"Deleted pod {view.observed.name} ({action.reason})"
-                    outcome.events.append(Event("Normal", "Deleted", message))
+                    if action.node_lost:
+                        metrics.NODE_LOSS_REPLACEMENTS.inc()
+                        message = (
+                            f"Pod {action.pod} on node {view.node or '?'} replaced ({action.reason}; "
+                            f"rollout.nodeLossSeconds is {pdd.spec.rollout.node_loss_seconds}): deleted, "
+                            "it may stay Terminating until the node returns"
+                        )
+                        outcome.events.append(Event("Warning", "NodeLost", message))
+                    else:
+                        message = f"Deleted pod {action.pod} ({action.reason})"
+                        outcome.events.append(Event("Normal", "Deleted", message))
                     if answer.get("kind") == "Pod":
                         self._cache.pod_event("MODIFIED", answer)
-                by_key[(action.role, action.index)] = replace(
-                    view, observed=replace(view.observed, terminating=True)
-                )
-            return list(by_key.values())
+                by_name[action.pod] = replace(view, observed=replace(view.observed, terminating=True))
+            return list(by_name.values())
 
         return finish
 
@@ -599,10 +610,11 @@ class Reconciler:
     ) -> Callable[[], list[PodView]]:
         """Creates the missing pods, smaller ones gated while larger ones wait; the new views come back."""
         todo = [(role, a) for role, plan in plans.items() for a in plan.of(ActionKind.CREATE)]
-        manifests = [instance_pod(pdd, role, a.index) for role, a in todo]
+        manifests = [instance_pod(pdd, role, a.index, pod_suffix()) for role, a in todo]
         gated = gate_new([placement_of(m, pdd.spec.gpu_resource) for m in manifests], placements)
         manifests = [with_gate(m) if m["metadata"]["name"] in gated else m for m in manifests]
         answers = self._io.map(self._kube.create, manifests)
+        born = self._clock()
 
         def finish() -> list[PodView]:
             out = []
@@ -614,7 +626,12 @@ class Reconciler:
                     outcome.events.append(Event("Normal", "Created", f"Created pod {name} ({action.reason})"))
                 rs = pdd.spec.role(role)
                 observed = ObservedPod(
-                    action.index, name, template_hash(pdd, role), False, dp_size=rs.data_parallel
+                    action.index,
+                    name,
+                    template_hash(pdd, role),
+                    False,
+                    dp_size=rs.data_parallel,
+                    created=born,
                 )
                 out.append(PodView(role, observed, "", None, rs.tensor_parallel))
             return out
@@ -712,6 +729,14 @@ class Reconciler:
 
 # --- pure helpers --------------------------------------------------------------------------------
 
+#: Kubernetes' generateName alphabet: no vowels (no words), no look-alikes.
+_SUFFIX_ALPHABET = "bcdfghjklmnpqrstvwxz2456789"
+
+
+def pod_suffix() -> str:
+    """A new pod's unique name suffix; 27**5 names per index make a clash (a 409) negligible."""
+    return "".join(secrets.choice(_SUFFIX_ALPHABET) for _ in range(5))
+
 
 def _drained_events(
     pdd: PDDeployment,
@@ -723,11 +748,11 @@ def _drained_events(
     out = []
     for plan in plans.values():
         for action in plan.of(ActionKind.DELETE):
-            name = instance_name(pdd, action.role, action.index)
+            name = action.pod
             verdict = verdicts.get(name)
             if verdict is None:
                 if not action.reason.startswith("drained"):
-                    continue  # not a drain: a pod that was never Ready
+                    continue  # not a drain: a pod that was never Ready, or on a lost node
                 why = "timeout, routers not asked"
                 metrics.DRAINS.labels("timeout").inc()
             else:
@@ -739,6 +764,19 @@ def _drained_events(
     return out
 
 
+def _unreachable_messages(pods: Sequence[PodView], grace: float) -> list[str]:
+    """Pods on NotReady nodes, in words that do not change from one pass to the next."""
+    out = []
+    for p in pods:
+        since = p.observed.node_down_since
+        if since is not None and not p.observed.terminating:
+            out.append(
+                f"pod {p.observed.name}: node {p.node} NotReady since {_rfc3339(since)}, "
+                f"out of the routing table, replaced at {_rfc3339(since + grace)}"
+            )
+    return out
+
+
 def _merged(events: Sequence[Event]) -> list[Event]:
     """One Event per (type, reason) and pass: creating a deployment is one Created, not seven."""
     grouped: dict[tuple[str, str], list[str]] = {}
@@ -747,7 +785,9 @@ def _merged(events: Sequence[Event]) -> list[Event]:
     return [Event(t, r, "; ".join(messages)) for (t, r), messages in grouped.items()]
 
 
-def _pod_view(pdd: PDDeployment, pod: Mapping[str, Any]) -> PodView | None:
+def _pod_view(
+    pdd: PDDeployment, pod: Mapping[str, Any], node_down_since: Callable[[str], float | None]
+) -> PodView | None:
     meta = pod.get("metadata") or {}
     labels = meta.get("labels") or {}
     try:
@@ -756,12 +796,16 @@ def _pod_view(pdd: PDDeployment, pod: Mapping[str, Any]) -> PodView | None:
     except ValueError:
         return None
     name = meta.get("name", "")
-    if name != instance_name(pdd, role, index):
+    if not is_instance_name(pdd, role, index, name):
         return None
     status = pod.get("status") or {}
-    ready = any(
-        c.get("type") == "Ready" and c.get("status") == "True" for c in status.get("conditions") or []
+    conditions = [c for c in status.get("conditions") or [] if isinstance(c, Mapping)]
+    ready = any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions)
+    unschedulable = any(
+        c.get("type") == "PodScheduled" and c.get("status") == "False" and c.get("reason") == "Unschedulable"
+        for c in conditions
     )
+    node = (pod.get("spec") or {}).get("nodeName") or None
     annotations = meta.get("annotations") or {}
     dp_size, tp_size = pod_parallel_sizes(pod)
     observed = ObservedPod(
@@ -772,9 +816,13 @@ def _pod_view(pdd: PDDeployment, pod: Mapping[str, Any]) -> PodView | None:
         draining_since=_parse_time(annotations.get(DRAINING_ANNOTATION)),
         terminating=bool(meta.get("deletionTimestamp")),
         dp_size=dp_size,
+        node_down_since=node_down_since(node) if node else None,
+        unschedulable=unschedulable,
+        created=_parse_time(meta.get("creationTimestamp")) or 0.0,
     )
     ip = status.get("podIP") or None
-    return PodView(role, observed, str(meta.get("uid", "")), ip, tp_size, instance_pod_revision(pod))
+    revision = instance_pod_revision(pod)
+    return PodView(role, observed, str(meta.get("uid", "")), ip, tp_size, revision, node)
 
 
 def _placements(pdd: PDDeployment, raw_pods: Sequence[Body], views: Sequence[PodView]) -> list[Placement]:

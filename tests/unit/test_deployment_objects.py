@@ -185,7 +185,7 @@ def test_pod_identity_and_labels() -> None:
     }
     spec = pod["spec"]
     assert (spec["hostname"], spec["subdomain"], spec["restartPolicy"]) == (
-        "r1-decode-3",
+        "decode-3",
         "r1-engines",
         "Always",
     )

@@ -219,10 +219,16 @@ def test_sim_engine_needs_no_image() -> None:
         ),
         ({"router": {"backlog": 0}}, "spec.router.backlog", "expected an integer >= 1"),
         (
-            {"rollout": {"maxUnavailable": 0}},
+            {"rollout": {"maxUnavailable": -1}},
             "spec.rollout.maxUnavailable",
-            "expected an integer >= 1, got 0",
+            "expected an integer >= 0, got -1",
         ),
+        (
+            {"rollout": {"maxUnavailable": 0, "maxSurge": 0}},
+            "spec.rollout",
+            "maxSurge and maxUnavailable cannot both be 0",
+        ),
+        ({"rollout": {"nodeLossSeconds": -5}}, "spec.rollout.nodeLossSeconds", "expected an integer >= 0"),
         ({"rollout": {"drainSeconds": 3601}}, "spec.rollout.drainSeconds", "expected an integer <= 3600"),
         ({"rollout": None}, "spec.rollout", "expected an object, got null"),
         ({"replicas": 2}, "spec.replicas", "unknown field"),

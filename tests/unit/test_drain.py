@@ -17,7 +17,7 @@ from pdserve.deployment.drain import (
     parse_served,
     summarize,
 )
-from pdserve.deployment.rollout import ActionKind, ObservedPod, plan_role
+from pdserve.deployment.rollout import ActionKind, ObservedPod, RolloutPolicy, plan_role
 from pdserve.deployment.status import Observation, compute_status
 from pdserve.operator.routers import fetch_reports, ready_router_addresses
 from pdserve.proxy.health import SlotBook
@@ -147,21 +147,20 @@ def test_status_shows_written_and_served_generations() -> None:
 def test_released_drains_are_deleted_before_the_bound() -> None:
     pods = [ObservedPod(0, "d0", "new", True), ObservedPod(1, "d1", "new", True, draining_since=NOW - 1)]
 
-    def plan(released: dict[int, str]) -> list[tuple[ActionKind, int, str]]:
+    def plan(released: dict[str, str]) -> list[tuple[ActionKind, int, str]]:
         p = plan_role(
             Role.DECODE,
             instances=1,
             template_hash="new",
             pods=pods,
-            max_unavailable=1,
-            drain_seconds=30,
+            policy=RolloutPolicy(max_unavailable=1, drain_seconds=30),
             now=NOW,
             released=released,
         )
         return [(a.kind, a.index, a.reason) for a in p.actions]
 
     assert plan({}) == []
-    assert plan({1: "drained: routers-idle"}) == [(ActionKind.DELETE, 1, "drained: routers-idle")]
+    assert plan({"d1": "drained: routers-idle"}) == [(ActionKind.DELETE, 1, "drained: routers-idle")]
 
 
 def test_only_ready_live_router_pods_with_an_ip_are_asked() -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 from pdserve.deployment.rollout import ObservedPod
@@ -53,6 +54,8 @@ def test_converged_deployment_is_ready_and_counts_slots() -> None:
         "instances": 2,
         "readyInstances": 2,
         "updatedInstances": 2,
+        "availableInstances": 2,
+        "unreachableInstances": 0,
         "slots": 16,
         "readySlots": 16,
         "summary": "2/2",
@@ -163,3 +166,19 @@ def test_routing_generation_is_kept_when_unknown() -> None:
     unknown = Observation(obs.generation, None, obs.roles, 1, 1)
     assert "routingGeneration" not in compute_status(unknown, None, T0)
     assert compute_status(unknown, {"routingGeneration": 4}, T0)["routingGeneration"] == 4
+
+
+def test_surge_and_unreachable_pods_show_in_the_rollout_status() -> None:
+    old = [ObservedPod(i, f"d-{i}-old", "old", True) for i in range(2)]
+    surge = ObservedPod(1, "d-1-new", "h", False)
+    lost = ObservedPod(0, "d-0-lost", "h", True, node_down_since=5.0)
+    obs = observe(pods(2), [*old, surge, lost])
+    obs = replace(obs, unreachable=("pod d-0-lost: node n1 NotReady since T",))
+    status = compute_status(obs, None, T0)
+    decode = status["decode"]
+    assert (decode["instances"], decode["readyInstances"], decode["updatedInstances"]) == (4, 2, 2)
+    assert (decode["availableInstances"], decode["unreachableInstances"]) == (2, 1)
+    c = conditions(status)
+    assert (c["Degraded"]["status"], c["Degraded"]["reason"]) == ("True", "NodeNotReady")
+    assert "1 surge" in c["Progressing"]["message"]
+    assert "1 on NotReady nodes" in c["Progressing"]["message"]
