@@ -15,9 +15,10 @@ Order inside one pass, chosen so that the router never sends work to a pod being
 routing table (what users wait for) goes out first:
 
 1. start and end drains (annotate pods), 2. write the routing table (drained pods are marked
-``draining`` before anything is deleted), 3. at once: create missing pods, apply the Services
-and the router, delete pods whose drain is over, 4. patch the status if it changed (Events are
-posted afterwards, on their own thread).
+``draining`` before anything is deleted), 3. apply the Services and the router while deleting
+the pods whose drain is over (or whose node is lost), then create the missing and surge pods
+(after the deletes, so a role never has more than instances + maxSurge undeleted pods), 4. patch
+the status if it changed (Events are posted afterwards, on their own thread).
 """
 
 from __future__ import annotations
@@ -376,11 +377,12 @@ class Reconciler:
         )
         # Each step sends its calls now and returns a function that waits for the answers.
         placements = _placements(pdd, raw_pods, pods)  # largest pods first (deployment/scheduling.py)
-        creates = self._create(pdd, plans, outcome, placements)
-        deletes = self._delete(pdd, pods, plans, outcome)
+        # Deletes are answered before creates go out, so no more than instances + maxSurge pods
+        # of a role ever exist undeleted, even for an instant (a pass may replace one pod by another).
         statics = self._apply_static(pdd, verified, live, outcome)
+        pods = self._delete(pdd, pods, plans, outcome)()
+        pods += self._create(pdd, plans, outcome, placements)()
         statics()
-        pods = deletes() + creates()  # creates are for indices without a pod
         self._ungate(pdd, raw_pods, placements, outcome)
 
         rechecks = [p.recheck_after for p in plans.values() if p.recheck_after is not None]

@@ -18,6 +18,7 @@ from tests.support.operator import (
     Cluster,
     Operator,
     Recorder,
+    instance_of,
     pdd_manifest,
     pod_ready,
     ready,
@@ -35,8 +36,12 @@ def test_apply_renders_pods_table_status_and_printer_columns(operator: Operator,
     cluster.apply(pdd_manifest("demo", prefill_dp=2, decode_instances=2, decode_tp=2))
     eventually(lambda: ready(cluster, "demo"), timeout=WAIT, message="Ready=True")
 
-    pods = {p["metadata"]["name"]: p for p in cluster.pods("demo")}
+    pods = {instance_of(p["metadata"]["name"]): p for p in cluster.pods("demo")}
     assert sorted(pods) == ["demo-decode-0", "demo-decode-1", "demo-prefill-0"]
+    for instance, pod in pods.items():  # unique names: <instance>-<suffix>, the index a label
+        assert pod["metadata"]["name"] != instance and instance_of(pod["metadata"]["name"]) == instance
+        assert pod["metadata"]["labels"]["pdserve.io/instance"] == instance[-1]
+        assert pod["spec"]["hostname"] == pod["metadata"]["name"].removeprefix("demo-")
     prefill = pods["demo-prefill-0"]["spec"]["containers"][0]
     argv = [*prefill.get("command", []), *prefill.get("args", [])]
     assert argv[argv.index("--data-parallel-size") + 1] == "2"
@@ -52,12 +57,13 @@ def test_apply_renders_pods_table_status_and_printer_columns(operator: Operator,
     table = cluster.table("demo")
     assert table is not None
     ips = {name: p["status"]["podIP"] for name, p in pods.items()}
+    names = {name: p["metadata"]["name"] for name, p in pods.items()}
     assert [(i.name, i.url, i.dp_size, i.routable) for i in table.prefill] == [
-        ("demo-prefill-0", f"http://{ips['demo-prefill-0']}:8000", 2, True)
+        (names["demo-prefill-0"], f"http://{ips['demo-prefill-0']}:8000", 2, True)
     ]
     assert [(i.name, i.url, i.routable) for i in table.decode] == [
-        ("demo-decode-0", f"http://{ips['demo-decode-0']}:8000", True),
-        ("demo-decode-1", f"http://{ips['demo-decode-1']}:8000", True),
+        (names["demo-decode-0"], f"http://{ips['demo-decode-0']}:8000", True),
+        (names["demo-decode-1"], f"http://{ips['demo-decode-1']}:8000", True),
     ]
 
     status = cluster.status("demo")
@@ -115,10 +121,11 @@ def test_unready_pod_leaves_the_table_and_comes_back(operator: Operator, cluster
     cluster.apply(pdd_manifest("flaky", decode_instances=2))
     eventually(lambda: ready(cluster, "flaky"), timeout=WAIT, message="Ready=True")
     generation = cluster.table("flaky").generation  # type: ignore[union-attr]
+    flaky_1 = cluster.instance_name("flaky-decode-1")
 
     def set_ready(value: str) -> None:
         patch = {"status": {"conditions": [{"type": "Ready", "status": value}]}}
-        cluster.kubectl("patch", "pod", "flaky-decode-1", "--subresource=status", "-p", json.dumps(patch))
+        cluster.kubectl("patch", "pod", flaky_1, "--subresource=status", "-p", json.dumps(patch))
 
     set_ready("False")
     eventually(
@@ -128,7 +135,10 @@ def test_unready_pod_leaves_the_table_and_comes_back(operator: Operator, cluster
     )
     out = cluster.table("flaky")
     assert out is not None and out.generation > generation
-    assert [(i.name, i.ready) for i in out.decode] == [("flaky-decode-0", True), ("flaky-decode-1", False)]
+    assert [(instance_of(i.name), i.ready) for i in out.decode] == [
+        ("flaky-decode-0", True),
+        ("flaky-decode-1", False),
+    ]
     eventually(
         lambda: cluster.status("flaky")["decode"]["readyInstances"] == 1, timeout=WAIT, message="status"
     )
@@ -146,11 +156,11 @@ def test_unready_pod_leaves_the_table_and_comes_back(operator: Operator, cluster
 def test_deleted_pod_is_recreated(operator: Operator, cluster: Cluster, recorder: Recorder) -> None:
     cluster.apply(pdd_manifest("phoenix", decode_instances=2))
     eventually(lambda: ready(cluster, "phoenix"), timeout=WAIT, message="Ready=True")
-    old_uid = cluster.get("pod", "phoenix-decode-0")["metadata"]["uid"]  # type: ignore[index]
-    cluster.kubectl("delete", "pod", "phoenix-decode-0", "--wait=false")
+    old_uid = cluster.instance("phoenix-decode-0")["metadata"]["uid"]  # type: ignore[index]
+    cluster.kubectl("delete", "pod", cluster.instance_name("phoenix-decode-0"), "--wait=false")
 
     def recreated() -> bool:
-        pod = cluster.get("pod", "phoenix-decode-0")
+        pod = cluster.instance("phoenix-decode-0")
         return bool(pod and pod["metadata"]["uid"] != old_uid and pod_ready(pod))
 
     eventually(recreated, timeout=WAIT, message="a new phoenix-decode-0, Ready")
@@ -190,7 +200,11 @@ def test_kubectl_scale_changes_decode_instances(
     cluster.kubectl("scale", "pdd", "elastic", "--replicas", "1")
     eventually(
         lambda: (
-            [p["metadata"]["name"] for p in cluster.pods("elastic") if "decode" in p["metadata"]["name"]]
+            [
+                instance_of(p["metadata"]["name"])
+                for p in cluster.pods("elastic")
+                if "decode" in p["metadata"]["name"]
+            ]
             == ["elastic-decode-0"]
         ),
         timeout=WAIT,
@@ -207,7 +221,10 @@ def test_kubectl_scale_changes_decode_instances(
     first: dict[str, int] = {}
     for r in deletions:
         first.setdefault(r.name, r.seq)
-    assert sorted(first, key=first.__getitem__) == ["elastic-decode-2", "elastic-decode-1"]
+    assert [instance_of(n) for n in sorted(first, key=first.__getitem__)] == [
+        "elastic-decode-2",
+        "elastic-decode-1",
+    ]
     for name, seq in first.items():
         table = table_before(records, seq)
         assert table is not None
@@ -215,12 +232,12 @@ def test_kubectl_scale_changes_decode_instances(
         assert entry.draining, f"{name} deleted without being drained first"
 
 
-def test_template_change_rolls_one_instance_at_a_time(
+def test_template_change_surges_one_instance_at_a_time(
     operator: Operator, cluster: Cluster, recorder: Recorder
 ) -> None:
     cluster.apply(pdd_manifest("roll", decode_instances=3))
     eventually(lambda: ready(cluster, "roll"), timeout=WAIT, message="Ready=True")
-    prefill_uid = cluster.get("pod", "roll-prefill-0")["metadata"]["uid"]  # type: ignore[index]
+    prefill_uid = cluster.instance("roll-prefill-0")["metadata"]["uid"]  # type: ignore[index]
     old_hash = cluster.status("roll")["decode"]["templateHash"]
     start = len(recorder.records)
 
@@ -237,25 +254,37 @@ def test_template_change_rolls_one_instance_at_a_time(
         )
 
     eventually(rolled, timeout=90, message="decode rolled to the new template")
-    records = recorder.stop()[start:]
+    everything = recorder.stop()
+    records = everything[start:]
 
     # Every pod deletion came after a table that marked it draining.
     deleted: dict[str, int] = {}
     for r in records:
         if r.kind == "pod" and r.obj["metadata"].get("deletionTimestamp"):
             deleted.setdefault(r.name, r.seq)
-    assert sorted(deleted) == ["roll-decode-0", "roll-decode-1", "roll-decode-2"]
+    assert sorted(instance_of(n) for n in deleted) == ["roll-decode-0", "roll-decode-1", "roll-decode-2"]
     for name, seq in deleted.items():
         table = table_before(records, seq)
         assert table is not None and {i.name: i for i in table.decode}[name].draining, name
-    # Never more than maxUnavailable (1) decode instance missing or unroutable, never an empty role.
+    # Surge (maxSurge 1): the replacement is Ready before the old pod is drained, so every table
+    # routes all three decode instances, each index once; at most 3 + 1 decode pods live at once.
     for _, table in tables(records):
-        assert len(routable(table, "decode")) >= 2, table
+        assert sorted(routable(table, "decode")) == ["roll-decode-0", "roll-decode-1", "roll-decode-2"], table
         assert routable(table, "prefill") == ["roll-prefill-0"]
+    live: set[str] = set()
+    for r in everything:
+        if r.kind != "pod" or "-decode-" not in r.name:
+            continue
+        if r.type == "DELETED" or r.obj["metadata"].get("deletionTimestamp"):
+            live.discard(r.name)
+        else:
+            live.add(r.name)
+        assert len(live) <= 4, live
     # One replacement at a time, highest index first.
-    assert sorted(deleted, key=deleted.__getitem__) == ["roll-decode-2", "roll-decode-1", "roll-decode-0"]
+    order = [instance_of(n) for n in sorted(deleted, key=deleted.__getitem__)]
+    assert order == ["roll-decode-2", "roll-decode-1", "roll-decode-0"]
     # The prefill pod was never touched.
-    assert cluster.get("pod", "roll-prefill-0")["metadata"]["uid"] == prefill_uid  # type: ignore[index]
+    assert cluster.instance("roll-prefill-0")["metadata"]["uid"] == prefill_uid  # type: ignore[index]
     events = cluster.kubectl("get", "events", "--field-selector", "involvedObject.name=roll", "-o", "json")
     reasons = [e["reason"] for e in json.loads(events)["items"]]
     assert reasons.count("Draining") >= 3 and reasons.count("Deleted") >= 3
@@ -331,8 +360,11 @@ def test_restart_mid_rollout_creates_no_duplicate_and_finishes(
     )
 
     def draining() -> bool:
-        pod = cluster.get("pod", "phoenix2-decode-2")
-        return bool(pod and "pdserve.io/draining-since" in (pod["metadata"].get("annotations") or {}))
+        return any(
+            instance_of(p["metadata"]["name"]) == "phoenix2-decode-2"
+            and "pdserve.io/draining-since" in (p["metadata"].get("annotations") or {})
+            for p in cluster.pods("phoenix2")
+        )
 
     eventually(draining, timeout=WAIT, message="the first drain")
     assert operator.stop() == 0  # graceful on SIGTERM
@@ -347,9 +379,13 @@ def test_restart_mid_rollout_creates_no_duplicate_and_finishes(
     records = recorder.stop()[start:]
     created = [r.name for r in records if r.kind == "pod" and r.type == "ADDED"]
     # Each decode index replaced exactly once: no duplicate create, no second replacement.
-    assert sorted(created) == ["phoenix2-decode-0", "phoenix2-decode-1", "phoenix2-decode-2"]
+    assert sorted(instance_of(n) for n in created) == [
+        "phoenix2-decode-0",
+        "phoenix2-decode-1",
+        "phoenix2-decode-2",
+    ]
     for _, table in tables(records):
-        assert len(routable(table, "decode")) >= 2
+        assert len(routable(table, "decode")) == 3
 
 
 def test_deleting_the_pddeployment_removes_everything(operator: Operator, cluster: Cluster) -> None:

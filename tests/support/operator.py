@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -39,6 +40,7 @@ def pdd_manifest(
     decode_args: list[str] | None = None,
     drain_seconds: int = 1,
     max_unavailable: int = 1,
+    max_surge: int = 1,
     silent_router: bool = False,
 ) -> dict[str, Any]:
     """An ``engine: vllm`` deployment: its GPU pods land on kwok's nodes (Ready, nothing runs);
@@ -61,7 +63,11 @@ def pdd_manifest(
                 "tensorParallel": decode_tp,
                 "args": decode_args or [],
             },
-            "rollout": {"maxUnavailable": max_unavailable, "drainSeconds": drain_seconds},
+            "rollout": {
+                "maxUnavailable": max_unavailable,
+                "maxSurge": max_surge,
+                "drainSeconds": drain_seconds,
+            },
         },
     }
     if silent_router:
@@ -187,6 +193,22 @@ class Cluster:
         out = self.kubectl("get", "pods", "-l", f"pdserve.io/deployment={name},pdserve.io/role", "-o", "json")
         return list(json.loads(out)["items"])
 
+    def instance(self, instance: str) -> dict[str, Any] | None:
+        """The live pod of ``<deployment>-<role>-<index>`` (its name has a random suffix)."""
+        deployment = instance.rsplit("-", 2)[0]
+        live = [
+            p
+            for p in self.pods(deployment)
+            if instance_of(p["metadata"]["name"]) == instance and not p["metadata"].get("deletionTimestamp")
+        ]
+        live.sort(key=lambda p: str(p["metadata"]["creationTimestamp"]))
+        return live[-1] if live else None
+
+    def instance_name(self, instance: str) -> str:
+        pod = self.instance(instance)
+        assert pod is not None, f"no live pod of instance {instance}"
+        return str(pod["metadata"]["name"])
+
     def table(self, name: str) -> RoutingTable | None:
         cm = self.get("configmap", f"{name}-routing")
         return load_routing_table(cm["data"]["routing.json"]) if cm else None
@@ -212,9 +234,15 @@ def ready(cluster: Cluster, name: str) -> bool:
 
 
 def routable(table: RoutingTable | None, role: str) -> list[str]:
+    """The routable instances of a role, by instance (pod name without its suffix)."""
     if table is None:
         return []
-    return [i.name for i in (table.prefill if role == "prefill" else table.decode) if i.routable]
+    return [instance_of(i.name) for i in (table.prefill if role == "prefill" else table.decode) if i.routable]
+
+
+def instance_of(pod_name: str) -> str:
+    """``<deployment>-<role>-<index>`` of a pod named ``<deployment>-<role>-<index>-<suffix>``."""
+    return re.sub(r"-[bcdfghjklmnpqrstvwxz2456789]{5}$", "", pod_name)
 
 
 def pod_ready(pod: dict[str, Any]) -> bool:
