@@ -343,6 +343,20 @@ def create_all(api: Any, count: int, drain_seconds: int) -> dict[str, float]:
     return started
 
 
+def instance_pods(api: Any, namespace: str) -> dict[str, str]:
+    """``<deployment>-<role>-<index>`` -> the live pod's name (pods have a random suffix)."""
+    from kubernetes import client
+
+    items = client.CoreV1Api(api).list_namespaced_pod(namespace, label_selector="pdserve.io/role").items
+    out = {}
+    for pod in items:
+        if pod.metadata.deletion_timestamp is None:
+            labels = pod.metadata.labels
+            parts = (labels[k] for k in ("pdserve.io/deployment", "pdserve.io/role", "pdserve.io/instance"))
+            out["-".join(parts)] = pod.metadata.name
+    return out
+
+
 def flip(
     api: Any, observed: Observed, pod: str, deployment: str, ready: bool, timeout: float
 ) -> float | None:
@@ -459,6 +473,7 @@ def main(argv: list[str] | None = None) -> int:
                     f"warning: {count - len(apply_to_ready)} deployments not Ready within {args.timeout:g}s"
                 )
             time.sleep(2.0)  # quiet the cluster before the flips
+            pods = instance_pods(api, NAMESPACE)
 
             rng = random.Random(7)
             names = sorted(started)
@@ -467,7 +482,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"flipping readiness {args.sequential_flips} times, one at a time ...")
             for i in range(args.sequential_flips):
                 deployment = rng.choice(names)
-                pod = f"{deployment}-{rng.choice(['prefill', 'decode'])}-{rng.randrange(2)}"
+                pod = pods[f"{deployment}-{rng.choice(['prefill', 'decode'])}-{rng.randrange(2)}"]
                 for value in (False, True):
                     latency = flip(api, observed, pod, deployment, value, timeout=10)
                     if latency is None:
@@ -485,7 +500,8 @@ def main(argv: list[str] | None = None) -> int:
                 with ThreadPoolExecutor(max_workers=16) as pool:
                     latencies = list(
                         pool.map(
-                            lambda n, v=value: flip(api, observed, f"{n}-decode-0", n, v, timeout=15), names
+                            lambda n, v=value: flip(api, observed, pods[f"{n}-decode-0"], n, v, timeout=15),
+                            names,
                         )
                     )
                 burst += [x for x in latencies if x is not None]

@@ -42,7 +42,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from bench.operator_bench import Kubectl, kubeconfig_path, operator_process, percentile
+from bench.operator_bench import Kubectl, instance_pods, kubeconfig_path, operator_process, percentile
 from bench.proxy_start_bench import table_json
 from tests.support.kube import grant_router_access, kubectl_for, router_kubeconfig
 from tests.support.load import Load
@@ -256,6 +256,17 @@ def measure_flips(api: Any, routers: list[Router], pods: list[str], flips: int) 
     return lags
 
 
+def wait_instance_pods(api: Any, namespace: str, instances: list[str], timeout: float) -> list[str]:
+    """The pod names of these instances, once the operator has created them all."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        names = instance_pods(api, namespace)
+        if all(i in names for i in instances):
+            return [names[i] for i in instances]
+        time.sleep(0.2)
+    raise SystemExit(f"the operator did not create {instances} within {timeout:g}s")
+
+
 def wait_all_routable(routers: list[Router], pods: list[str], timeout: float) -> None:
     t0 = time.monotonic()
     lags = time_until(routers, lambda v: all(routable(v, p) for p in pods), t0, timeout)
@@ -429,7 +440,8 @@ def main(argv: list[str] | None = None) -> int:
         stack.enter_context(operator_process(admin, work / "operator.log", NS_FLIP))
         kubectl("apply", "-f", "-", input=json.dumps(pdd_manifest()))
         routers = start_routers(stack, admin, NS_FLIP, f"{PDD}-routing", work, args.routers, api)
-        pods = [f"{PDD}-prefill-0", f"{PDD}-prefill-1", f"{PDD}-decode-0", f"{PDD}-decode-1"]
+        instances = [f"{PDD}-prefill-0", f"{PDD}-prefill-1", f"{PDD}-decode-0", f"{PDD}-decode-1"]
+        pods = wait_instance_pods(api, NS_FLIP, instances, 120)
         wait_all_routable(routers, pods, 120)
         flips = measure_flips(api, routers, pods, args.flips)
         result["notready_to_served"] = {v: summarize(x) for v, x in flips.items()}

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import threading
 import time
 from pathlib import Path
@@ -25,6 +26,7 @@ from tests.support.operator import (
     WAIT,
     Cluster,
     Operator,
+    instance_of,
     pdd_manifest,
     ready,
 )
@@ -94,7 +96,8 @@ def test_a_drain_ends_at_the_bound_when_the_routers_do_not_answer_and_says_so(
     )
     drained = eventually(lambda: events(cluster, "roll", "Drained"), timeout=WAIT, message="a Drained Event")
     assert any(
-        m.startswith("Pod roll-decode-1 drained: timeout, 1 router (roll-router-") and "unreachable" in m
+        re.match(r"Pod roll-decode-1-\w{5} drained: timeout, 1 router \(roll-router-", m)
+        and "unreachable" in m
         for m in drained
     ), drained
     assert any("left the table at generation" in m for m in drained), drained
@@ -102,8 +105,8 @@ def test_a_drain_ends_at_the_bound_when_the_routers_do_not_answer_and_says_so(
     assert operator.metric('pdserve_operator_router_queries_total{outcome="error"}') >= 1
 
     def replaced() -> bool:
-        pods = {p["metadata"]["name"]: p["metadata"]["uid"] for p in cluster.pods("roll")}
-        return all(pods.get(n) not in (None, uid) for n, uid in old.items() if "decode" in n)
+        decode = [p for p in cluster.pods("roll") if "-decode-" in p["metadata"]["name"]]
+        return len(decode) == 2 and not any(p["metadata"]["uid"] in old.values() for p in decode)
 
     eventually(replaced, timeout=WAIT, message="every decode pod replaced")
     eventually(lambda: ready(cluster, "roll"), timeout=WAIT, message="Ready again")
@@ -122,7 +125,7 @@ def test_without_a_ready_router_a_drain_ends_at_once(
     shrunk["spec"]["router"] = {"replicas": 0}
     cluster.apply(shrunk)
     drained = eventually(lambda: events(cluster, "bare", "Drained"), timeout=WAIT, message="Drained")
-    assert drained[0].startswith("Pod bare-decode-1 drained: no-routers, 0 routers"), drained
+    assert re.match(r"Pod bare-decode-1-\w{5} drained: no-routers, 0 routers", drained[0]), drained
     assert operator.metric('pdserve_operator_drains_total{reason="no-routers"}') == 1
     assert cluster.status("bare")["routers"] == {"ready": 0, "current": 0, "summary": "0/0"}
 
@@ -135,6 +138,7 @@ def test_a_real_router_reads_the_table_with_the_operators_rbac_and_reports_it(
     cluster.apply(pdd_manifest("live", decode_instances=2))
     eventually(lambda: ready(cluster, "live"), timeout=WAIT, message="Ready=True")
     written = cluster.status("live")["routingGeneration"]
+    d1 = cluster.instance_name("live-decode-1")
 
     kubectl = kubectl_for(cluster.kube.kubeconfig)
     kubeconfig = router_kubeconfig(kubectl, cluster.ns, "live-router", tmp_path)
@@ -150,11 +154,15 @@ def test_a_real_router_reads_the_table_with_the_operators_rbac_and_reports_it(
         assert doc["deployment"] == "live" and doc["error"] is None
         (report,) = asyncio.run(fetch_reports([("router", "127.0.0.1")], proxy.port, "live", 5.0))
         assert (report.answered, report.generation) == (True, written)
-        assert report.routable == {"live-prefill-0", "live-decode-0", "live-decode-1"}
+        assert {instance_of(n) for n in report.routable} == {
+            "live-prefill-0",
+            "live-decode-0",
+            "live-decode-1",
+        }
         assert report.in_flight == dict.fromkeys(report.routable, 0)
         # A routable instance keeps its drain waiting; one the router no longer has may go.
-        waiting = drain_verdict("live-decode-1", written, 0.0, 1.0, 30, [report])
-        assert waiting.waiting_for == ("router: still routes to live-decode-1",)
+        waiting = drain_verdict(d1, written, 0.0, 1.0, 30, [report])
+        assert waiting.waiting_for == (f"router: still routes to {d1}",)
         gone = drain_verdict("live-decode-9", written, 0.0, 1.0, 30, [report])
         assert gone.reason is DrainReason.ROUTERS_IDLE
         assert drain_verdict("live-decode-9", written + 1, 0.0, 1.0, 30, [report]).done is False
@@ -165,13 +173,13 @@ def test_a_real_router_reads_the_table_with_the_operators_rbac_and_reports_it(
 
         def without_decode_1() -> dict[str, Any] | None:
             doc: dict[str, Any] = http("GET", proxy.url + "/routing/served").json()
-            row = doc["instances"].get("live-decode-1")
+            row = doc["instances"].get(d1)
             return doc if row is None or not row["routable"] else None
 
         eventually(without_decode_1, timeout=WAIT, message="the router stops routing to decode-1")
         (report,) = asyncio.run(fetch_reports([("router", "127.0.0.1")], proxy.port, "live", 5.0))
         assert report.generation is not None and report.generation > written
-        assert drain_verdict("live-decode-1", report.generation, 0.0, 1.0, 30, [report]).done
+        assert drain_verdict(d1, report.generation, 0.0, 1.0, 30, [report]).done
     finally:
         group.stop_all()
 
@@ -201,6 +209,7 @@ def test_a_drain_ends_as_soon_as_the_real_router_lets_go(
         args[args.index("--host") + 1] = ip
         group.start("router", args, port=ports["http"], health=None)
         written = cluster.status("idle")["routingGeneration"]
+        d1 = cluster.instance_name("idle-decode-1")
 
         def current() -> bool:
             s = cluster.status("idle")
@@ -211,16 +220,18 @@ def test_a_drain_ends_as_soon_as_the_real_router_lets_go(
         cluster.apply(pdd_manifest("idle", decode_instances=1, drain_seconds=600, silent_router=True))
         drained = eventually(lambda: events(cluster, "idle", "Drained"), timeout=WAIT, message="Drained")
         assert drained[0].startswith(
-            "Pod idle-decode-1 drained: routers-idle, 1 router, left the table at generation"
+            f"Pod {d1} drained: routers-idle, 1 router, left the table at generation"
         )
 
         def decode_pods() -> list[str]:
-            return [p["metadata"]["name"] for p in cluster.pods("idle") if "decode" in p["metadata"]["name"]]
+            return [
+                instance_of(p["metadata"]["name"])
+                for p in cluster.pods("idle")
+                if "decode" in p["metadata"]["name"]
+            ]
 
         eventually(lambda: decode_pods() == ["idle-decode-0"], timeout=WAIT, message="decode-1 deleted")
-        assert http("GET", f"http://{ip}:{admin}/routing/served").json()["instances"].get(
-            "idle-decode-1"
-        ) in (
+        assert http("GET", f"http://{ip}:{admin}/routing/served").json()["instances"].get(d1) in (
             None,
             {"role": "decode", "in_table": False, "routable": False, "in_flight": 0},
         )
@@ -239,6 +250,7 @@ def test_a_drain_waits_for_the_stream_on_the_pod_then_ends_routers_idle(
     cluster.apply(pdd_manifest("busy", decode_instances=2, drain_seconds=600, silent_router=True))
     eventually(lambda: ready(cluster, "busy"), timeout=WAIT, message="Ready=True")
     pods = {p["metadata"]["name"]: p for p in cluster.pods("busy")}
+    d1 = cluster.instance_name("busy-decode-1")
     selector = "pdserve.io/deployment=busy,app.kubernetes.io/component=router"
     (router_pod,) = json.loads(cluster.kubectl("get", "pods", "-o", "json", "-l", selector))["items"]
     router_ip = router_pod["status"]["podIP"]
@@ -283,14 +295,14 @@ def test_a_drain_waits_for_the_stream_on_the_pod_then_ends_routers_idle(
             assert not answers, (
                 f"a stream ended before the drain: {[(a.status, a.body[:200]) for a in answers]}"
             )
-            row = http("GET", served_url).json()["instances"].get("busy-decode-1") or {}
+            row = http("GET", served_url).json()["instances"].get(d1) or {}
             return bool(row.get("in_flight"))
 
         eventually(on_decode_1, timeout=WAIT, message="a stream on decode-1")
         cluster.apply(pdd_manifest("busy", decode_instances=1, drain_seconds=600, silent_router=True))
 
         def drained_in_router() -> dict[str, Any] | None:
-            row = http("GET", served_url).json()["instances"].get("busy-decode-1") or {}
+            row = http("GET", served_url).json()["instances"].get(d1) or {}
             return row if not row.get("routable") else None
 
         eventually(drained_in_router, timeout=WAIT, message="the router stops routing to decode-1")
@@ -298,8 +310,8 @@ def test_a_drain_waits_for_the_stream_on_the_pod_then_ends_routers_idle(
         # counted at the read too, and no drain can end while one is (only ever fewer now).
         checked = 0
         while True:
-            pod = cluster.get("pod", "busy-decode-1")
-            row = http("GET", served_url).json()["instances"].get("busy-decode-1") or {}
+            pod = cluster.get("pod", d1)
+            row = http("GET", served_url).json()["instances"].get(d1) or {}
             if not row.get("in_flight"):
                 break
             assert pod is not None and not pod["metadata"].get("deletionTimestamp"), "deleted mid-stream"
@@ -314,7 +326,7 @@ def test_a_drain_waits_for_the_stream_on_the_pod_then_ends_routers_idle(
         ]
 
         drained = eventually(lambda: events(cluster, "busy", "Drained"), timeout=WAIT, message="Drained")
-        assert drained[0].startswith("Pod busy-decode-1 drained: routers-idle, 1 router"), drained
+        assert drained[0].startswith(f"Pod {d1} drained: routers-idle, 1 router"), drained
         assert operator.metric('pdserve_operator_drains_total{reason="routers-idle"}') == 1
     finally:
         group.stop_all()

@@ -15,6 +15,7 @@ from tests.support.operator import (
     WAIT,
     Cluster,
     Operator,
+    instance_of,
     ready,
 )
 
@@ -61,7 +62,7 @@ def test_a_shape_that_fits_becomes_ready_with_the_big_pod_placed_first(
     cluster.apply(shape("pack", two_nodes, 1, 8, 6, 1))  # 14 of 16 GPUs
     eventually(lambda: ready(cluster, "pack"), timeout=WAIT, message="Ready")
     pods = cluster.pods("pack")
-    nodes = {p["metadata"]["name"]: p["spec"]["nodeName"] for p in pods}
+    nodes = {instance_of(p["metadata"]["name"]): p["spec"]["nodeName"] for p in pods}
     prefill_node = nodes["pack-prefill-0"]
     # The prefill pod has a node of its own; every decode pod shares the other one.
     assert {n for name, n in nodes.items() if "decode" in name} == set(nodes.values()) - {prefill_node}
