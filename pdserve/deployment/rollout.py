@@ -43,11 +43,16 @@ decode):
   back, two operators racing), the Ready and oldest one is kept; the others are drained (Ready)
   or deleted (not Ready).
 * A draining pod that became the keeper again (template reverted, scale back up) is undrained.
+* **Revisions stay paired.** A prefill hands its KV only to a decode of its pairing revision
+  (revision.py). While a rollout changes what both sides share, the last routable pod of a
+  revision still paired with the other side is not drained (free or budgeted) until the
+  current revision is routable on both sides (:func:`revisions_to_keep`): the roles roll
+  independently, yet traffic always has a paired revision to go to.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from enum import StrEnum
 
@@ -70,6 +75,7 @@ class ObservedPod:
     node_down_since: float | None = None
     unschedulable: bool = False  # the scheduler reported it cannot place the pod
     created: float = 0.0  # creationTimestamp (epoch seconds): the older of two duplicates is kept
+    revision: str = ""  # the pairing revision the pod runs ("" : the role's current one)
 
     @property
     def draining(self) -> bool:
@@ -132,10 +138,13 @@ def plan_role(
     policy: RolloutPolicy,
     now: float,
     released: Mapping[str, str] | None = None,
+    keep_revisions: Collection[str] = (),
 ) -> RolePlan:
     """The actions to take now for one role; see the module docstring for the rules.
 
     ``released``: names of draining pods that may be deleted before the bound, with why.
+    ``keep_revisions``: revisions whose last routable pod of this role must not be drained
+    (:func:`revisions_to_keep`).
     """
     released = released or {}
     all_pods = sorted(pods, key=lambda p: (p.index, p.name))
@@ -204,11 +213,20 @@ def plan_role(
 
     remaining_live = [p for p in live if p.name not in deleted]
 
-    # 4. Drains that cost nothing: an old pod or duplicate whose index has a Ready keeper.
     drained: set[str] = set()
+
+    def last_of_kept_revision(pod: ObservedPod) -> bool:
+        if pod.revision not in keep_revisions:
+            return False
+        same = [
+            p for p in remaining_live if p.revision == pod.revision and serving(p) and p.name not in drained
+        ]
+        return len(same) <= 1
+
+    # 4. Drains that cost nothing: an old pod or duplicate whose index has a Ready keeper.
     for pod in remaining_live:
         kept = keepers.get(pod.index)
-        if pod is kept or not pod.routable or kept is None or not serving(kept):
+        if pod is kept or not pod.routable or kept is None or not serving(kept) or last_of_kept_revision(pod):
             continue
         reason = "duplicate" if pod.template_hash == template_hash else f"replaced by {kept.name}"
         act(ActionKind.DRAIN, pod, reason)
@@ -265,12 +283,33 @@ def plan_role(
     for pod in candidates:
         if budget <= 0 or routable_now - 1 < floor:
             break
+        if last_of_kept_revision(pod):
+            continue
         act(ActionKind.DRAIN, pod, _why_unwanted(pod, instances, keepers))
+        drained.add(pod.name)
         budget -= 1
         routable_now -= 1
         recheck.append(policy.drain_seconds)
 
     return RolePlan(role, tuple(actions), min(recheck) if recheck else None)
+
+
+def revisions_to_keep(
+    routable: Mapping[Role, Iterable[str]], current: Mapping[Role, str]
+) -> dict[Role, frozenset[str]]:
+    """Per role, the revisions whose last routable pod must stay (``routable``: each routable
+    pod's revision, per role; ``current``: each role's revision now).
+
+    Every revision routable on both sides, as long as the current revision is not: once the
+    roles' current revisions are paired, the old ones may go (their leftovers on one side take
+    no traffic anyway), and until then no side may drop the last pod that pairs them.
+    """
+    prefill, decode = set(routable.get(Role.PREFILL, ())), set(routable.get(Role.DECODE, ()))
+    paired = prefill & decode
+    target = current[Role.PREFILL]
+    if target == current[Role.DECODE] and target in paired:
+        return {Role.PREFILL: frozenset(), Role.DECODE: frozenset()}
+    return {Role.PREFILL: frozenset(paired), Role.DECODE: frozenset(paired)}
 
 
 def _keeper_order(pod: ObservedPod) -> tuple[bool, bool, float, str]:

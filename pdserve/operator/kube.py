@@ -133,15 +133,10 @@ class Kube:
         version = (doc.get("metadata") or {}).get("resourceVersion")
         return list(doc.get("items") or []), str(version) if version is not None else None
 
-    def create(self, obj: Mapping[str, Any]) -> dict[str, Any] | None:
-        """POST; None when an object of that name already exists (names are deterministic)."""
+    def create(self, obj: Mapping[str, Any]) -> dict[str, Any]:
+        """POST. A 409 is an error: pod names carry a random suffix, so a clash is never "ours"."""
         meta = obj["metadata"]
-        try:
-            return self.request("POST", object_path(obj["kind"], meta["namespace"]), obj)
-        except KubeError as exc:
-            if exc.status == 409:
-                return None
-            raise
+        return self.request("POST", object_path(obj["kind"], meta["namespace"]), obj)
 
     def apply(self, obj: Mapping[str, Any]) -> dict[str, Any]:
         """Server-side apply as pdserve-operator: fields it dropped from a manifest go away too."""

@@ -53,6 +53,7 @@ from pdserve.deployment.objects import (
     selector_string,
     template_hash,
 )
+from pdserve.deployment.revision import pairing_revision
 from pdserve.deployment.rollout import (
     Action,
     ActionKind,
@@ -60,6 +61,7 @@ from pdserve.deployment.rollout import (
     RolePlan,
     apply_drains,
     plan_role,
+    revisions_to_keep,
     rollout_policy,
 )
 from pdserve.deployment.routing import ObservedInstance, build_routing_table
@@ -349,6 +351,10 @@ class Reconciler:
         verdicts = self._routers.verdicts(pdd, draining, fresh, now, available)
         released = {name: f"drained: {v.reason.value}" for name, v in verdicts.items() if v.done}
         policy = rollout_policy(pdd)
+        keep = revisions_to_keep(
+            {r: [p.observed.revision for p in pods if p.role is r and p.observed.routable] for r in ROLES},
+            {r: pairing_revision(pdd, r) for r in ROLES},
+        )
         plans = {
             role: plan_role(
                 role,
@@ -358,6 +364,7 @@ class Reconciler:
                 policy=policy,
                 now=now,
                 released=released,
+                keep_revisions=keep[role],
             )
             for role in ROLES
         }
@@ -622,10 +629,9 @@ class Reconciler:
             out = []
             for (role, action), manifest, created in zip(todo, manifests, answers, strict=True):
                 name = manifest["metadata"]["name"]
-                if created is not None:
-                    self._cache.pod_event("ADDED", created)
-                    metrics.OBJECT_CHANGES.labels("Pod", "create").inc()
-                    outcome.events.append(Event("Normal", "Created", f"Created pod {name} ({action.reason})"))
+                self._cache.pod_event("ADDED", created)
+                metrics.OBJECT_CHANGES.labels("Pod", "create").inc()
+                outcome.events.append(Event("Normal", "Created", f"Created pod {name} ({action.reason})"))
                 rs = pdd.spec.role(role)
                 observed = ObservedPod(
                     action.index,
@@ -634,6 +640,7 @@ class Reconciler:
                     False,
                     dp_size=rs.data_parallel,
                     created=born,
+                    revision=pairing_revision(pdd, role),
                 )
                 out.append(PodView(role, observed, "", None, rs.tensor_parallel))
             return out
@@ -821,6 +828,7 @@ def _pod_view(
         node_down_since=node_down_since(node) if node else None,
         unschedulable=unschedulable,
         created=_parse_time(meta.get("creationTimestamp")) or 0.0,
+        revision=instance_pod_revision(pod) or pairing_revision(pdd, role),
     )
     ip = status.get("podIP") or None
     revision = instance_pod_revision(pod)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterable
+from dataclasses import replace
 
 import pytest
 
@@ -15,6 +16,7 @@ from pdserve.deployment.rollout import (
     RolloutPolicy,
     apply_drains,
     plan_role,
+    revisions_to_keep,
 )
 from pdserve.routing.table import Role
 
@@ -415,3 +417,97 @@ def test_full_scale_down_drains_each_removed_pod_in_descending_order() -> None:
     _, log = simulate([pod(i) for i in range(5)], instances=2, max_unavailable=1)
     assert [e for e in log if e.startswith("drain")] == ["drain 4", "drain 3", "drain 2"]
     assert [e for e in log if e.startswith("delete")] == ["delete 4", "delete 3", "delete 2"]
+
+
+# --- rollouts that change what both roles share (the pairing revision) ----------------------------
+
+
+def test_last_pod_of_a_still_paired_revision_stays_until_the_new_one_is_paired() -> None:
+    keep = revisions_to_keep({Role.PREFILL: ["A", "B"], Role.DECODE: ["A"]}, {r: "B" for r in Role})
+    assert keep == {Role.PREFILL: frozenset({"A"}), Role.DECODE: frozenset({"A"})}
+    # Prefill: A at index 0 has its B replacement Ready, but it is the last A while decode is all A.
+    pods = [
+        ObservedPod(0, "p0-a", OLD, True, revision="A"),
+        ObservedPod(0, "p0-b", NEW, True, revision="B"),
+        ObservedPod(1, "p1-b", NEW, True, revision="B"),
+    ]
+    held = plan_role(
+        Role.PREFILL,
+        instances=2,
+        template_hash=NEW,
+        pods=pods,
+        policy=RolloutPolicy(max_surge=1),
+        now=0.0,
+        keep_revisions=keep[Role.PREFILL],
+    )
+    assert held.actions == ()
+    freed = revisions_to_keep({Role.PREFILL: ["A", "B"], Role.DECODE: ["A", "B"]}, {r: "B" for r in Role})
+    assert freed == {Role.PREFILL: frozenset(), Role.DECODE: frozenset()}
+    go = plan_role(
+        Role.PREFILL,
+        instances=2,
+        template_hash=NEW,
+        pods=pods,
+        policy=RolloutPolicy(max_surge=1),
+        now=0.0,
+        keep_revisions=freed[Role.PREFILL],
+    )
+    assert [(a.kind.value, a.pod) for a in go.actions] == [("drain", "p0-a")]
+
+
+@pytest.mark.parametrize(
+    ("prefill", "decode", "max_surge", "max_unavailable"), [(2, 2, 1, 1), (1, 3, 1, 1), (3, 2, 0, 1)]
+)
+def test_shared_rollout_always_leaves_a_revision_routable_on_both_sides(
+    prefill: int, decode: int, max_surge: int, max_unavailable: int
+) -> None:
+    """Both roles change revision A -> B, planned independently each pass; prefill pods get Ready
+    a pass after creation, decode pods four. Some revision is always paired."""
+    sizes = {Role.PREFILL: prefill, Role.DECODE: decode}
+    cluster: dict[str, tuple[Role, ObservedPod]] = {
+        f"{r.value}-{i}-a": (r, ObservedPod(i, f"{r.value}-{i}-a", OLD, True, revision="A"))
+        for r in Role
+        for i in range(sizes[r])
+    }
+    names = itertools.count()
+    policy = RolloutPolicy(max_unavailable, max_surge, drain_seconds=2.0)
+    for step in range(400):
+        now = float(step)
+        pods = {r: [p for role, p in cluster.values() if role is r] for r in Role}
+        routable = {r: [p.revision for p in pods[r] if p.routable] for r in Role}
+        keep = revisions_to_keep(routable, {r: "B" for r in Role})
+        plans = {
+            r: plan_role(
+                r,
+                instances=sizes[r],
+                template_hash=NEW,
+                pods=pods[r],
+                policy=policy,
+                now=now,
+                keep_revisions=keep[r],
+            )
+            for r in Role
+        }
+        if not any(p.actions for p in plans.values()) and all(
+            sorted(p.index for p in pods[r] if p.routable and p.revision == "B") == list(range(sizes[r]))
+            and len(pods[r]) == sizes[r]
+            for r in Role
+        ):
+            return
+        for r, plan in plans.items():
+            for a in plan.actions:
+                if a.kind is ActionKind.CREATE:
+                    name = f"{r.value}-{a.index}-b{next(names)}"
+                    cluster[name] = (r, ObservedPod(a.index, name, NEW, False, created=now, revision="B"))
+                elif a.kind is ActionKind.DELETE:
+                    del cluster[a.pod]
+                else:
+                    since = now if a.kind is ActionKind.DRAIN else None
+                    cluster[a.pod] = (r, replace(cluster[a.pod][1], draining_since=since))
+        after = {r: {p.revision for role, p in cluster.values() if role is r and p.routable} for r in Role}
+        assert after[Role.PREFILL] & after[Role.DECODE], (step, after)
+        for name, (r, p) in list(cluster.items()):
+            startup = 1.0 if r is Role.PREFILL else 4.0  # decode loads for longer: prefill finishes first
+            if not p.ready and now - p.created >= startup - 0.5:
+                cluster[name] = (r, replace(p, ready=True))
+    raise AssertionError("did not converge")
