@@ -125,6 +125,7 @@ class Observation:
     error: str | None = None  # the last reconcile failed with this
     unschedulable: Sequence[str] = ()  # pods the scheduler cannot place, with its message
     unreachable: Sequence[str] = ()  # pods on NotReady nodes, since when, and when they are replaced
+    unpaired: Sequence[str] = ()  # revisions routable on one side only: their slots take no traffic
     routers: RoutersSummary | None = None  # what the Ready routers serve; None: not asked yet
 
 
@@ -167,7 +168,8 @@ def _conditions(obs: Observation, roles: Sequence[RoleStatus]) -> list[tuple[boo
         progressing = (False, "Complete", "every instance runs the current template")
     else:
         ready = (False, _not_ready_reason(roles, router_ok), _summary(roles) + _router_note(obs, router_ok))
-        progressing = (True, *_progress(roles, router_ok))
+        reason, message = _progress(roles, router_ok)
+        progressing = (True, reason, "; ".join([message, *obs.unpaired]))
     if obs.error:
         degraded = (True, "ReconcileError", obs.error)
     elif obs.unreachable:

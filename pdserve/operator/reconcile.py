@@ -81,6 +81,7 @@ from pdserve.operator import metrics
 from pdserve.operator.cache import Body, ClusterCache, version_number
 from pdserve.operator.kube import Kube, KubeError
 from pdserve.operator.routers import POLL_SECONDS, Draining, Routers
+from pdserve.routing import build_slot_table
 from pdserve.routing.table import CONFIGMAP_KEY, Role, RoutingTable, RoutingTableError, load_routing_table
 
 log = logging.getLogger("pdserve.operator")
@@ -407,6 +408,7 @@ class Reconciler:
             router_available=self._cache.router_available((pdd.namespace, pdd.name)) or 0,
             unschedulable=unschedulable_messages(placements),
             unreachable=_unreachable_messages(pods, pdd.spec.rollout.node_loss_seconds),
+            unpaired=[u.describe() for u in build_slot_table(table).unpaired],
             routers=routers,
         )
         self._write_status(body, obs, outcome)

@@ -182,3 +182,10 @@ def test_surge_and_unreachable_pods_show_in_the_rollout_status() -> None:
     assert (c["Degraded"]["status"], c["Degraded"]["reason"]) == ("True", "NodeNotReady")
     assert "1 surge" in c["Progressing"]["message"]
     assert "1 on NotReady nodes" in c["Progressing"]["message"]
+
+
+def test_unpaired_revisions_are_named_in_progressing() -> None:
+    old = [ObservedPod(0, "d-0-old", "old", True)]
+    obs = replace(observe(pods(1), old), unpaired=("revision 'b' has 8 routable prefill slot(s) ...",))
+    message = conditions(compute_status(obs, None, T0))["Progressing"]["message"]
+    assert message.endswith("; revision 'b' has 8 routable prefill slot(s) ...")
