@@ -17,12 +17,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
+from datetime import UTC, datetime
 from typing import Any
 
 from pdserve.operator import metrics
 from pdserve.operator.cache import ClusterCache
+from pdserve.operator.nodes import NodeCache
 from pdserve.operator.reconcile import Outcome, Reconciler
 
 log = logging.getLogger("pdserve.operator")
@@ -103,18 +105,20 @@ class Coalescer:
 
 
 class Controller:
-    """Owns the reconciler, the coalescer, the watch-fed cache and the known PDDeployments."""
+    """Owns the reconciler, the coalescer, the watch-fed caches and the known PDDeployments."""
 
     def __init__(
         self,
         reconciler: Reconciler,
         cache: ClusterCache,
         *,
+        nodes: NodeCache | None = None,
         debounce: float = 0.05,
         workers: int = 64,
     ) -> None:
         self._reconciler = reconciler
         self._cache = cache
+        self._nodes = nodes or NodeCache()
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="reconcile")
         self._coalescer = Coalescer(self._run, debounce)
         self._known: set[Key] = set()
@@ -142,6 +146,32 @@ class Controller:
     def pod_event(self, event_type: str | None, body: Mapping[str, Any]) -> None:
         key = self._cache.pod_event(event_type, body)
         if key is not None:
+            self.request(key)
+
+    def node_event(self, event_type: str | None, body: Mapping[str, Any]) -> None:
+        """A Node event: when the node was lost or came back, its PDDeployments take a look."""
+        if not self._nodes.event(event_type, body):
+            return
+        name = str((body.get("metadata") or {}).get("name") or "")
+        since = self._nodes.not_ready_since(name)
+        if since is None:
+            log.info("node %s is Ready", name)
+        else:
+            lost = "deleted" if event_type == "DELETED" else "not Ready"
+            log.warning(
+                "node %s is %s (lost since %s)", name, lost, datetime.fromtimestamp(since, UTC).isoformat()
+            )
+        self.nodes_changed([name])
+
+    def nodes_changed(self, names: Iterable[str]) -> None:
+        """Reconcile every PDDeployment with an instance pod on one of these nodes.
+
+        Light passes: the pods did not change, only what the reconciler reads from the node view.
+        """
+        keys: set[Key] = set()
+        for name in names:
+            keys |= self._cache.deployments_on_node(name)
+        for key in sorted(keys):
             self.request(key)
 
     def router_event(self, event_type: str | None, body: Mapping[str, Any]) -> None:
