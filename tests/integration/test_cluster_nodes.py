@@ -36,7 +36,8 @@ from tests.support.operator import Operator
 
 pytestmark = pytest.mark.cluster
 
-#: Set to a file name to record the node's watch events as a unit-test fixture.
+#: Set to a file name to record the node's watch events as a unit-test fixture
+#: (tests/fixtures/nodes/kwok-node-lost.json was recorded so).
 RECORD = os.environ.get("PDSERVE_RECORD_NODE_EVENTS")
 
 

@@ -8,12 +8,16 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import json
+from pathlib import Path
 from typing import Any, cast
 
 from pdserve.operator.cache import ClusterCache
 from pdserve.operator.controller import Controller, Key
-from pdserve.operator.nodes import NodeCache, lost_since, parse_time, quantity
+from pdserve.operator.nodes import NodeCache, lost_since, parse_time, quantity, ready_condition
 from pdserve.operator.reconcile import Reconciler
+
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "nodes"
 
 T0 = "2026-05-01T10:00:00Z"
 T1 = "2026-05-01T10:05:00Z"
@@ -203,6 +207,29 @@ def test_events_are_not_mutated() -> None:
     before = copy.deepcopy(body)
     synced(node("a", 1)).event("MODIFIED", body)
     assert body == before
+
+
+def test_recorded_kwok_node_loss() -> None:
+    """The events a watch delivered while tests/support/nodes.node_lost stopped a kwok node's
+    heartbeat, then restored it, then the node was deleted (tests/integration/test_cluster_nodes.py
+    with PDSERVE_RECORD_NODE_EVENTS). kwok's restore sets Ready's lastTransitionTime back to the
+    node's creation, before the Unknown transition: only the status counts, not the order of times."""
+    recorded = json.loads((FIXTURES / "kwok-node-lost.json").read_text())
+    cache = NodeCache()
+    cache.replace([recorded["listed"]], recorded["listed"]["metadata"]["resourceVersion"])
+    name = recorded["listed"]["metadata"]["name"]
+    states = [cache.not_ready_since(name) is not None]
+    for event in recorded["events"]:
+        cache.event(event["type"], event["object"])
+        states.append(cache.not_ready_since(name) is not None)
+    # Ready, then lost for a while, then Ready again, then deleted (lost for good).
+    collapsed = [s for i, s in enumerate(states) if i == 0 or s != states[i - 1]]
+    assert collapsed == [False, True, False, True]
+    assert recorded["events"][-1]["type"] == "DELETED"
+    unknown = [
+        e for e in recorded["events"] if (ready_condition(e["object"]) or {}).get("status") == "Unknown"
+    ]
+    assert unknown
 
 
 # --- the controller -----------------------------------------------------------------------------
