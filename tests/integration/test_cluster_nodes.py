@@ -17,8 +17,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
-from tests.support.kube import KubeCluster, eventually, gpu_pool
+from tests.support.kube import REPO, KubeCluster, apply_objects, eventually, gpu_pool, router_kubeconfig
 from tests.support.nodes import (
     UNREACHABLE_TAINT,
     delete_pod,
@@ -156,3 +157,40 @@ def test_a_lost_node_goes_unknown_its_pods_not_ready_and_a_deleted_pod_stays_ter
             Path(RECORD).write_text(
                 json.dumps({"listed": watched.listed[0], "events": watched.events}, indent=1) + "\n"
             )
+
+
+def test_without_node_rbac_the_operator_warns_once_and_never_watches_nodes(
+    pdd_crd: KubeCluster, kube_namespace: str, tmp_path: Path
+) -> None:
+    """The namespaced RBAC without its nodes ClusterRole: one warning, no forbidden watch retried."""
+    kube, ns = pdd_crd, kube_namespace
+    rbac = [d for d in yaml.safe_load_all((REPO / "deploy" / "rbac" / "namespaced.yaml").read_text()) if d]
+    (role,) = [d for d in rbac if d["kind"] == "Role"]
+    account = "operator-without-nodes"
+    meta = {"name": account, "namespace": ns}
+    apply_objects(
+        kube.kubectl,
+        [
+            {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": meta},
+            {**role, "metadata": meta},
+            {
+                "apiVersion": "rbac.authorization.k8s.io/v1",
+                "kind": "RoleBinding",
+                "metadata": meta,
+                "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": account},
+                "subjects": [{"kind": "ServiceAccount", "name": account, "namespace": ns}],
+            },
+        ],
+    )
+    kubeconfig = router_kubeconfig(kube.kubectl, ns, account, tmp_path)
+    operator = Operator(kubeconfig, ns, tmp_path / "operator.log")
+    operator.start()
+    try:
+        warning = "cannot list and watch nodes (RBAC)"
+        eventually(lambda: warning in operator.log(), timeout=30, message="the warning")
+        time.sleep(5)  # a forbidden watch would have logged its retries by now
+        text = operator.log_path.read_text(errors="replace")
+        assert text.count(warning) == 1
+        assert "Forbidden" not in text and "403" not in text, text[-3000:]
+    finally:
+        operator.stop()
