@@ -153,18 +153,19 @@ class Controller:
         if not self._nodes.event(event_type, body):
             return
         name = str((body.get("metadata") or {}).get("name") or "")
+        affected = self.nodes_changed([name])
         since = self._nodes.not_ready_since(name)
+        # A warning only when pods of ours are there: nodes come and go (autoscaling).
+        level = logging.WARNING if affected and since is not None else logging.INFO
         if since is None:
-            log.info("node %s is Ready", name)
+            state = "Ready"
         else:
             lost = "deleted" if event_type == "DELETED" else "not Ready"
-            log.warning(
-                "node %s is %s (lost since %s)", name, lost, datetime.fromtimestamp(since, UTC).isoformat()
-            )
-        self.nodes_changed([name])
+            state = f"{lost} (lost since {datetime.fromtimestamp(since, UTC).isoformat()})"
+        log.log(level, "node %s is %s; PDDeployments with pods there: %d", name, state, len(affected))
 
-    def nodes_changed(self, names: Iterable[str]) -> None:
-        """Reconcile every PDDeployment with an instance pod on one of these nodes.
+    def nodes_changed(self, names: Iterable[str]) -> set[Key]:
+        """Reconcile every PDDeployment with an instance pod on one of these nodes; returns them.
 
         Light passes: the pods did not change, only what the reconciler reads from the node view.
         """
@@ -173,6 +174,7 @@ class Controller:
             keys |= self._cache.deployments_on_node(name)
         for key in sorted(keys):
             self.request(key)
+        return keys
 
     def router_event(self, event_type: str | None, body: Mapping[str, Any]) -> None:
         """Its availability is part of Ready; a deleted router needs a full pass to come back."""
