@@ -86,7 +86,8 @@ def test_draining_pod_turns_unready_and_still_serves(stack: PDStack) -> None:
     send(stack.url, 2, "drain")  # what a lagging Service still sends is served
     assert d0.stats()["by_leg"]["decode"] == 2
     served = http("GET", stack.url + "/routing/served").json()
-    assert served["instances"]["d0"] == {"role": "decode", "in_table": True, "routable": False, "in_flight": 0}
+    row = served["instances"]["d0"]
+    assert row == {"role": "decode", "in_table": True, "routable": False, "in_flight": 0}
     stack.route([p0], [d0, d1])
     assert http("GET", stack.url + "/ready").status == 200
 
@@ -98,7 +99,8 @@ def test_no_prefill_of_the_local_revision_is_unready(stack: PDStack) -> None:
     assert ready.status == 503 and "no routable prefill of the local engine" in ready.json()["reason"]
     answer = stack.complete()
     assert answer.status == 503 and answer.headers.get("x-pdserve-error") == "no_prefill_slot"
-    assert "unversioned revision has 4 routable decode slot(s) but no routable prefill" in answer.body.decode()
+    message = answer.body.decode()
+    assert "unversioned revision has 4 routable decode slot(s) but no routable prefill" in message
     stack.route([p0], [d0])
 
 

@@ -87,11 +87,13 @@ def test_no_prefill_of_the_local_revision_is_unpaired() -> None:
     t = table([inst("p0", revision="new")], [])
     slots = build_sidecar_slot_table(t, LocalDecode("http://127.0.0.1:8000", revision="old"))
     assert slots.prefill == () and not slots.serving
-    assert "revision 'old' has 1 routable decode slot(s) but no routable prefill" in slots.unpaired[0].describe()
+    described = slots.unpaired[0].describe()
+    assert "revision 'old' has 1 routable decode slot(s) but no routable prefill" in described
 
 
 def test_kv_address_comes_from_the_pods_entry() -> None:
-    entry = Instance("d0", "http://10.0.0.9:8000", 1, 8, False, False, "host:10.0.0.9,handshake:6301,notify:6401")
+    kv = "host:10.0.0.9,handshake:6301,notify:6401"
+    entry = Instance("d0", "http://10.0.0.9:8000", 1, 8, False, False, kv)
     t = RoutingTable("llama", 1, Connector("moriio", "READ"), (inst("p0"),), (entry,))
     local = LocalDecode("http://127.0.0.1:8000", name="d0")
     (slot,) = build_sidecar_slot_table(t, local).decode
