@@ -358,6 +358,7 @@ class Reconciler:
         # Deletes are answered before creates go out, so no more than instances + maxSurge pods
         # of a role ever exist undeleted, even for an instant (a pass may replace one pod by another).
         statics = self._apply_static(pdd, verified, live, outcome)
+        self._retire_router(pdd, outcome)
         pods = self._delete(pdd, pods, plans, outcome)()
         pods += self._create(pdd, plans, outcome, placements)()
         statics()
@@ -374,7 +375,7 @@ class Reconciler:
             generation,
             table.generation,
             roles,
-            router_replicas=pdd.spec.router.replicas,
+            router_replicas=0 if pdd.spec.router.decode_sidecar else pdd.spec.router.replicas,
             router_available=self._cache.router_available((pdd.namespace, pdd.name)) or 0,
             unschedulable=unschedulable_messages(placements),
             unreachable=_unreachable_messages(pods, pdd.spec.rollout.node_loss_seconds),
@@ -499,6 +500,20 @@ class Reconciler:
             sum(1 for i in table.decode if i.routable),
         )
         return table
+
+    def _retire_router(self, pdd: PDDeployment, outcome: Outcome) -> None:
+        """With the routers in the decode pods, a router Deployment left from ``placement:
+        deployment`` goes (the Service already selects the decode pods)."""
+        key = (pdd.namespace, pdd.name)
+        if not pdd.spec.router.decode_sidecar or self._cache.router_available(key) is None:
+            return
+        name = router_name(pdd)
+        self._kube.delete("Deployment", pdd.namespace, name)
+        labels = {DEPLOYMENT_LABEL: pdd.name}
+        self._cache.router_event("DELETED", {"metadata": {"namespace": pdd.namespace, "labels": labels}})
+        metrics.OBJECT_CHANGES.labels("Deployment", "delete").inc()
+        message = f"Deleted Deployment {name}: placement decode-sidecar"
+        outcome.events.append(Event("Normal", "Deleted", message))
 
     def _apply_static(
         self,
