@@ -3,7 +3,7 @@
 What the decode pod gets (pure; objects.py puts it into the pod before the decode template is
 merged, so the placement is part of the decode template hash and changing it rolls decode):
 
-* a ``router`` container running ``pdserve proxy --local-decode http://127.0.0.1:<engine port>``
+* a ``router`` container running ``pdserve proxy --local-decode http://$(POD_IP):<engine port>``
   on :data:`SIDECAR_PORT` (the engine has the pod's 8000), with the routing ConfigMap watch, the
   spec's policy, backlog, admin port and keys, the engine's DP size and pairing revision as
   flags, and its pod name and instance index from the downward API (the prefill offset);
@@ -58,7 +58,9 @@ def sidecar_container(pdd: PDDeployment, configmap: str, revision: str) -> dict[
             "--backlog",
             str(router.backlog),
             "--local-decode",
-            f"http://127.0.0.1:{ENGINE_PORT}",
+            # The pod's own IP, not localhost: same pod either way, and it also holds where
+            # containers share the node's network but bind their pod IP (the test cluster's runner).
+            f"http://$(POD_IP):{ENGINE_PORT}",
             "--local-dp-size",
             str(spec.decode.data_parallel),
             "--local-revision",
@@ -72,6 +74,7 @@ def sidecar_container(pdd: PDDeployment, configmap: str, revision: str) -> dict[
         "env": [
             _field("POD_NAMESPACE", "metadata.namespace"),
             _field("POD_NAME", "metadata.name"),
+            _field("POD_IP", "status.podIP"),
             _field("PDSERVE_INSTANCE_INDEX", "metadata.labels['pdserve.io/instance']"),
             *router_key_env(spec),
         ],

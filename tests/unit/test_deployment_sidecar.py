@@ -70,7 +70,7 @@ def test_decode_pods_carry_the_router_and_nothing_else_changes() -> None:
             "readOnly": True,
         } in router["volumeMounts"]
         args = router["args"]
-        assert args[args.index("--local-decode") + 1] == "http://127.0.0.1:8000"
+        assert args[args.index("--local-decode") + 1] == "http://$(POD_IP):8000"
         assert args[args.index("--local-dp-size") + 1] == "8"
         assert args[args.index("--port") + 1] == "8200" and args[args.index("--admin-port") + 1] == "9000"
         env = {e["name"]: e for e in router["env"]}
