@@ -91,7 +91,7 @@ def run(args: argparse.Namespace) -> int:
         for problem in found:
             print(f"pdserve render: {problem}", file=sys.stderr)
         return 2
-    if args.what == "sidecar":
+    if getattr(args, "what", None) == "sidecar":  # callers may build the Namespace themselves
         if args.port == args.admin_port or (
             args.admin_port is None and args.port == pdd.spec.router.admin_port
         ):
