@@ -56,8 +56,10 @@ cluster-down:
 kind-e2e: install
 	hack/kind-e2e
 
+## Both router placements: one router, then a sidecar router per decode instance.
 demo: install
 	$(PY) -m pdserve.local.demo
+	$(PY) -m pdserve.local.demo --placement decode-sidecar
 
 ## Opt-in (not in `make test`): real vLLM for CPU behind `pdserve up` (cached venv of several GB
 ## under ~/.cache/pdserve; see docs/testing.md). One e2e at a time: it needs about 8 GB.

@@ -19,7 +19,11 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "proxy": ("pdserve.proxy.cli", "run the P/D router in front of prefill and decode vLLM instances"),
     "sim": ("pdserve.sim.cli", "run a fake vLLM server with P/D and data-parallel semantics"),
     "operator": ("pdserve.operator.cli", "run the Kubernetes operator for PDDeployment objects"),
-    "render": ("pdserve.deployment.cli", "print every manifest of a PDDeployment file, without a cluster"),
+    "render": (
+        "pdserve.deployment.cli",
+        "print every manifest of a PDDeployment file, or with `sidecar` what a client pod needs to run "
+        "the router next to itself; without a cluster",
+    ),
     "up": ("pdserve.local.cli", "run a PDDeployment on this machine, without Kubernetes"),
 }
 

@@ -6,6 +6,11 @@ table from each engine's health with the operator's own code, and serves the rou
 http://127.0.0.1:PORT. The view shows, per slot (instance and DP rank), the requests the
 router sent, those in flight, and errors. Ctrl-C or SIGTERM stops every process.
 
+With spec.router.placement: decode-sidecar it runs one router per decode instance, as the
+decode pods would (each sends its decode legs to its own engine), and PORT spreads requests
+over them in turn, as the decode pods' Service would; the X-PDServe-Sidecar header of every
+answer names the decode instance whose sidecar served it.
+
 A manifest the operator would refuse is refused here too, with the field and the reason,
 before anything starts (exit code 2); so is a missing or too old vLLM with --engine vllm.
 
@@ -54,7 +59,13 @@ EXIT_REFUSED = 2
 
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("file", metavar="FILE", help="a YAML file holding one PDDeployment")
-    parser.add_argument("--port", type=_port, default=8000, help="router port on 127.0.0.1 (default: 8000)")
+    parser.add_argument(
+        "--port",
+        type=_port,
+        default=8000,
+        help="the port clients use on 127.0.0.1: the router's, or with placement decode-sidecar the one "
+        "that spreads requests over the sidecars (default: 8000)",
+    )
     parser.add_argument(
         "--engine",
         choices=ENGINES,
@@ -116,22 +127,25 @@ def run(args: argparse.Namespace) -> int:
     log_dir.mkdir(parents=True, exist_ok=True)
     routing_file = log_dir / "routing.json"
     instances = pdd.spec.prefill.instances + pdd.spec.decode.instances
+    sidecars = pdd.spec.decode.instances if pdd.spec.router.decode_sidecar else 0
     try:
         side_channels = None
         if args.engine == "vllm":
             sizes = [pdd.spec.prefill.data_parallel] * pdd.spec.prefill.instances
             sizes += [pdd.spec.decode.data_parallel] * pdd.spec.decode.instances
             side_channels = _free_port_ranges(sizes)
+        ports = _free_ports(instances + sidecars, exclude={args.port})
         plan = plan_local_run(
             pdd,
             args.engine,
-            _free_ports(instances, exclude={args.port}),
+            ports[:instances],
             args.port,
             str(routing_file),
             SimTimings(args.sim_ttft_ms, args.sim_itl_ms, args.sim_tokens),
             device=device,
             cores=sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else [0],
             side_channel_ports=side_channels,
+            sidecar_ports=ports[instances:],
         )
     except PlanError as exc:
         if not keep_logs:
@@ -145,10 +159,13 @@ def run(args: argparse.Namespace) -> int:
 
     def announce(table: RoutingTable) -> None:
         model = pdd.spec.served_model_name
-        reporter.event(f"{pdd.name} is serving on {plan.router.url} ({describe_table(table)})")
+        reporter.event(
+            f"{pdd.name} is serving on {plan.url} (placement {plan.placement}; {describe_table(table)})"
+        )
         if not live:
+            flags = "i" if plan.sidecars else ""  # -i shows X-PDServe-Sidecar
             print(
-                f"  try: curl -s {plan.router.url}/v1/completions -H 'Content-Type: application/json' "
+                f"  try: curl -s{flags} {plan.url}/v1/completions -H 'Content-Type: application/json' "
                 f'-d \'{{"model": "{model}", "prompt": "Hello", "max_tokens": 8}}\'',
                 flush=True,
             )
@@ -165,7 +182,7 @@ def run(args: argparse.Namespace) -> int:
 async def _run_with_view(runner: LocalRunner, reporter: Reporter) -> int:
     view_task = None
     if isinstance(reporter, LiveView | SummaryLines):
-        view_task = asyncio.create_task(reporter.run(runner.plan.router.url, runner.stopping))
+        view_task = asyncio.create_task(reporter.run(runner.plan.url, runner.stopping))
     try:
         return await runner.run()
     finally:

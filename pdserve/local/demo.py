@@ -7,8 +7,15 @@ each slot got (as the router counted them and as each engine counted them), writ
 chart of it, and stops everything.
 
 The point it shows: one counter walking the flat (instance, rank) slot list gives every GPU
-group the same share. Exit status 0 only when no request failed, every slot got requests,
-and every engine saw exactly what the router says it sent.
+group the same share. With ``--placement decode-sidecar`` (the manifest is run with
+``spec.router.placement: decode-sidecar``) there is one router per decode instance and
+`pdserve up` spreads the burst over them in turn, equal traffic per sidecar: each sidecar's own
+counter, started at its instance's offset, still gives every prefill slot exactly the same
+share, and each decode instance's ranks theirs. `make demo` runs both placements.
+
+Exit status 0 only when no request failed, every slot got exactly its share of the burst
+(when the burst divides evenly over the slots, as the default one does), every sidecar served
+the same number of requests, and every engine saw exactly what the routers say they sent.
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ import asyncio
 import contextlib
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -30,10 +38,12 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import yaml
 
-from pdserve.deployment.spec import load_manifest_file
+from pdserve.deployment.spec import PLACEMENTS, load_manifest_file
 from pdserve.local.view import slot_counters
 from pdserve.routing import Role, load_routing_table, parse_routing_table
+from pdserve.wire.headers import SIDECAR
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "examples" / "nixl" / "2p-dp8ep-3d-dp8ep.yaml"
@@ -63,22 +73,48 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--concurrency", type=int, default=64, help="requests in flight at once (default: 64)"
     )
     parser.add_argument(
-        "--output", type=Path, default=DEFAULT_OUTPUT, help="PNG chart (default: %(default)s)"
+        "--placement",
+        choices=PLACEMENTS,
+        default=None,
+        help="run the manifest with this spec.router.placement (default: the manifest's own)",
+    )
+    parser.add_argument(
+        "--output",
+        type=Path,
+        default=None,
+        help=f"PNG chart (default: {DEFAULT_OUTPUT}, slots-decode-sidecar.png for that placement)",
     )
     args = parser.parse_args(argv)
 
-    pdd = load_manifest_file(args.file)
+    manifest = args.file
+    work = Path(tempfile.mkdtemp(prefix="pdserve-demo-"))
+    if args.placement is not None:
+        manifest = work / Path(args.file).name
+        manifest.write_text(with_placement(Path(args.file).read_text(), args.placement))
+    pdd = load_manifest_file(manifest)
+    placement = pdd.spec.router.placement
+    output = args.output or (
+        DEFAULT_OUTPUT.with_name(f"slots-{placement}.png")
+        if pdd.spec.router.decode_sidecar
+        else DEFAULT_OUTPUT
+    )
     port = _free_port()
-    log = Path(tempfile.mkstemp(prefix="pdserve-demo-", suffix=".log")[1])
+    log = work / "up.log"
+    entry = (
+        f"{pdd.spec.decode.instances} decode sidecar routers behind 127.0.0.1:{port}"
+        if pdd.spec.router.decode_sidecar
+        else f"router on 127.0.0.1:{port}"
+    )
     print(
-        f"==> pdserve up {_display(args.file)}  (simulated engines; router on 127.0.0.1:{port})", flush=True
+        f"==> pdserve up {_display(args.file)}  (placement {placement}: simulated engines; {entry})",
+        flush=True,
     )
     command = [
         sys.executable,
         "-m",
         "pdserve.cli",
         "up",
-        str(args.file),
+        str(manifest),
         "--port",
         str(port),
         "--no-view",
@@ -95,10 +131,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     ok = False
     try:
-        results, failures, elapsed = asyncio.run(
+        results, failures, elapsed, by_sidecar = asyncio.run(
             _demo(f"http://127.0.0.1:{port}", pdd.spec.served_model_name, args.requests, args.concurrency, up)
         )
-        ok = _report(results, failures, args.requests, elapsed, args.output)
+        ok = _report(results, failures, args.requests, elapsed, output, by_sidecar)
     except DemoError as exc:
         print(f"demo: error: {exc}", file=sys.stderr)
     finally:
@@ -109,9 +145,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not ok:
             print(f"--- pdserve up output ({log}) ---\n{log.read_text(errors='replace')}", file=sys.stderr)
         else:
-            print("==> stopped `pdserve up`: every engine and the router exited", flush=True)
-            log.unlink(missing_ok=True)
+            routers = "every sidecar router" if pdd.spec.router.decode_sidecar else "the router"
+            print(f"==> stopped `pdserve up`: every engine and {routers} exited", flush=True)
+            shutil.rmtree(work, ignore_errors=True)
     return 0 if ok else 1
+
+
+def with_placement(manifest: str, placement: str) -> str:
+    """The manifest's YAML with ``spec.router.placement`` set."""
+    doc = yaml.safe_load(manifest)
+    doc.setdefault("spec", {}).setdefault("router", {})["placement"] = placement
+    return str(yaml.safe_dump(doc, sort_keys=False))
 
 
 class DemoError(RuntimeError):
@@ -120,7 +164,7 @@ class DemoError(RuntimeError):
 
 async def _demo(
     router: str, model: str, count: int, concurrency: int, up: subprocess.Popen[bytes]
-) -> tuple[list[SlotResult], list[str], float]:
+) -> tuple[list[SlotResult], list[str], float, dict[str, int]]:
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session:
         debug = await _wait_all_slots(session, router, up)
         slots = slot_counters(debug)
@@ -131,13 +175,16 @@ async def _demo(
             flush=True,
         )
         failures: list[str] = []
+        by_sidecar: dict[str, int] = {}  # decode-sidecar: who served, from X-PDServe-Sidecar
         limit = asyncio.Semaphore(concurrency)
 
         async def one(i: int) -> None:
             async with limit:
-                problem = await _complete(session, router, model, i, stream=i % 2 == 1)
+                problem, sidecar = await _complete(session, router, model, i, stream=i % 2 == 1)
                 if problem:
                     failures.append(f"request {i}: {problem}")
+                if sidecar:
+                    by_sidecar[sidecar] = by_sidecar.get(sidecar, 0) + 1
 
         start = time.monotonic()
         await asyncio.gather(*(one(i) for i in range(count)))
@@ -150,7 +197,7 @@ async def _demo(
             )
             for c in slot_counters(after)
         ]
-        return results, failures, elapsed
+        return results, failures, elapsed, by_sidecar
 
 
 async def _wait_all_slots(
@@ -166,7 +213,10 @@ async def _wait_all_slots(
                 if ready.status == 200:
                     debug = await _get_json(session, router + "/debug/routing")
                     table = parse_routing_table(debug["table"])
-                    if all(i.routable for i in (*table.prefill, *table.decode)):
+                    sidecars = debug.get("sidecars") or []  # decode-sidecar: every one Ready
+                    if all(i.routable for i in (*table.prefill, *table.decode)) and all(
+                        s["ready"] for s in sidecars
+                    ):
                         return debug
         await asyncio.sleep(0.2)
     raise DemoError(f"not every slot was ready after {STARTUP_TIMEOUT:.0f}s")
@@ -174,18 +224,20 @@ async def _wait_all_slots(
 
 async def _complete(
     session: aiohttp.ClientSession, router: str, model: str, i: int, stream: bool
-) -> str | None:
+) -> tuple[str | None, str | None]:
+    """What went wrong (None: nothing), and the sidecar that served (None: no sidecars)."""
     body = {"model": model, "prompt": f"demo request {i}", "max_tokens": 8, "stream": stream}
     try:
         async with session.post(router + "/v1/completions", json=body) as resp:
             text = await resp.text()
+            sidecar = resp.headers.get(SIDECAR)
             if resp.status != 200:
-                return f"HTTP {resp.status}: {text[:200]}"
+                return f"HTTP {resp.status}: {text[:200]}", sidecar
             if stream:
-                return None if "data: [DONE]" in text else "stream ended without [DONE]"
-            return None if json.loads(text).get("choices") else "no choices in the answer"
+                return (None if "data: [DONE]" in text else "stream ended without [DONE]"), sidecar
+            return (None if json.loads(text).get("choices") else "no choices in the answer"), sidecar
     except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
-        return f"{type(exc).__name__}: {exc}"
+        return f"{type(exc).__name__}: {exc}", None
 
 
 async def _engine_counts(session: aiohttp.ClientSession, debug: dict[str, Any]) -> dict[tuple[str, int], int]:
@@ -211,8 +263,19 @@ async def _get_json(session: aiohttp.ClientSession, url: str) -> dict[str, Any]:
 # --- report ----------------------------------------------------------------------------------------
 
 
-def _report(results: list[SlotResult], failures: list[str], count: int, elapsed: float, output: Path) -> bool:
-    print("\nRequests per slot, in the router's flat interleaved order (router's count, engine's count):")
+def _report(
+    results: list[SlotResult],
+    failures: list[str],
+    count: int,
+    elapsed: float,
+    output: Path,
+    by_sidecar: dict[str, int] | None = None,
+) -> bool:
+    """Print the per-slot table and the verdict; ``by_sidecar``: requests each decode sidecar served
+    (placement decode-sidecar; the slots' counts are then every sidecar's summed)."""
+    by_sidecar = by_sidecar or {}
+    whose = "the sidecars' summed" if by_sidecar else "the router's"
+    print(f"\nRequests per slot, in the flat interleaved order ({whose} count, engine's count):")
     print(f"{'role':<8} {'instance':<34} {'rank':>4} {'router':>7} {'engine':>7} {'errors':>6}")
     for r in results:
         print(
@@ -230,6 +293,19 @@ def _report(results: list[SlotResult], failures: list[str], count: int, elapsed:
         if min(mine) == 0:
             print(f"demo: FAIL: a {role.value} slot got no request", file=sys.stderr)
             ok = False
+        elif sum(mine) == count and count % len(mine) == 0 and min(mine) != max(mine):
+            print(
+                f"demo: FAIL: {count} requests over {len(mine)} {role.value} slots should give each exactly "
+                f"{count // len(mine)}",
+                file=sys.stderr,
+            )
+            ok = False
+    if by_sidecar:
+        served = ", ".join(f"{name} {n}" for name, n in sorted(by_sidecar.items()))
+        print(f"sidecars: {len(by_sidecar)} served {served} (X-PDServe-Sidecar)")
+        if len(set(by_sidecar.values())) > 1 and count % len(by_sidecar) == 0:
+            print("demo: FAIL: the sidecars did not get equal traffic", file=sys.stderr)
+            ok = False
     print(f"   burst: {count} requests in {elapsed:.2f}s, {len(failures)} failed")
     for failure in failures[:10]:
         print(f"demo: FAIL: {failure}", file=sys.stderr)
@@ -242,14 +318,14 @@ def _report(results: list[SlotResult], failures: list[str], count: int, elapsed:
             file=sys.stderr,
         )
     ok = ok and not mismatched
-    _chart(results, output)
+    _chart(results, output, "decode-sidecar" if by_sidecar else "deployment")
     print(f"   chart: {output.resolve()}")
     verdict = "OK: every slot got its share, no request failed" if ok else "FAILED (see above)"
     print(f"==> {verdict}")
     return ok
 
 
-def _chart(results: list[SlotResult], output: Path) -> None:
+def _chart(results: list[SlotResult], output: Path, placement: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -264,7 +340,8 @@ def _chart(results: list[SlotResult], output: Path) -> None:
         ax.set_xticks(range(len(mine)), [f"{instances.index(r.instance)}/{r.rank}" for r in mine], fontsize=7)
         ax.set_ylabel("requests")
         ax.set_title(f"{role.value}: requests per slot (instance/rank), one color per instance")
-    fig.suptitle("pdserve: flat interleaved routing over every (instance, DP rank) slot")
+    routers = "a sidecar router per decode instance" if placement == "decode-sidecar" else "one router"
+    fig.suptitle(f"pdserve: flat interleaved routing over every (instance, DP rank) slot — {routers}")
     output.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(output, dpi=110)
     plt.close(fig)

@@ -6,6 +6,13 @@ single machine needs: the listen address and port of every process, the pod IP (
 and the interpreter that runs ``pdserve``. So `pdserve up` exercises the arguments a cluster
 would get, and a change to the renderer shows up here too.
 
+The routers follow ``spec.router.placement``: with ``deployment`` one router, the router
+Deployment's container, on the user's port; with ``decode-sidecar`` one router per decode
+instance, the ``router`` container rendered into that decode pod (``--local-decode`` pointed at
+its own engine, its pod name and instance index from the downward API resolved against the
+rendered pod), each on a port of its own, and the user's port goes to the front
+(:mod:`pdserve.local.front`) that stands in for the client Service of the decode pods.
+
 Real vLLM (``--engine vllm``) also needs, on one machine: disjoint GPUs per instance
 (``CUDA_VISIBLE_DEVICES``), or on a machine without GPUs (``device="cpu"``) what vLLM's CPU
 backend needs (:data:`CPU_ENV`, :data:`CPU_KV_CACHE_BYTES`, :data:`CPU_DTYPE`,
@@ -21,12 +28,13 @@ import dataclasses
 import re
 import sys
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from pdserve.deployment.kvconfig import MORIIO, NIXL
 from pdserve.deployment.kvpod import UCX_DEFAULTS
 from pdserve.deployment.objects import instance_pod, router_deployment
+from pdserve.deployment.owned import ROUTER_CONTAINER
 from pdserve.deployment.spec import PDDeployment, RoleSpec
 from pdserve.local.cpus import Cores, assign_cores
 from pdserve.routing import Role
@@ -94,8 +102,11 @@ class EngineProcess:
 
 @dataclass(frozen=True)
 class RouterProcess:
+    name: str  # "router", or "<decode pod name>-router" for a decode sidecar
     port: int
     argv: tuple[str, ...]
+    env: Mapping[str, str] = field(default_factory=dict)
+    instance: str = ""  # decode-sidecar: the decode instance (pod name) it runs next to
 
     @property
     def url(self) -> str:
@@ -106,8 +117,23 @@ class RouterProcess:
 class LocalPlan:
     deployment: PDDeployment  # as run: engine forced to the local choice
     engines: tuple[EngineProcess, ...]
-    router: RouterProcess
+    #: ``deployment`` placement: the one router; ``decode-sidecar``: one per decode instance, in order.
+    routers: tuple[RouterProcess, ...]
+    port: int  # the user's entry point: the router's port, or with decode-sidecar the front's
     notes: tuple[str, ...] = ()  # what local mode changed or left out, told to the user
+
+    @property
+    def url(self) -> str:
+        return f"http://{LOOPBACK}:{self.port}"
+
+    @property
+    def placement(self) -> str:
+        return self.deployment.spec.router.placement
+
+    @property
+    def sidecars(self) -> bool:
+        """Whether the routers are decode sidecars behind the front (placement decode-sidecar)."""
+        return self.deployment.spec.router.decode_sidecar
 
 
 def plan_local_run(
@@ -121,9 +147,12 @@ def plan_local_run(
     device: str = "gpu",
     cores: Sequence[int] = (),
     side_channel_ports: Sequence[int] | None = None,
+    sidecar_ports: Sequence[int] = (),
 ) -> LocalPlan:
     """Every process of the run; ``engine_ports`` gives one port per instance, prefill first.
 
+    ``router_port`` is the user's: the router's, or with placement decode-sidecar the front's;
+    then ``sidecar_ports`` gives one port per decode instance for its router.
     For ``engine="vllm"``: ``device`` says whether vLLM runs on GPUs or on this machine's
     ``cores``; ``side_channel_ports`` gives each instance the first of its DP-size NIXL ports
     (default: 5600 + 64 per instance).
@@ -142,10 +171,10 @@ def plan_local_run(
         raise PlanError(
             "local mode needs at least one prefill and one decode instance (spec.*.instances >= 1)"
         )
-    if spec.router.decode_sidecar:
+    if spec.router.decode_sidecar and len(sidecar_ports) != spec.decode.instances:
         raise PlanError(
-            "spec.router.placement: decode-sidecar is not run by `pdserve up` yet (one router per decode "
-            "instance is planned); run the manifest locally with placement: deployment, or on a cluster"
+            f"placement decode-sidecar: need {spec.decode.instances} sidecar ports (one per decode "
+            f"instance), got {len(sidecar_ports)}"
         )
     notes: list[str] = []
     if engine == "vllm" and spec.kv_transfer.connector == MORIIO:
@@ -176,12 +205,14 @@ def plan_local_run(
         shares = list(assign_cores(cores, workers))
 
     engines: list[EngineProcess] = []
+    pods: list[dict[str, Any]] = []
     next_gpu = 0
     cpu_defaults: set[str] = set()
     for i, ((role, index), port) in enumerate(zip(roles, engine_ports, strict=True)):
         pod = instance_pod(run_pdd, role, index)
+        pods.append(pod)
         container = pod["spec"]["containers"][0]
-        env = _local_env(container.get("env", []), notes)
+        env = _local_env(container.get("env", []), pod, notes)
         args = _with_flag(_with_flag(list(container["args"]), "--port", str(port)), "--host", LOOPBACK)
         ports: tuple[int, ...] = (port,)
         if engine == "sim":
@@ -226,15 +257,38 @@ def plan_local_run(
         notes.append(_cpu_note(cpu_defaults))
         notes.append(_cores_note(engines, shares, spec.kv_transfer.connector == NIXL, len(set(cores))))
 
-    router_container = router_deployment(run_pdd)["spec"]["template"]["spec"]["containers"][0]
-    # The table comes from a file the local runner writes, not from a ConfigMap watch.
-    router_args = _without_flag(list(router_container["args"]), "--routing-configmap")
-    for flag, value in (("--routing-file", routing_file), ("--host", LOOPBACK), ("--port", str(router_port))):
-        router_args = _with_flag(router_args, flag, value)
-    # One router on loopback serves every path on its one port (no Service to keep admin paths from).
-    router_args = _without_flag(router_args, "--admin-port")
-    router = RouterProcess(router_port, (python, "-m", "pdserve.cli", *router_args))
-    return LocalPlan(run_pdd, tuple(engines), router, tuple(dict.fromkeys(notes)))
+    routers: list[RouterProcess] = []
+    if not spec.router.decode_sidecar:
+        router_container = router_deployment(run_pdd)["spec"]["template"]["spec"]["containers"][0]
+        router_args = _local_router_args(router_container["args"], routing_file, router_port)
+        routers.append(RouterProcess("router", router_port, (python, "-m", "pdserve.cli", *router_args)))
+    else:
+        decodes = [(e, pod) for e, pod in zip(engines, pods, strict=True) if e.role is Role.DECODE]
+        for (engine_process, pod), port in zip(decodes, sidecar_ports, strict=True):
+            sidecar = next(c for c in pod["spec"]["containers"] if c["name"] == ROUTER_CONTAINER)
+            env = _local_env(sidecar.get("env", []), pod, notes)
+            args = _local_router_args(sidecar["args"], routing_file, port)
+            args = _with_flag(args, "--local-decode", engine_process.url)  # its own engine, on loopback
+            routers.append(
+                RouterProcess(
+                    f"{engine_process.name}-{ROUTER_CONTAINER}",
+                    port,
+                    (python, "-m", "pdserve.cli", *_expand(args, env)),
+                    env,
+                    engine_process.name,
+                )
+            )
+    return LocalPlan(run_pdd, tuple(engines), tuple(routers), router_port, tuple(dict.fromkeys(notes)))
+
+
+def _local_router_args(args: Sequence[str], routing_file: str, port: int) -> list[str]:
+    """A rendered router container's args on loopback: the table from the file the local runner
+    writes (not a ConfigMap watch), and every path on its one port (no Service to keep the admin
+    paths from)."""
+    out = _without_flag(list(args), "--routing-configmap")
+    for flag, value in (("--routing-file", routing_file), ("--host", LOOPBACK), ("--port", str(port))):
+        out = _with_flag(out, flag, value)
+    return _without_flag(out, "--admin-port")
 
 
 def _without_flag(args: list[str], flag: str) -> list[str]:
@@ -324,18 +378,38 @@ def _with_flag(args: list[str], flag: str, value: str) -> list[str]:
     return [*out, flag, value]
 
 
-def _local_env(env: Sequence[Mapping[str, Any]], notes: list[str]) -> dict[str, str]:
-    """The container's environment on this machine: the pod IP is loopback."""
+def _local_env(env: Sequence[Mapping[str, Any]], pod: Mapping[str, Any], notes: list[str]) -> dict[str, str]:
+    """The container's environment on this machine: the downward API read from the rendered
+    ``pod`` (its name, namespace, labels and annotations), and the pod IP is loopback."""
     out: dict[str, str] = {}
     for var in env:
         name = str(var["name"])
-        if "value" in var:
-            out[name] = str(var["value"])
-        elif var.get("valueFrom", {}).get("fieldRef", {}).get("fieldPath") == "status.podIP":
-            out[name] = LOOPBACK
+        value = var.get("value")
+        if value is None:
+            value = _field_ref(pod, str(var.get("valueFrom", {}).get("fieldRef", {}).get("fieldPath", "")))
+        if value is not None:
+            out[name] = str(value)
         else:
             notes.append(f"environment variable {name} comes from the cluster (valueFrom); not set locally")
     return out
+
+
+_MAP_KEY = re.compile(r"^metadata\.(labels|annotations)\['([^']+)'\]$")
+
+
+def _field_ref(pod: Mapping[str, Any], path: str) -> str | None:
+    """A downward-API ``fieldPath`` of the rendered pod on this machine (None: only a cluster knows)."""
+    if path == "status.podIP":
+        return LOOPBACK
+    meta = pod.get("metadata") or {}
+    if path in ("metadata.name", "metadata.namespace"):
+        value = meta.get(path.split(".")[1])
+        return None if value is None else str(value)
+    match = _MAP_KEY.match(path)
+    if match:
+        value = (meta.get(match.group(1)) or {}).get(match.group(2))
+        return None if value is None else str(value)
+    return None
 
 
 _VAR_REF = re.compile(r"\$\(([-._a-zA-Z][-._a-zA-Z0-9]*)\)")

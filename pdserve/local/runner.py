@@ -1,10 +1,13 @@
-"""Supervision of a local run: engine processes, the routing file, the proxy, a clean stop.
+"""Supervision of a local run: engine processes, the routing file, the routers, a clean stop.
 
 The loop is the operator's reconcile loop with processes in place of pods: poll every
 engine's ``/health`` (the pod's readiness probe), turn the answers into
 :class:`ObservedInstance` values, build the table with the operator's
 :func:`build_routing_table`, and write it (atomically: temp file + rename) only when its
-content changed, for the proxy's ``--routing-file`` watcher.
+content changed, for the routers' ``--routing-file`` watcher. With ``placement: decode-sidecar``
+there is one router per decode instance and the front (:mod:`pdserve.local.front`) on the user's
+port; the runner polls every sidecar's ``/ready`` (the kubelet's readiness probe) and tells the
+front which ones it may send to.
 
 Every engine runs in its own session, and everything it starts is stopped with it, whatever
 stops it: vLLM's API server, engine cores and workers outlive a killed `vllm serve` (they
@@ -33,7 +36,8 @@ from pathlib import Path
 import aiohttp
 
 from pdserve.deployment.routing import ObservedInstance, build_routing_table
-from pdserve.local.plan import LOOPBACK, EngineProcess, LocalPlan
+from pdserve.local.front import Front, SidecarEndpoint
+from pdserve.local.plan import LOOPBACK, EngineProcess, LocalPlan, RouterProcess
 from pdserve.local.proctree import (
     ProcessTree,
     ProcStat,
@@ -164,7 +168,13 @@ class LocalRunner:
             e.name: Child(e.name, e.argv, e.env, self.log_dir / f"{e.name}.log", e.ports or (e.port,), e.cpus)
             for e in self.plan.engines
         }
-        self.proxy = Child("router", self.plan.router.argv, {}, self.log_dir / "router.log")
+        self.routers = {
+            r.name: Child(r.name, r.argv, r.env, self.log_dir / f"{r.name}.log") for r in self.plan.routers
+        }
+        self.front: Front | None = None
+        if self.plan.sidecars:
+            sidecars = [SidecarEndpoint(r.instance, r.url) for r in self.plan.routers]
+            self.front = Front(sidecars, LOOPBACK, self.plan.port)
         self.table: RoutingTable | None = None
         self.stopping = asyncio.Event()
         self.failure: str | None = None
@@ -185,13 +195,18 @@ class LocalRunner:
                     for e in self.plan.engines
                 ]
             )
-            for child in self.engines.values():
-                child.start()
-            self.proxy.start()
-            self.reporter.event(
-                f"started {len(self.engines)} {self.plan.deployment.spec.engine} engine process(es) and the "
-                f"router; logs in {self.log_dir}"
-            )
+            if self.front is not None:
+                try:
+                    await self.front.start()
+                except OSError as exc:
+                    self._fail(f"could not listen on {self.plan.url}: {exc}")
+            if not self.stopping.is_set():
+                for child in [*self.engines.values(), *self.routers.values()]:
+                    child.start()
+                self.reporter.event(
+                    f"started {len(self.engines)} {self.plan.deployment.spec.engine} engine process(es) and "
+                    f"{describe_routers(self.plan)}; logs in {self.log_dir}"
+                )
             timeout = aiohttp.ClientTimeout(total=2)
             async with aiohttp.ClientSession(timeout=timeout) as session:
                 while not self.stopping.is_set():
@@ -213,10 +228,11 @@ class LocalRunner:
         self.stopping.set()
 
     async def _tick(self, session: aiohttp.ClientSession) -> None:
-        if not self.proxy.running:
-            code = self.proxy.popen.returncode if self.proxy.popen else None
-            self._fail(f"the router exited with code {code}:\n{self.proxy.log_tail()}")
-            return
+        for router in self.routers.values():
+            if not router.running:
+                code = router.popen.returncode if router.popen else None
+                self._fail(f"{router.name} exited with code {code}:\n{router.log_tail()}")
+                return
         self._restart_exited_engines()
         if self.stopping.is_set():
             return
@@ -232,7 +248,14 @@ class LocalRunner:
                 child.healthy_once = True
                 child.failed_starts = 0
         self._write_table(observed)
-        if not self._announced and all(health) and await self._router_ready(session):
+        routers_ready: list[bool] = []
+        if self.front is not None or not self._announced:
+            routers_ready = await asyncio.gather(*(self._router_ready(session, r) for r in self.plan.routers))
+        if self.front is not None:  # the kubelet's readiness probes, for the Service's endpoints
+            self.front.set_ready(
+                [r.instance for r, ok in zip(self.plan.routers, routers_ready, strict=True) if ok]
+            )
+        if not self._announced and all(health) and all(routers_ready):
             self._announced = True
             assert self.table is not None
             if self.on_ready is not None:
@@ -326,9 +349,9 @@ class LocalRunner:
             )
         return False
 
-    async def _router_ready(self, session: aiohttp.ClientSession) -> bool:
+    async def _router_ready(self, session: aiohttp.ClientSession, router: RouterProcess) -> bool:
         try:
-            async with session.get(self.plan.router.url + "/ready") as resp:
+            async with session.get(router.url + "/ready") as resp:
                 return resp.status == 200
         except (aiohttp.ClientError, TimeoutError, OSError):
             return False
@@ -352,9 +375,11 @@ class LocalRunner:
     # --- stopping --------------------------------------------------------------------------------
 
     async def stop_all(self) -> None:
-        """SIGTERM to every process of every child (router first, so it stops taking requests),
-        SIGKILL to what is left after the grace period; returns once none is left."""
-        children = [self.proxy, *self.engines.values()]
+        """SIGTERM to every process of every child (the front and the routers first, so they stop
+        taking requests), SIGKILL to what is left after the grace period; returns once none is left."""
+        if self.front is not None:
+            await self.front.stop()
+        children = [*self.routers.values(), *self.engines.values()]
         for child in children:
             child.signal_tree(signal.SIGTERM)
         deadline = time.monotonic() + self.stop_grace
@@ -376,6 +401,16 @@ def _any_alive(children: Sequence[Child], running_too: bool = False) -> bool:
         return True
     table = scan()
     return any(c.tree_alive(table) for c in children)
+
+
+def describe_routers(plan: LocalPlan) -> str:
+    """Which placement runs, in a few words (the first lines of output say it)."""
+    if plan.sidecars:
+        return (
+            f"{len(plan.routers)} sidecar router(s), one per decode instance (placement decode-sidecar; "
+            f"{plan.url} spreads requests over them in turn)"
+        )
+    return "the router (placement deployment)"
 
 
 def describe_table(table: RoutingTable) -> str:

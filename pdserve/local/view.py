@@ -1,9 +1,11 @@
 """The live terminal view of `pdserve up`: per-slot requests, in-flight and errors.
 
 It reads the proxy's own ``/debug/routing`` (the counters the router keeps per slot), so
-what you see is what the router did, not a second count. One block per instance, one
-column per DP rank, redrawn in place with plain ANSI codes. When stdout is not a terminal
-(a log file, CI) it prints one summary line now and then instead.
+what you see is what the router did, not a second count. With ``placement: decode-sidecar`` it
+reads the front's, which merges every sidecar's (:func:`pdserve.local.front.merge_debug`) and
+lists the sidecars: a line per sidecar (state, requests) above the slots. One block per
+instance, one column per DP rank, redrawn in place with plain ANSI codes. When stdout is not a
+terminal (a log file, CI) it prints one summary line now and then instead.
 """
 
 from __future__ import annotations
@@ -87,12 +89,24 @@ def render_frame(debug: Mapping[str, Any], events: Sequence[str], color: bool = 
     counters = slot_counters(debug)
     total = sum(c.requests for c in counters if c.role is Role.DECODE)
     errors = sum(c.errors for c in counters)
+    sidecars = debug.get("sidecars") or []
+    placement = debug.get("placement", "deployment")
+    routers = f"{len(sidecars)} sidecar routers" if sidecars else "one router"
     lines = [
         style(_BOLD, f"pdserve up — {(debug.get('table') or {}).get('deployment', '?')}")
-        + f"  routing generation {debug.get('generation')}  policy {debug.get('policy')}",
+        + f"  placement {placement} ({routers})  routing generation {debug.get('generation')}"
+        + f"  policy {debug.get('policy')}",
         f"decode requests {total}   in flight {sum(c.in_flight for c in counters)}   errors {errors}",
         "",
     ]
+    for sidecar in sidecars:
+        state = "ready" if sidecar.get("ready") else style(_RED, "not ready")
+        lines.append(
+            f"{style(_BOLD, ' sidecar')} {sidecar.get('instance')}  {style(_DIM, str(sidecar.get('url')))}  "
+            f"{state}  requests {sidecar.get('requests', 0)}"
+        )
+    if sidecars:
+        lines.append("")
     for row in instance_rows(debug):
         state = row.state if row.state == "ready" else style(_RED, row.state)
         lines.append(f"{style(_BOLD, f'{row.role.value:>8}')} {row.name}  {style(_DIM, row.url)}  {state}")
@@ -125,6 +139,9 @@ def summary_line(debug: Mapping[str, Any]) -> str:
             )
         else:
             parts.append(f"{role.value}: no routable slot")
+    sidecars = [int(s.get("requests", 0)) for s in debug.get("sidecars") or []]
+    if sidecars:
+        parts.append(f"{len(sidecars)} sidecars (min {min(sidecars)}, max {max(sidecars)} requests)")
     parts.append(f"in flight {sum(c.in_flight for c in counters)}")
     parts.append(f"errors {sum(c.errors for c in counters)}")
     return ", ".join(parts)

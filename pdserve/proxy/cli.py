@@ -11,7 +11,7 @@ Environment variables give defaults for the main flags (a flag wins): PDSERVE_RO
 PDSERVE_ROUTING_CONFIGMAP, KUBECONFIG, PDSERVE_PROXY_HOST, PDSERVE_PROXY_PORT, PDSERVE_PROXY_POLICY,
 PROXY_HTTP_SERVER, PROXY_LISTEN_BACKLOG, PDSERVE_PROXY_MAX_RETRIES, PDSERVE_PROXY_API_KEY,
 PDSERVE_BACKEND_API_KEY, PDSERVE_PROXY_SHUTDOWN_GRACE_SECONDS, PDSERVE_PROXY_SHUTDOWN_DELAY_SECONDS,
-PDSERVE_PROXY_LOG_LEVEL, PDSERVE_PROXY_ADMIN_PORT, PDSERVE_LOCAL_DECODE, POD_NAME,
+PDSERVE_PROXY_LOG_LEVEL, PDSERVE_PROXY_ADMIN_PORT, PDSERVE_PROXY_ADMIN_HOST, PDSERVE_LOCAL_DECODE, POD_NAME,
 PDSERVE_INSTANCE_INDEX. Prefer the environment for keys: command lines
 are visible to every user of the machine.
 """
@@ -90,6 +90,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="also listen here, and serve /metrics, /debug/* and profiling only here (the client port "
         "answers 404 for them; /health, /ready and /routing/served answer on both) "
         "[env PDSERVE_PROXY_ADMIN_PORT]",
+    )
+    add(
+        "--admin-host",
+        default=_env("PDSERVE_PROXY_ADMIN_HOST"),
+        help="address of the admin port (default: --host's); e.g. --host 127.0.0.1 --admin-host 0.0.0.0 "
+        "keeps the API to the pod while probes and scrapers reach the admin port "
+        "[env PDSERVE_PROXY_ADMIN_HOST]",
     )
     add(
         "--policy",
@@ -354,6 +361,7 @@ def settings_from_args(args: argparse.Namespace) -> ProxySettings:
         reload_interval=args.reload_interval,
         log_level=args.log_level,
         admin_port=args.admin_port,
+        admin_host=args.admin_host or None,
         local_decode=local_decode(args),
     )
 

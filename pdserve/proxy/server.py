@@ -31,8 +31,7 @@ log = logging.getLogger("pdserve.proxy")
 
 def hypercorn_config(settings: ProxySettings) -> HypercornConfig:
     config = HypercornConfig()
-    host = f"[{settings.host}]" if ":" in settings.host else settings.host
-    config.bind = [f"{host}:{port}" for port in _ports(settings)]
+    config.bind = [f"[{host}]:{port}" if ":" in host else f"{host}:{port}" for host, port in _binds(settings)]
     config.backlog = settings.backlog
     config.keep_alive_timeout = settings.keep_alive_seconds  # idle client connections between requests
     config.graceful_timeout = settings.grace_seconds
@@ -77,9 +76,13 @@ class _UvicornServer(uvicorn.Server):
         yield
 
 
-def _ports(settings: ProxySettings) -> list[int]:
-    """The client port, then the admin port when there is one (ports.py decides what each serves)."""
-    return [settings.port] + ([settings.admin_port] if settings.admin_port is not None else [])
+def _binds(settings: ProxySettings) -> list[tuple[str, int]]:
+    """The client address and port, then the admin ones when there is an admin port (ports.py
+    decides what each serves)."""
+    binds = [(settings.host, settings.port)]
+    if settings.admin_port is not None:
+        binds.append((settings.admin_host or settings.host, settings.admin_port))
+    return binds
 
 
 def _listen(host: str, port: int, backlog: int) -> socket.socket:
@@ -93,7 +96,7 @@ def _listen(host: str, port: int, backlog: int) -> socket.socket:
 async def _serve_uvicorn(app: GenerationApp, settings: ProxySettings, stop: asyncio.Event) -> None:
     server = _UvicornServer(uvicorn_config(app, settings))
     # One server on every port (one lifespan, one app); uvicorn binds a single host:port itself.
-    sockets = [_listen(settings.host, port, settings.backlog) for port in _ports(settings)]
+    sockets = [_listen(host, port, settings.backlog) for host, port in _binds(settings)]
 
     async def relay_stop() -> None:
         await stop.wait()
@@ -148,7 +151,9 @@ async def serve_until_signalled(settings: ProxySettings) -> None:
         "pdserve proxy listening on %s:%d%s (http server %s, policy=%s, backlog=%d, routing table from %s)",
         settings.host,
         settings.port,
-        f", admin port {settings.admin_port}" if settings.admin_port is not None else "",
+        f", admin port {settings.admin_host or settings.host}:{settings.admin_port}"
+        if settings.admin_port is not None
+        else "",
         settings.http_server,
         settings.policy,
         settings.backlog,

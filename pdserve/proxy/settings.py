@@ -59,6 +59,9 @@ class ProxySettings:
     log_level: str = "info"
     #: Metrics, /debug/* and profiling on this port only (ports.py); None: all on ``port``.
     admin_port: int | None = None
+    #: The admin port's address; None: ``host`` (a client sidecar keeps its client port on
+    #: localhost and its admin port, with the probes, on the pod's address).
+    admin_host: str | None = None
     #: Decode-sidecar mode: every decode leg goes to this local engine (pdserve.proxy.sidecar).
     local_decode: LocalDecode | None = None
 

@@ -3,7 +3,9 @@
 Each run is checked end to end: completions answered through the router, every slot of the
 manifest served by its engine, and on SIGTERM / Ctrl-C (SIGINT) / SIGKILL no process left
 behind (psutil walks the whole tree before the stop). A bad manifest is refused before
-anything starts.
+anything starts. With ``placement: decode-sidecar`` (one router per decode instance behind the
+front): equal traffic per sidecar gives every prefill and decode slot exactly its share, as the
+engines count it.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from typing import Any
 
 import psutil
 import pytest
+import yaml
 
 from pdserve.deployment.spec import load_manifest_file
 from pdserve.local.plan import plan_local_run
@@ -65,14 +68,19 @@ def _get(url: str) -> tuple[int, Any]:
 
 
 def _post(url: str, body: dict[str, Any]) -> tuple[int, bytes]:
+    status, answer, _ = _post_with_headers(url, body)
+    return status, answer
+
+
+def _post_with_headers(url: str, body: dict[str, Any]) -> tuple[int, bytes, dict[str, str]]:
     req = urllib.request.Request(
         url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}, method="POST"
     )
     try:
         with urllib.request.urlopen(req, timeout=30) as resp:
-            return resp.status, resp.read()
+            return resp.status, resp.read(), dict(resp.headers)
     except urllib.error.HTTPError as exc:
-        return exc.code, exc.read()
+        return exc.code, exc.read(), dict(exc.headers)
 
 
 def _start(tmp_path: Path, manifest: Path, *extra: str) -> UpProcess:
@@ -109,7 +117,10 @@ def _wait_serving(up: UpProcess, timeout: float = 60.0) -> dict[str, Any]:
             if status == 200:
                 _, debug = _get(up.url + "/debug/routing")
                 table = load_routing_table(json.dumps(debug["table"]))
-                if all(i.routable for i in (*table.prefill, *table.decode)):
+                sidecars = debug.get("sidecars") or []  # placement decode-sidecar: every one Ready
+                if all(i.routable for i in (*table.prefill, *table.decode)) and all(
+                    s["ready"] for s in sidecars
+                ):
                     return dict(debug)
         except (urllib.error.URLError, ConnectionError, OSError):
             pass
@@ -186,6 +197,79 @@ def test_up_serves_every_slot_and_stops_clean(
     for inst in (*table.prefill, *table.decode):
         with pytest.raises((urllib.error.URLError, ConnectionError, OSError)):
             _get(inst.url + "/health")
+
+
+def _with_sidecars(tmp_path: Path, example: str) -> Path:
+    """A copy of the example with ``spec.router.placement: decode-sidecar``."""
+    doc = yaml.safe_load((EXAMPLES / example).read_text())
+    doc["spec"].setdefault("router", {})["placement"] = "decode-sidecar"
+    path = tmp_path / Path(example).name
+    path.write_text(yaml.safe_dump(doc))
+    return path
+
+
+@pytest.mark.parametrize(
+    ("example", "stop_signal"),
+    [
+        ("nixl/2p-dp8ep-4d-tp8.yaml", signal.SIGTERM),
+        ("moriio-read/2p-dp8ep-3d-dp8ep.yaml", signal.SIGINT),
+    ],
+    ids=["nixl-2p-dp8ep-4d-tp8-sigterm", "moriio-read-2p-dp8ep-3d-dp8ep-ctrl-c"],
+)
+def test_decode_sidecars_give_every_slot_its_exact_share_with_equal_traffic_per_sidecar(
+    tmp_path: Path, cleanup: list[UpProcess], example: str, stop_signal: int
+) -> None:
+    manifest = _with_sidecars(tmp_path, example)
+    up = _start(tmp_path, manifest, *SIM_FLAGS)
+    cleanup.append(up)
+    debug = _wait_serving(up)
+    assert "placement decode-sidecar" in up.log() and "sidecar router(s), one per decode instance" in up.log()
+    table = load_routing_table(json.dumps(debug["table"]))
+    sidecars = [s["instance"] for s in debug["sidecars"]]
+    assert sidecars == [i.name for i in table.decode]
+    prefill_slots = sum(i.dp_size for i in table.prefill)
+    decode_ranks = table.decode[0].dp_size
+    # Per sidecar: the fewest requests that are whole cycles of its own decode ranks and, over every
+    # sidecar, whole cycles of the prefill slots (4 per sidecar for 4 decodes over 16 prefill slots:
+    # only the per-instance offsets make that exact).
+    per_sidecar = next(
+        k for k in range(1, 1000) if k % decode_ranks == 0 and (len(sidecars) * k) % prefill_slots == 0
+    )
+    served = load_manifest_file(manifest).spec.served_model_name
+    by_sidecar: dict[str, int] = {}
+    for i in range(per_sidecar * len(sidecars)):
+        status, body, headers = _post_with_headers(
+            up.url + "/v1/completions",
+            {"model": served, "prompt": f"hello {i}", "max_tokens": 4, "stream": i % 3 == 0},
+        )
+        assert status == 200, body
+        by_sidecar[headers["X-PDServe-Sidecar"]] = by_sidecar.get(headers["X-PDServe-Sidecar"], 0) + 1
+    assert by_sidecar == dict.fromkeys(sidecars, per_sidecar), "the front gives every sidecar equal traffic"
+    # Exact shares, as every engine counted them (its /sim/stats).
+    total = per_sidecar * len(sidecars)
+    for inst in table.prefill:
+        _, stats = _get(inst.url + "/sim/stats")
+        assert stats["by_rank"] == {str(r): total // prefill_slots for r in range(inst.dp_size)}, inst.name
+    for inst in table.decode:
+        _, stats = _get(inst.url + "/sim/stats")
+        assert stats["by_rank"] == {str(r): per_sidecar // decode_ranks for r in range(inst.dp_size)}, (
+            inst.name
+        )
+    # The merged view is the same count, as the sidecars kept it.
+    _, debug = _get(up.url + "/debug/routing")
+    assert {s["requests"] for s in debug["slots"]["prefill"]} == {total // prefill_slots}
+    assert [s["requests"] for s in debug["sidecars"]] == [per_sidecar] * len(sidecars)
+
+    _stop_and_check_tree(up, stop_signal)
+    assert not _port_answers(up.url + "/health")
+
+
+def _port_answers(url: str) -> bool:
+    try:
+        _get(url)
+    except (urllib.error.URLError, ConnectionError, OSError):
+        return False
+    return True
 
 
 def test_a_crashed_engine_leaves_the_table_and_is_restarted(tmp_path: Path, cleanup: list[UpProcess]) -> None:

@@ -1,6 +1,8 @@
 """The router's two ports and its keys, with real processes: ``--admin-port`` serves metrics,
 ``/debug/*`` and profiling only there; engines that require a key (VLLM_API_KEY, as vLLM does)
-get the backend key; no key appears in logs, /debug output or metrics. Both HTTP servers."""
+get the backend key; no key appears in logs, /debug output or metrics. Both HTTP servers. The admin
+port listens on its own address (``--admin-host``: 127.0.0.2 here, the pod's address in a client
+sidecar whose API stays on localhost)."""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ from tests.support.procs import ProcessGroup, free_port
 CLIENT_KEY = "sk-client-admin-3b9e0d57-secret"
 BACKEND_KEY = "sk-engine-admin-c41a6f02-secret"
 AUTH = {"Authorization": f"Bearer {CLIENT_KEY}"}
+ADMIN_HOST = "127.0.0.2"
 
 
 @pytest.fixture(scope="module", params=["hypercorn", "uvicorn"])
@@ -40,10 +43,10 @@ def stack(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
         ]
         pd.proxy = group.start(
             "proxy",
-            [*args, "--admin-port", str(admin), "--log-level", "debug"],
+            [*args, "--admin-port", str(admin), "--admin-host", ADMIN_HOST, "--log-level", "debug"],
             env={"PDSERVE_PROXY_API_KEY": CLIENT_KEY, "PDSERVE_BACKEND_API_KEY": BACKEND_KEY},
         )
-        pd.admin_url = f"http://127.0.0.1:{admin}"  # type: ignore[attr-defined]
+        pd.admin_url = f"http://{ADMIN_HOST}:{admin}"  # type: ignore[attr-defined]
         yield pd
     finally:
         group.stop_all()
@@ -51,6 +54,15 @@ def stack(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
 
 def admin(stack: PDStack) -> str:
     return str(stack.admin_url)  # type: ignore[attr-defined]
+
+
+def test_each_port_listens_on_its_own_address_only(stack: PDStack) -> None:
+    client_port = stack.url.rsplit(":", 1)[1]
+    admin_port = admin(stack).rsplit(":", 1)[1]
+    assert http("GET", admin(stack) + "/ready").status in (200, 503)
+    for url in (f"http://127.0.0.1:{admin_port}/health", f"http://{ADMIN_HOST}:{client_port}/health"):
+        with pytest.raises(OSError):
+            http("GET", url)
 
 
 def test_an_engine_with_a_key_refuses_requests_without_it(stack: PDStack) -> None:

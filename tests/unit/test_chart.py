@@ -23,6 +23,8 @@ import pytest
 import yaml
 
 from pdserve import __version__
+from pdserve.deployment.client import client_rbac
+from pdserve.deployment.spec import parse_pddeployment
 from pdserve.operator.cli import configure as configure_operator_cli
 
 REPO = Path(__file__).resolve().parents[2]
@@ -46,6 +48,24 @@ CASES: dict[str, list[str]] = {
         "serviceAccount.annotations.owner=platform",
     ],
 }
+
+
+CASES["client-sidecars"] = [
+    "--set",
+    "clientSidecars[0].deployment=chat",
+    "--set",
+    "clientSidecars[0].namespace=serving",
+    "--set",
+    "clientSidecars[0].serviceAccount=chat-frontend",
+    "--set",
+    "clientSidecars[1].deployment=chat",
+    "--set",
+    "clientSidecars[1].namespace=serving",
+    "--set",
+    "clientSidecars[1].serviceAccount=batch",
+    "--set",
+    "clientSidecars[1].serviceAccountNamespace=jobs",
+]
 
 
 #: The production values file (charts/pdserve/ci/): also installed in the test cluster.
@@ -221,6 +241,31 @@ def test_operator_args_are_accepted_by_the_operator_cli(helm: str, case: str) ->
     assert container["livenessProbe"]["httpGet"]["path"] == "/healthz"
 
 
+def test_client_sidecar_rbac_is_what_pdserve_render_sidecar_prints(helm: str) -> None:
+    docs = objects(render(helm, CASES["client-sidecars"]))
+    (role,) = [r for r in by_kind(docs, "Role") if r["metadata"]["name"] == "chat-routing-reader"]
+    bindings = [b for b in by_kind(docs, "RoleBinding") if b["metadata"]["name"].startswith("chat-")]
+    pdd = parse_pddeployment(
+        {
+            "apiVersion": "pdserve.io/v1alpha1",
+            "kind": "PDDeployment",
+            "metadata": {"name": "chat", "namespace": "serving"},
+            "spec": {"model": "m", "engine": "sim"},
+        }
+    )
+    for account, namespace, binding in zip(
+        ("chat-frontend", "batch"), ("serving", "jobs"), bindings, strict=True
+    ):
+        _, source_role, source_binding = client_rbac(pdd, account, namespace)
+        assert role["metadata"]["name"] == source_role["metadata"]["name"]
+        assert role["metadata"]["namespace"] == source_role["metadata"]["namespace"] == "serving"
+        assert role["rules"] == source_role["rules"]
+        for key in ("roleRef", "subjects"):
+            assert binding[key] == source_binding[key]
+        assert binding["metadata"]["name"] == source_binding["metadata"]["name"]
+        assert binding["metadata"]["namespace"] == "serving"
+
+
 def test_metrics_service_and_service_monitor_select_the_operator(helm: str) -> None:
     docs = objects(render(helm, CASES["monitoring"]))
     (deployment,) = by_kind(docs, "Deployment")
@@ -243,6 +288,11 @@ BAD_VALUES = [
     (["--set", "operator.namespaces={Team_A}", "--set", "operator.scope=namespaced"], "operator.namespaces"),
     (["--set", "rbac.create=maybe"], "rbac.create"),
     (["--set", "metrics.serviceMonitor.interval=often"], "metrics.serviceMonitor.interval"),
+    (["--set", "clientSidecars[0].deployment=chat"], "serviceAccount"),
+    (
+        ["--set", "clientSidecars[0].deployment=Chat", "--set", "clientSidecars[0].serviceAccount=a"],
+        "deployment",
+    ),
 ]
 
 

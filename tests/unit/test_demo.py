@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pdserve.local.demo import SlotResult, _report
+from pdserve.deployment.spec import load_manifest_file
+from pdserve.local.demo import EXAMPLE, SlotResult, _report, with_placement
 from pdserve.routing import Role
 
 
@@ -30,3 +31,37 @@ def test_a_failed_request_fails(tmp_path: Path) -> None:
 
 def test_engine_counts_that_disagree_with_the_router_fail(tmp_path: Path) -> None:
     assert _report(_results([4, 4], engine_offset=1), [], 8, 0.5, tmp_path / "c.png") is False
+
+
+# --- placement decode-sidecar: the sidecars' counts summed, and equal traffic per sidecar ---------
+
+
+def _exact(prefill: list[int], decode: list[int]) -> list[SlotResult]:
+    return [SlotResult(Role.PREFILL, "p-0", r, n, 0, n) for r, n in enumerate(prefill)] + [
+        SlotResult(Role.DECODE, f"d-{r // 2}", r % 2, n, 0, n) for r, n in enumerate(decode)
+    ]
+
+
+def test_sidecar_run_with_exact_shares_and_equal_traffic_passes(tmp_path: Path) -> None:
+    results = _exact([4, 4], [2, 2, 2, 2])
+    assert _report(results, [], 8, 0.5, tmp_path / "c.png", {"d-0": 4, "d-1": 4}) is True
+
+
+def test_sidecars_with_unequal_traffic_fail(tmp_path: Path) -> None:
+    results = _exact([4, 4], [3, 3, 1, 1])
+    assert _report(results, [], 8, 0.5, tmp_path / "c.png", {"d-0": 6, "d-1": 2}) is False
+
+
+def test_a_burst_that_divides_evenly_must_give_every_slot_exactly_its_share(tmp_path: Path) -> None:
+    assert (
+        _report(_exact([5, 3], [2, 2, 2, 2]), [], 8, 0.5, tmp_path / "c.png", {"d-0": 4, "d-1": 4}) is False
+    )
+    assert _report(_exact([4, 4], [3, 1, 2, 2]), [], 8, 0.5, tmp_path / "c.png") is False
+
+
+def test_with_placement_sets_the_field_and_keeps_the_manifest(tmp_path: Path) -> None:
+    copy = tmp_path / "m.yaml"
+    copy.write_text(with_placement(EXAMPLE.read_text(), "decode-sidecar"))
+    pdd, original = load_manifest_file(copy), load_manifest_file(EXAMPLE)
+    assert pdd.spec.router.decode_sidecar
+    assert pdd.name == original.name and pdd.spec.decode == original.spec.decode

@@ -184,4 +184,4 @@ def test_local_mode_ignores_the_budget() -> None:
         )
 
     a, b = plan(guarded), plan(plain)
-    assert (a.engines, a.router, a.notes) == (b.engines, b.router, b.notes)
+    assert (a.engines, a.routers, a.notes) == (b.engines, b.routers, b.notes)

@@ -25,9 +25,22 @@ def _example(name: str) -> PDDeployment:
 def _plan(pdd: PDDeployment, engine: str = "sim", sim: SimTimings | None = None) -> Any:
     sim = sim or SimTimings()
     count = pdd.spec.prefill.instances + pdd.spec.decode.instances
+    sidecars = list(range(9101, 9101 + pdd.spec.decode.instances)) if pdd.spec.router.decode_sidecar else []
     return plan_local_run(
-        pdd, engine, list(range(9001, 9001 + count)), 8000, "/run/routing.json", sim, PYTHON
+        pdd,
+        engine,
+        list(range(9001, 9001 + count)),
+        8000,
+        "/run/routing.json",
+        sim,
+        PYTHON,
+        sidecar_ports=sidecars,
     )
+
+
+def _sidecar(pdd: PDDeployment) -> PDDeployment:
+    router = dataclasses.replace(pdd.spec.router, placement="decode-sidecar")
+    return dataclasses.replace(pdd, spec=dataclasses.replace(pdd.spec, router=router))
 
 
 def _flag(argv: tuple[str, ...], flag: str) -> str:
@@ -73,7 +86,8 @@ def test_router_runs_the_operators_proxy_command_on_loopback() -> None:
     pdd = _example("moriio-read/2p-dp8ep-3d-dp8ep.yaml")
     plan = _plan(pdd)
     rendered = router_deployment(pdd)["spec"]["template"]["spec"]["containers"][0]["args"]
-    argv = plan.router.argv
+    assert len(plan.routers) == 1 and not plan.sidecars
+    argv = plan.routers[0].argv
     assert argv[:4] == (PYTHON, "-m", "pdserve.cli", "proxy")
     assert _flag(argv, "--routing-file") == "/run/routing.json"
     # One table source: the file the runner writes replaces the pod's ConfigMap watch.
@@ -81,7 +95,7 @@ def test_router_runs_the_operators_proxy_command_on_loopback() -> None:
     assert _flag(argv, "--host") == LOOPBACK
     assert _flag(argv, "--port") == "8000"
     assert _flag(argv, "--policy") == rendered[rendered.index("--policy") + 1]
-    assert plan.router.url == "http://127.0.0.1:8000"
+    assert plan.routers[0].url == plan.url == "http://127.0.0.1:8000"
     # One port on loopback: metrics and /debug answer there too (the pod's admin port is dropped).
     assert "--admin-port" in rendered and "--admin-port" not in argv
 
@@ -131,12 +145,37 @@ def test_a_role_without_instances_is_refused() -> None:
         plan_local_run(pdd, "sim", [9001], 8000, "/r.json")
 
 
-def test_decode_sidecar_placement_is_refused_not_ignored() -> None:
-    pdd = _example("sim/quickstart.yaml")
-    router = dataclasses.replace(pdd.spec.router, placement="decode-sidecar")
-    pdd = dataclasses.replace(pdd, spec=dataclasses.replace(pdd.spec, router=router))
-    with pytest.raises(PlanError, match="decode-sidecar is not run by `pdserve up` yet"):
-        _plan(pdd)
+def test_decode_sidecar_runs_the_decode_pods_router_container_next_to_each_engine() -> None:
+    pdd = _sidecar(_example("nixl/2p-dp8ep-3d-dp8ep.yaml"))
+    plan = _plan(pdd)
+    assert plan.sidecars and plan.placement == "decode-sidecar"
+    assert plan.url == "http://127.0.0.1:8000", "the user's port is the front's"
+    decodes = [e for e in plan.engines if e.role is Role.DECODE]
+    assert [r.instance for r in plan.routers] == [e.name for e in decodes]
+    assert [r.port for r in plan.routers] == [9101, 9102, 9103]
+    for index, (router, engine) in enumerate(zip(plan.routers, decodes, strict=True)):
+        pod = instance_pod(plan.deployment, Role.DECODE, index)
+        rendered = next(c for c in pod["spec"]["containers"] if c["name"] == "router")["args"]
+        argv = router.argv
+        assert argv[:4] == (PYTHON, "-m", "pdserve.cli", "proxy")
+        # The pod's sidecar, but its own engine on loopback and the table from the runner's file.
+        assert _flag(argv, "--local-decode") == engine.url
+        assert _flag(argv, "--local-dp-size") == "8"
+        assert _flag(argv, "--local-revision") == _flag(tuple(rendered), "--local-revision")
+        assert _flag(argv, "--routing-file") == "/run/routing.json"
+        assert "--routing-configmap" not in argv and "--admin-port" not in argv
+        assert (_flag(argv, "--host"), _flag(argv, "--port")) == (LOOPBACK, str(router.port))
+        # The downward API, read from the rendered pod: its name and its instance index (the offset).
+        assert router.env["POD_NAME"] == engine.name
+        assert router.env["PDSERVE_INSTANCE_INDEX"] == str(index)
+        assert router.env["POD_NAMESPACE"] == pdd.namespace
+    assert not plan.notes
+
+
+def test_decode_sidecar_needs_a_port_per_decode_instance() -> None:
+    pdd = _sidecar(_example("sim/quickstart.yaml"))
+    with pytest.raises(PlanError, match="need 2 sidecar ports"):
+        plan_local_run(pdd, "sim", [9001, 9002, 9003], 8000, "/r.json", sidecar_ports=[9101])
 
 
 # --- the view ----------------------------------------------------------------------------------
