@@ -751,6 +751,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--timeout", type=float, help="seconds for all to be Ready (default from the size)")
     parser.add_argument("--kubeconfig", help="default: $PDSERVE_TEST_KUBECONFIG, else .cluster/kubeconfig")
     parser.add_argument("--note", action="append", default=[], help="a line for the results")
+    parser.add_argument(
+        "--latest",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="write bench/results/operator-latest.md (--no-latest: the JSON only, for a variant)",
+    )
     return parser.parse_args(argv)
 
 
@@ -897,6 +903,7 @@ def main(argv: list[str] | None = None) -> int:
                 "flips": phase(snaps["idle"], snaps["flips"]),
             }
             result["operator_metrics"] = {k: sum(v.values()) for k, v in end.metrics.items()}
+            result["operator_counts"] = counts(end.metrics)
             result["operator_metrics_labeled"] = end.metrics
     except BaseException as exc:
         error = f"{type(exc).__name__}: {exc}"
@@ -919,12 +926,33 @@ def main(argv: list[str] | None = None) -> int:
     if error is not None:
         return 1
     print_table(result)
-    (RESULTS / "operator-latest.md").write_text(markdown(result))
-    log("written bench/results/operator-latest.md")
+    if args.latest:
+        (RESULTS / "operator-latest.md").write_text(markdown(result))
+        log("written bench/results/operator-latest.md")
     return 0
 
 
 # --- reporting -----------------------------------------------------------------------------------
+
+
+def counts(metrics: Mapping[str, Mapping[str, float]]) -> dict[str, Any]:
+    """The operator's own counters worth a line: writes, objects changed, coalescing, reconcile time."""
+
+    def total(name: str) -> float:
+        return sum(metrics.get(name, {}).values())
+
+    reconciles = total("pdserve_operator_reconcile_duration_seconds_count")
+    changes = metrics.get("pdserve_operator_object_changes_total", {})
+    return {
+        "routing_table_writes": round(total("pdserve_operator_routing_table_writes_total")),
+        "requests_coalesced": round(total("pdserve_operator_requests_coalesced_total")),
+        "reconcile_errors": round(total("pdserve_operator_reconcile_errors_total")),
+        "reconcile_mean_s": round(total("pdserve_operator_reconcile_duration_seconds_sum") / reconciles, 3)
+        if reconciles
+        else None,
+        "object_changes": {k.replace('"', ""): round(v) for k, v in changes.items()},
+        "router_queries": by_label(metrics, "pdserve_operator_router_queries_total", "outcome"),
+    }
 
 
 def floor_ratio(result: Mapping[str, Any]) -> float | None:
@@ -1043,6 +1071,17 @@ def markdown(result: Mapping[str, Any]) -> str:
         f"| whole run | | {result['operator_cpu_s']:.1f} | {sum(result['api_requests'].values())} "
         f"| {fmt_counts(result['api_requests'])} | {fmt_counts(result['reconciles'])} |"
     )
+    c = result.get("operator_counts") or {}
+    if c:
+        changed = sum(c["object_changes"].values())
+        lines += [
+            "",
+            f"Operator counters: {c['routing_table_writes']} routing-table writes, {changed} objects "
+            f"created/applied, {c['requests_coalesced']} requests coalesced, {c['reconcile_errors']} "
+            f"reconcile errors, reconcile wall time mean {c['reconcile_mean_s']} s, router queries "
+            f"{fmt_counts({k: round(v) for k, v in c['router_queries'].items()})} (kwok runs no router: "
+            "drains end on drainSeconds).",
+        ]
     lines += [
         "",
         "`apply_to_ready`: from the first create until every deployment is Ready (or the timeout); "
