@@ -9,7 +9,9 @@ prints them, and the tests compare them with golden files. Names:
   ``hostname`` ``<role>-<index>-<suffix>`` + ``subdomain`` give it a DNS name. Rendered without
   a cluster (``pdserve render``, local mode) the suffix is left out.
 * headless Service ``<name>-engines`` (that subdomain; not-ready pods included)
-* Deployment ``<name>-router`` running ``pdserve proxy``, Service ``<name>`` on the router port
+* Deployment ``<name>-router`` running ``pdserve proxy``, Service ``<name>`` on the router port;
+  with ``spec.router.placement: decode-sidecar`` no Deployment: a ``router`` container in every
+  decode pod (sidecar.py), and the Service selects the decode pods
 * PodDisruptionBudget ``<name>-prefill`` and ``<name>-decode``, one per role (:func:`disruption_budget`)
 * ConfigMap ``<name>-routing`` holding ``routing.json``; the router pods watch it through the
   API server as ServiceAccount ``<name>-router``, whose Role ``<name>-router`` (bound by
@@ -51,6 +53,7 @@ from pdserve.deployment.podtemplate import merge_metadata, merge_pod_spec
 from pdserve.deployment.revision import pairing_revision
 from pdserve.deployment.routing import build_routing_table
 from pdserve.deployment.security import engine_key_env, router_admin_args, router_admin_port, router_key_env
+from pdserve.deployment.sidecar import SIDECAR_PORT_NAME, add_sidecar
 from pdserve.deployment.spec import API_VERSION, DEFAULT_IMAGE, ENGINE_PORT, KIND, PDDeployment, RoleSpec
 from pdserve.deployment.storage import model_argument, storage_env, storage_mounts, storage_volumes
 from pdserve.routing import CONFIGMAP_KEY, Role, RoutingTable
@@ -297,6 +300,9 @@ def _pod_spec(pdd: PDDeployment, role: Role, pod_name: str, hostname: str) -> di
         }
     else:
         pod["securityContext"] = engine_security_context(sim)
+    if role is Role.DECODE and spec.router.decode_sidecar:  # the router in the pod (sidecar.py)
+        revision = pairing_revision(pdd, role)
+        add_sidecar(pod, pdd, routing_configmap_name(pdd), router_account_name(pdd), revision)
     merged = merge_pod_spec(pod, rs.template.spec)
     engine = next(c for c in merged["containers"] if c["name"] == "engine")
     with_default_requests(engine, default_requests(rs.gpus_per_instance, sim))
@@ -523,17 +529,30 @@ def router_role_binding(pdd: PDDeployment) -> dict[str, Any]:
 
 
 def router_service(pdd: PDDeployment) -> dict[str, Any]:
+    """The client Service: the router pods, or with placement decode-sidecar the decode pods'
+    router container (a draining decode pod turns unready first, so it leaves the endpoints)."""
     router = pdd.spec.router
+    selector = {DEPLOYMENT_LABEL: pdd.name, COMPONENT: "router"}
+    target = "http"
+    if router.decode_sidecar:
+        selector, target = role_selector(pdd, Role.DECODE), SIDECAR_PORT_NAME
     return {
         "apiVersion": "v1",
         "kind": "Service",
         "metadata": _metadata(pdd, pdd.name, "router"),
         "spec": {
             "type": router.service_type,
-            "selector": {DEPLOYMENT_LABEL: pdd.name, COMPONENT: "router"},
-            "ports": [{"name": "http", "port": router.port, "targetPort": "http", "protocol": "TCP"}],
+            "selector": selector,
+            "ports": [{"name": "http", "port": router.port, "targetPort": target, "protocol": "TCP"}],
         },
     }
+
+
+def router_pod_selector(pdd: PDDeployment) -> str:
+    """The pods that run a router (what the operator asks ``/routing/served``), as a label selector."""
+    if pdd.spec.router.decode_sidecar:
+        return selector_string(role_selector(pdd, Role.DECODE))
+    return selector_string({DEPLOYMENT_LABEL: pdd.name, COMPONENT: "router"})
 
 
 def engine_service(pdd: PDDeployment) -> dict[str, Any]:
@@ -592,13 +611,14 @@ def desired_static_objects(pdd: PDDeployment) -> list[dict[str, Any]]:
     """Objects whose content follows from the spec alone (no pod state): Services, the router's
     account and its read access to the routing ConfigMap, the router, and the roles' disruption
     budgets (also for a role of 0 instances: minAvailable 0 over no pods, so nothing to prune)."""
+    router = [] if pdd.spec.router.decode_sidecar else [router_deployment(pdd)]
     return [
         engine_service(pdd),
         router_service(pdd),
         router_service_account(pdd),
         router_role(pdd),
         router_role_binding(pdd),
-        router_deployment(pdd),
+        *router,
         disruption_budget(pdd, Role.PREFILL),
         disruption_budget(pdd, Role.DECODE),
     ]

@@ -52,6 +52,11 @@ CONNECTORS = ("NixlConnector", "MoRIIOConnector")
 TRANSFER_MODES = ("READ", "WRITE")
 POLICIES = ("flat-interleaved", "least-outstanding")
 SERVICE_TYPES = ("ClusterIP", "NodePort", "LoadBalancer")
+#: Where the router runs: its own Deployment in front of the engines, or a container in every
+#: decode pod (pdserve.routing.sidecar).
+PLACEMENT_DEPLOYMENT = "deployment"
+PLACEMENT_DECODE_SIDECAR = "decode-sidecar"
+PLACEMENTS = (PLACEMENT_DEPLOYMENT, PLACEMENT_DECODE_SIDECAR)
 
 #: Every engine (vLLM or the simulator) listens here, in its own pod.
 ENGINE_PORT = 8000
@@ -176,6 +181,12 @@ class RouterSpec:
     # Router security: the clients' key, and the port of /metrics, /debug/* and profiling.
     admin_port: int = DEFAULT_ADMIN_PORT
     api_key_secret_ref: SecretKeyRef | None = None
+    placement: str = PLACEMENT_DEPLOYMENT
+
+    @property
+    def decode_sidecar(self) -> bool:
+        """The router runs in every decode pod: no router Deployment, the Service selects decodes."""
+        return self.placement == PLACEMENT_DECODE_SIDECAR
 
 
 @dataclass(frozen=True)
@@ -473,7 +484,7 @@ def _quantity(doc: Mapping[str, Any], key: str, path: str, default: str) -> str:
 def _parse_router(value: object, path: str) -> RouterSpec:
     doc = _object(value, path)
     known = ("replicas", "image", "policy", "backlog", "port", "serviceType", "template")
-    _no_unknown(doc, path, (*known, "adminPort", "apiKeySecretRef"))
+    _no_unknown(doc, path, (*known, "adminPort", "apiKeySecretRef", "placement"))
     port = _integer(doc, "port", path, DEFAULT_ROUTER_PORT, 1, 65535)
     admin_port = _integer(doc, "adminPort", path, DEFAULT_ADMIN_PORT, 1, 65535)
     if admin_port == port:
@@ -488,6 +499,7 @@ def _parse_router(value: object, path: str) -> RouterSpec:
         template=parse_template(doc.get("template"), f"{path}.template"),
         admin_port=admin_port,
         api_key_secret_ref=read_secret_ref(doc.get("apiKeySecretRef"), f"{path}.apiKeySecretRef"),
+        placement=_choice(doc, "placement", path, PLACEMENTS, PLACEMENT_DEPLOYMENT),
     )
 
 

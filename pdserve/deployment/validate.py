@@ -16,6 +16,7 @@ from pdserve.deployment.kvpod import NIXL_SIDE_CHANNEL_PORT
 from pdserve.deployment.objects import OWNED_ENV
 from pdserve.deployment.owned import ENGINE_CONTAINER, ROUTER_CONTAINER, Reserved, owned_problems
 from pdserve.deployment.security import engine_reserved_env, router_reserved
+from pdserve.deployment.sidecar import template_problems
 from pdserve.deployment.spec import ENGINE_PORT, PDDeployment, PDDeploymentSpec
 from pdserve.deployment.storage import reserved as storage_reserved
 from pdserve.routing import Role
@@ -59,6 +60,12 @@ def problems(pdd: PDDeployment, node_gpu_allocatable: Sequence[int] | None) -> l
         if node_gpu_allocatable is not None:
             found += _fits_a_node(spec, role, path, node_gpu_allocatable)
     found += owned_problems(spec.router.template, "spec.router", ROUTER_CONTAINER, router_reserved(spec))
+    if spec.router.decode_sidecar:  # the decode template also reaches the router container then
+        found += template_problems(pdd)
+        router_in_decode = owned_problems(
+            spec.decode.template, "spec.decode", ROUTER_CONTAINER, router_reserved(spec)
+        )
+        found += [p for p in router_in_decode if "containers[router]" in p or "serviceAccountName" in p]
     found += vllm_problems(spec)
     return found
 

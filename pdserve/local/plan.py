@@ -142,6 +142,11 @@ def plan_local_run(
         raise PlanError(
             "local mode needs at least one prefill and one decode instance (spec.*.instances >= 1)"
         )
+    if spec.router.decode_sidecar:
+        raise PlanError(
+            "spec.router.placement: decode-sidecar is not run by `pdserve up` yet (one router per decode "
+            "instance is planned); run the manifest locally with placement: deployment, or on a cluster"
+        )
     notes: list[str] = []
     if engine == "vllm" and spec.kv_transfer.connector == MORIIO:
         raise PlanError(

@@ -137,6 +137,18 @@ class ClusterCache:
                 return None
             return [e.body for e in pods.pods.values() if e.body is not None]
 
+    def deployments_on_node(self, node: str) -> set[Key]:
+        """The PDDeployments with a live instance pod bound to ``node`` (its ``spec.nodeName``)."""
+        with self._lock:
+            return {
+                key
+                for key, pods in self._pods.items()
+                if any(
+                    e.body is not None and (e.body.get("spec") or {}).get("nodeName") == node
+                    for e in pods.pods.values()
+                )
+            }
+
     @staticmethod
     def _put_pod(pods: _PodSet, event_type: str | None, body: Body) -> None:
         name = str((body.get("metadata") or {}).get("name") or "")

@@ -17,12 +17,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
+from datetime import UTC, datetime
 from typing import Any
 
 from pdserve.operator import metrics
 from pdserve.operator.cache import ClusterCache
+from pdserve.operator.nodes import NodeCache
 from pdserve.operator.reconcile import Outcome, Reconciler
 
 log = logging.getLogger("pdserve.operator")
@@ -103,18 +105,20 @@ class Coalescer:
 
 
 class Controller:
-    """Owns the reconciler, the coalescer, the watch-fed cache and the known PDDeployments."""
+    """Owns the reconciler, the coalescer, the watch-fed caches and the known PDDeployments."""
 
     def __init__(
         self,
         reconciler: Reconciler,
         cache: ClusterCache,
         *,
+        nodes: NodeCache | None = None,
         debounce: float = 0.05,
         workers: int = 64,
     ) -> None:
         self._reconciler = reconciler
         self._cache = cache
+        self._nodes = nodes or NodeCache()
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="reconcile")
         self._coalescer = Coalescer(self._run, debounce)
         self._known: set[Key] = set()
@@ -143,6 +147,34 @@ class Controller:
         key = self._cache.pod_event(event_type, body)
         if key is not None:
             self.request(key)
+
+    def node_event(self, event_type: str | None, body: Mapping[str, Any]) -> None:
+        """A Node event: when the node was lost or came back, its PDDeployments take a look."""
+        if not self._nodes.event(event_type, body):
+            return
+        name = str((body.get("metadata") or {}).get("name") or "")
+        affected = self.nodes_changed([name])
+        since = self._nodes.not_ready_since(name)
+        # A warning only when pods of ours are there: nodes come and go (autoscaling).
+        level = logging.WARNING if affected and since is not None else logging.INFO
+        if since is None:
+            state = "Ready"
+        else:
+            lost = "deleted" if event_type == "DELETED" else "not Ready"
+            state = f"{lost} (lost since {datetime.fromtimestamp(since, UTC).isoformat()})"
+        log.log(level, "node %s is %s; PDDeployments with pods there: %d", name, state, len(affected))
+
+    def nodes_changed(self, names: Iterable[str]) -> set[Key]:
+        """Reconcile every PDDeployment with an instance pod on one of these nodes; returns them.
+
+        Light passes: the pods did not change, only what the reconciler reads from the node view.
+        """
+        keys: set[Key] = set()
+        for name in names:
+            keys |= self._cache.deployments_on_node(name)
+        for key in sorted(keys):
+            self.request(key)
+        return keys
 
     def router_event(self, event_type: str | None, body: Mapping[str, Any]) -> None:
         """Its availability is part of Ready; a deleted router needs a full pass to come back."""

@@ -5,6 +5,12 @@ those store diff-bases on the object and (timers, deletion handlers) add a final
 would block ``kubectl delete`` whenever the operator is down. Watching events is enough for a
 level-based reconciler; deletion is left to the garbage collector through owner references.
 
+Nodes are watched too (node loss, allocatable GPUs), but only when the operator may list and
+watch them: the startup handler asks the API server (a SelfSubjectAccessReview) and registers
+:func:`node_event` only then. kopf retries a forbidden watch forever, logging an error at every
+attempt; asking first turns a missing grant into one warning, and the reconciler then skips what
+needs nodes (:class:`~pdserve.operator.nodes.NodeCache` answers None).
+
 Usable as ``pdserve operator`` (see :mod:`pdserve.operator.cli`, which passes the options in
 the memo) or directly as ``kopf run -m pdserve.operator.handlers`` with the defaults.
 """
@@ -12,6 +18,7 @@ the memo) or directly as ``kopf run -m pdserve.operator.handlers`` with the defa
 from __future__ import annotations
 
 import asyncio
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,8 +28,11 @@ from pdserve.deployment.objects import DEPLOYMENT_LABEL, ROLE_LABEL
 from pdserve.deployment.spec import GROUP, PLURAL, VERSION
 from pdserve.operator.cache import ClusterCache
 from pdserve.operator.controller import Controller
-from pdserve.operator.kube import Kube
+from pdserve.operator.kube import Kube, KubeError
+from pdserve.operator.nodes import NodeCache
 from pdserve.operator.reconcile import Reconciler
+
+log = logging.getLogger("pdserve.operator")
 
 
 @dataclass(frozen=True)
@@ -38,14 +48,51 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) ->
     options: OperatorOptions = memo.get("options") or OperatorOptions()
     configure_settings(settings)
     cache = ClusterCache()
+    nodes = NodeCache()
+    kube = Kube(options.kubeconfig)
+    # Before the controller exists: a retried startup (the API server not answering yet) must
+    # not leave a controller and a resync task behind.
+    if await asyncio.to_thread(seed_nodes, kube, nodes):
+        watch_nodes()
     controller = Controller(
-        Reconciler(Kube(options.kubeconfig), cache),
+        Reconciler(kube, cache, nodes=nodes),
         cache,
+        nodes=nodes,
         debounce=options.debounce_seconds,
         workers=options.workers,
     )
     memo["controller"] = controller
     memo["resync"] = asyncio.create_task(controller.resync_forever(options.resync_seconds), name="resync")
+
+
+def seed_nodes(kube: Kube, nodes: NodeCache) -> bool:
+    """Whether nodes can be watched; if so, one LIST seeds the cache (kopf's watch follows).
+
+    A failure other than "forbidden" raises: kopf retries the startup handler.
+    """
+    try:
+        allowed = kube.allowed("list", "nodes") and kube.allowed("watch", "nodes")
+        if allowed:
+            items, version = kube.list_nodes()
+            nodes.replace(items, version)
+            return True
+    except KubeError as exc:
+        if exc.status != 403:
+            raise kopf.TemporaryError(f"cannot read nodes: {exc}", delay=5) from exc
+    log.warning(
+        "cannot list and watch nodes (RBAC): the per-node GPU fit check is skipped and lost "
+        "nodes are only seen through their pods' status; grant list and watch on nodes (see "
+        "deploy/rbac) to enable both"
+    )
+    nodes.unreadable()
+    return False
+
+
+def watch_nodes() -> None:
+    """Registers the Node event handler (once): kopf opens the watch after the startup handlers."""
+    if not _node_watch:
+        kopf.on.event("", "v1", "nodes", id="node_event")(node_event)
+        _node_watch.append(True)
 
 
 def configure_settings(settings: kopf.OperatorSettings) -> None:
@@ -92,6 +139,15 @@ async def pod_event(event: kopf.RawEvent, memo: kopf.Memo, **_: Any) -> None:
     """The full pod goes into the cache: the pass it triggers reads nothing from the API."""
     controller: Controller = memo["controller"]
     controller.pod_event(event.get("type"), event["object"])
+
+
+_node_watch: list[bool] = []  # non-empty once registered (kopf has no "unregister")
+
+
+async def node_event(event: kopf.RawEvent, memo: kopf.Memo, **_: Any) -> None:
+    """Registered by :func:`watch_nodes`; every node's events, readiness and allocatable alike."""
+    controller: Controller = memo["controller"]
+    controller.node_event(event.get("type"), event["object"])
 
 
 @kopf.on.event("apps", "v1", "deployments", labels={DEPLOYMENT_LABEL: kopf.PRESENT})

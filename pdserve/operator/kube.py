@@ -198,10 +198,22 @@ class Kube:
         }
         self.request("POST", object_path("Event", meta["namespace"]), event)
 
-    def node_allocatable(self) -> list[dict[str, Any]]:
-        """``status.allocatable`` of every node (resourceVersion=0: served from the API cache)."""
-        doc = self.request("GET", "/api/v1/nodes", query={"resourceVersion": "0"})
-        return [dict((n.get("status") or {}).get("allocatable") or {}) for n in doc.get("items") or []]
+    def list_nodes(self) -> tuple[list[dict[str, Any]], str | None]:
+        """Every Node and the list's resourceVersion: seeds the watch-fed node view once."""
+        doc = self.request("GET", "/api/v1/nodes")
+        version = (doc.get("metadata") or {}).get("resourceVersion")
+        return list(doc.get("items") or []), str(version) if version is not None else None
+
+    def allowed(self, verb: str, resource: str, group: str = "") -> bool:
+        """Whether this client may ``verb`` ``resource`` cluster-wide (a SelfSubjectAccessReview,
+        which every authenticated user may create): decides which watches are worth opening."""
+        review = {
+            "apiVersion": "authorization.k8s.io/v1",
+            "kind": "SelfSubjectAccessReview",
+            "spec": {"resourceAttributes": {"verb": verb, "resource": resource, "group": group}},
+        }
+        answer = self.request("POST", "/apis/authorization.k8s.io/v1/selfsubjectaccessreviews", review)
+        return bool((answer.get("status") or {}).get("allowed"))
 
 
 def object_path(kind: str, namespace: str, name: str | None = None) -> str:

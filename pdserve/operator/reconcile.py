@@ -80,6 +80,7 @@ from pdserve.deployment.validate import problems as spec_problems
 from pdserve.operator import metrics
 from pdserve.operator.cache import Body, ClusterCache, version_number
 from pdserve.operator.kube import Kube, KubeError
+from pdserve.operator.nodes import NodeCache
 from pdserve.operator.routers import POLL_SECONDS, Draining, Routers
 from pdserve.routing import build_slot_table
 from pdserve.routing.table import CONFIGMAP_KEY, Role, RoutingTable, RoutingTableError, load_routing_table
@@ -122,37 +123,6 @@ class PodView:
     node: str | None = None  # spec.nodeName, once scheduled
 
 
-class NodeGpus:
-    """Allocatable GPUs per node, re-listed at most every ``ttl`` seconds (nodes change rarely)."""
-
-    def __init__(self, kube: Kube, ttl: float = 30.0, clock: Callable[[], float] = time.monotonic) -> None:
-        self._kube = kube
-        self._ttl = ttl
-        self._clock = clock
-        self._nodes: list[dict[str, Any]] | None = None
-        self._at = -ttl
-        self._warned = False
-
-    def allocatable(self, resource: str) -> list[int] | None:
-        """None when the nodes cannot be read (the namespaced RBAC variant): the check is skipped."""
-        if self._clock() - self._at >= self._ttl:
-            try:
-                self._nodes = self._kube.node_allocatable()
-            except KubeError as exc:
-                if not self._warned:
-                    log.warning("cannot list nodes, skipping the per-node GPU check: %s", exc)
-                    self._warned = True
-                self._nodes = None
-            self._at = self._clock()
-        if self._nodes is None:
-            return None
-        return [_quantity(n.get(resource, 0)) for n in self._nodes]
-
-    def not_ready_since(self, node: str) -> float | None:
-        """Node readiness is not listed here; a watch-fed node view answers it."""
-        return None
-
-
 @dataclass
 class Verified:
     """What the last full pass of one PDDeployment read or wrote and found in place.
@@ -185,14 +155,14 @@ class Reconciler:
         self,
         kube: Kube,
         cache: ClusterCache | None = None,
-        nodes: NodeGpus | None = None,
+        nodes: NodeCache | None = None,
         clock: Callable[[], float] = time.time,
         routers: Routers | None = None,
     ) -> None:
         self._kube = kube
         self._routers = routers or Routers(kube)
         self._cache = cache or ClusterCache()
-        self._nodes = nodes or NodeGpus(kube)
+        self._nodes = nodes or NodeCache()
         self._clock = clock
         self._verified: dict[tuple[str, str], Verified] = {}
         # Independent calls of one pass (reads, pod creates and deletes, the static objects) go
@@ -388,6 +358,7 @@ class Reconciler:
         # Deletes are answered before creates go out, so no more than instances + maxSurge pods
         # of a role ever exist undeleted, even for an instant (a pass may replace one pod by another).
         statics = self._apply_static(pdd, verified, live, outcome)
+        self._retire_router(pdd, outcome)
         pods = self._delete(pdd, pods, plans, outcome)()
         pods += self._create(pdd, plans, outcome, placements)()
         statics()
@@ -404,7 +375,7 @@ class Reconciler:
             generation,
             table.generation,
             roles,
-            router_replicas=pdd.spec.router.replicas,
+            router_replicas=0 if pdd.spec.router.decode_sidecar else pdd.spec.router.replicas,
             router_available=self._cache.router_available((pdd.namespace, pdd.name)) or 0,
             unschedulable=unschedulable_messages(placements),
             unreachable=_unreachable_messages(pods, pdd.spec.rollout.node_loss_seconds),
@@ -529,6 +500,20 @@ class Reconciler:
             sum(1 for i in table.decode if i.routable),
         )
         return table
+
+    def _retire_router(self, pdd: PDDeployment, outcome: Outcome) -> None:
+        """With the routers in the decode pods, a router Deployment left from ``placement:
+        deployment`` goes (the Service already selects the decode pods)."""
+        key = (pdd.namespace, pdd.name)
+        if not pdd.spec.router.decode_sidecar or self._cache.router_available(key) is None:
+            return
+        name = router_name(pdd)
+        self._kube.delete("Deployment", pdd.namespace, name)
+        labels = {DEPLOYMENT_LABEL: pdd.name}
+        self._cache.router_event("DELETED", {"metadata": {"namespace": pdd.namespace, "labels": labels}})
+        metrics.OBJECT_CHANGES.labels("Deployment", "delete").inc()
+        message = f"Deleted Deployment {name}: placement decode-sidecar"
+        outcome.events.append(Event("Normal", "Deleted", message))
 
     def _apply_static(
         self,
@@ -909,11 +894,3 @@ def _parse_time(value: object) -> float | None:
         return datetime.fromisoformat(str(value).replace("Z", "+00:00")).timestamp()
     except ValueError:
         return 0.0
-
-
-def _quantity(value: object) -> int:
-    """GPU counts are whole numbers; anything else (a malformed quantity) counts as none."""
-    try:
-        return int(str(value))
-    except ValueError:
-        return 0

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 
 import aiohttp
 
@@ -26,7 +26,7 @@ from pdserve.deployment.drain import (
     parse_served,
     summarize,
 )
-from pdserve.deployment.objects import COMPONENT, DEPLOYMENT_LABEL
+from pdserve.deployment.objects import router_pod_selector
 from pdserve.deployment.spec import PDDeployment
 from pdserve.operator import metrics
 from pdserve.operator.kube import Kube, KubeError
@@ -84,7 +84,7 @@ class Routers:
         if not (draining or full or state.due or moved):
             return {}
         state.due = False
-        state.reports = self.ask(pdd)
+        state.reports = self.ask(pdd, {d.name for d in draining})
         return {
             d.name: drain_verdict(
                 d.name,
@@ -123,21 +123,34 @@ class Routers:
 
     # --- the edge ----------------------------------------------------------------------------
 
-    def ask(self, pdd: PDDeployment) -> list[RouterReport]:
-        """One report per Ready router pod; a failed listing is one error report (drains wait)."""
-        selector = f"{DEPLOYMENT_LABEL}={pdd.name},{COMPONENT}=router"
+    def ask(self, pdd: PDDeployment, draining: Collection[str] = ()) -> list[RouterReport]:
+        """One report per Ready router pod; a failed listing is one error report (drains wait).
+
+        With the routers in the decode pods (``placement: decode-sidecar``), a draining decode pod
+        is asked too, Ready or not: its own sidecar holds its in-flight streams. While it is still
+        Ready the client Service may still send it requests, so its report counts it as routed to
+        (its sidecar turns unready as soon as it serves the table that marks it draining).
+        """
         try:
-            pods = self._kube.list_objects("Pod", pdd.namespace, selector)
+            pods = self._kube.list_objects("Pod", pdd.namespace, router_pod_selector(pdd))
         except KubeError as exc:
             log.warning("cannot list the router pods of %s/%s: %s", pdd.namespace, pdd.name, exc)
             return [RouterReport("router pods", error=f"cannot list them: {exc}")]
         targets = ready_router_addresses(pods)
+        still_ready: set[str] = set()
+        if pdd.spec.router.decode_sidecar and draining:
+            ready = {name for name, _ in targets}
+            still_ready = ready & set(draining)
+            targets += [t for t in running_addresses(pods, draining) if t[0] not in ready]
         if not targets:
             return []
         reports = asyncio.run(fetch_reports(targets, pdd.spec.router.admin_port, pdd.name, self._timeout))
         for report in reports:
             metrics.ROUTER_QUERIES.labels("answered" if report.answered else "error").inc()
-        return reports
+        return [
+            replace(r, routable=r.routable | {r.pod}) if r.pod in still_ready and r.answered else r
+            for r in reports
+        ]
 
 
 def ready_router_addresses(pods: Sequence[Mapping[str, object]]) -> list[tuple[str, str]]:
@@ -156,6 +169,19 @@ def ready_router_addresses(pods: Sequence[Mapping[str, object]]) -> list[tuple[s
         ip = status.get("podIP")
         if ready and isinstance(ip, str) and ip:
             out.append((str(meta.get("name", "")), ip))
+    return out
+
+
+def running_addresses(pods: Sequence[Mapping[str, object]], names: Collection[str]) -> list[tuple[str, str]]:
+    """(name, IP) of the pods named ``names`` that are not terminating and have an IP, Ready or not."""
+    out = []
+    for pod in pods:
+        meta, status = pod.get("metadata"), pod.get("status")
+        if not isinstance(meta, Mapping) or not isinstance(status, Mapping) or meta.get("deletionTimestamp"):
+            continue
+        ip = status.get("podIP")
+        if meta.get("name") in names and isinstance(ip, str) and ip:
+            out.append((str(meta["name"]), ip))
     return out
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import uuid
@@ -28,10 +29,12 @@ from pdserve.proxy.health import SlotBook
 from pdserve.proxy.metrics import ProxyMetrics
 from pdserve.proxy.policies import make_policy
 from pdserve.proxy.reload import RoutingWatcher
-from pdserve.proxy.served import ServedTable, served_view
+from pdserve.proxy.served import ServedTable, SlotBuilder, served_view
 from pdserve.proxy.settings import ProxySettings
+from pdserve.proxy.sidecar import local_engine_problem, sidecar_not_ready_reason
 from pdserve.proxy.upstream import Upstream
-from pdserve.routing import Instance, Role
+from pdserve.routing import Instance, Role, build_slot_table
+from pdserve.routing.sidecar import build_sidecar_slot_table
 from pdserve.wire.headers import AUTHORIZATION, ERROR_REASON, REQUEST_ID
 from pdserve.wire.openai import RequestError, error_body
 
@@ -104,7 +107,11 @@ def create_app(settings: ProxySettings, lifecycle: Lifecycle | None = None) -> G
     )
     metrics = ProxyMetrics()
     book = SlotBook(settings.eject_seconds)
-    served = ServedTable(metrics, settings.source)
+    local = settings.local_decode
+    build: SlotBuilder = build_slot_table
+    if local is not None:
+        build = functools.partial(build_sidecar_slot_table, local=local)
+    served = ServedTable(metrics, settings.source, build=build)
     source = table_source(settings, served, metrics)
     upstream = Upstream(settings.connect_timeout)
     deadlines = Deadlines(
@@ -179,7 +186,12 @@ def create_app(settings: ProxySettings, lifecycle: Lifecycle | None = None) -> G
     @app.get("/ready")
     async def ready() -> Response:
         state = served.current
-        reason = served.not_ready_reason()
+        if local is None:
+            reason = served.not_ready_reason()
+        else:  # decode sidecar: its own engine, and a prefill of its revision (sidecar.py)
+            reason = sidecar_not_ready_reason(served, local)
+            if reason is None:
+                reason = await local_engine_problem(upstream.session, local)
         if lifecycle.stopping:
             reason = "shutting down (SIGTERM): finishing in-flight requests, taking no new ones"
         payload: dict[str, Any] = {
@@ -188,6 +200,8 @@ def create_app(settings: ProxySettings, lifecycle: Lifecycle | None = None) -> G
             "prefill_slots": len(state.slots.prefill) if state else 0,
             "decode_slots": len(state.slots.decode) if state else 0,
         }
+        if local is not None:
+            payload["local_decode"] = local.url
         if reason is not None:
             payload["reason"] = reason
         return json_response(payload, 200 if reason is None else 503)

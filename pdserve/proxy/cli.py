@@ -11,7 +11,8 @@ Environment variables give defaults for the main flags (a flag wins): PDSERVE_RO
 PDSERVE_ROUTING_CONFIGMAP, KUBECONFIG, PDSERVE_PROXY_HOST, PDSERVE_PROXY_PORT, PDSERVE_PROXY_POLICY,
 PROXY_HTTP_SERVER, PROXY_LISTEN_BACKLOG, PDSERVE_PROXY_MAX_RETRIES, PDSERVE_PROXY_API_KEY,
 PDSERVE_BACKEND_API_KEY, PDSERVE_PROXY_SHUTDOWN_GRACE_SECONDS, PDSERVE_PROXY_SHUTDOWN_DELAY_SECONDS,
-PDSERVE_PROXY_LOG_LEVEL, PDSERVE_PROXY_ADMIN_PORT. Prefer the environment for keys: command lines
+PDSERVE_PROXY_LOG_LEVEL, PDSERVE_PROXY_ADMIN_PORT, PDSERVE_LOCAL_DECODE, POD_NAME,
+PDSERVE_INSTANCE_INDEX. Prefer the environment for keys: command lines
 are visible to every user of the machine.
 """
 
@@ -37,6 +38,7 @@ from pdserve.proxy.settings import (
     HTTP_SERVERS,
     ProxySettings,
 )
+from pdserve.routing.sidecar import LocalDecode
 
 if TYPE_CHECKING:  # the ConfigMap source's modules load only when it is chosen (start-up time)
     from pdserve.proxy.kubeconfig import ApiCredentials, ConfigMapRef
@@ -215,6 +217,40 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="seconds between checks of the routing file (default %(default)s)",
     )
     add(
+        "--local-decode",
+        metavar="URL",
+        default=_env("PDSERVE_LOCAL_DECODE"),
+        help="decode-sidecar mode: send every decode leg to this engine (http://127.0.0.1:8000 in a decode "
+        "pod) and walk its DP ranks here; prefills come from the routing table. /ready then also needs "
+        "the engine's /health [env PDSERVE_LOCAL_DECODE]",
+    )
+    add(
+        "--local-dp-size",
+        type=int,
+        default=1,
+        help="with --local-decode: the local engine's data-parallel size (default %(default)s)",
+    )
+    add(
+        "--local-revision",
+        default="",
+        help="with --local-decode: the local engine's pairing revision; only prefills of this revision "
+        "are used (default: the unversioned revision)",
+    )
+    add(
+        "--local-name",
+        default=_env("POD_NAME", ""),
+        help="with --local-decode: this pod's name in the routing table (draining, kvAddress; the "
+        "slot name in metrics) [env POD_NAME]",
+    )
+    add(
+        "--instance-index",
+        type=int,
+        default=int(_env("PDSERVE_INSTANCE_INDEX", "0") or 0),
+        help="with --local-decode: this decode instance's index; the prefill walk starts at "
+        "index * prefill slots / decode instances, so equal traffic per decode pod gives every prefill "
+        "slot an exact share (default %(default)s) [env PDSERVE_INSTANCE_INDEX]",
+    )
+    add(
         "--log-level",
         default=_env("PDSERVE_PROXY_LOG_LEVEL", "info"),
         choices=["debug", "info", "warning", "error"],
@@ -274,6 +310,22 @@ def table_source(
     return None, ref, creds
 
 
+def local_decode(args: argparse.Namespace) -> LocalDecode | None:
+    """The --local-* flags as one value; None without --local-decode."""
+    if not args.local_decode:
+        return None
+    url = str(args.local_decode)
+    if not url.startswith(("http://", "https://")):
+        raise UsageError(
+            f"--local-decode: expected an http(s) URL such as http://127.0.0.1:8000, got {url!r}"
+        )
+    if args.local_dp_size < 1:
+        raise UsageError(f"--local-dp-size: expected an integer >= 1, got {args.local_dp_size}")
+    if args.instance_index < 0:
+        raise UsageError(f"--instance-index: expected an integer >= 0, got {args.instance_index}")
+    return LocalDecode(url, args.local_dp_size, args.local_revision, args.local_name, args.instance_index)
+
+
 def settings_from_args(args: argparse.Namespace) -> ProxySettings:
     routing_file, configmap, kube = table_source(args)
     return ProxySettings(
@@ -302,6 +354,7 @@ def settings_from_args(args: argparse.Namespace) -> ProxySettings:
         reload_interval=args.reload_interval,
         log_level=args.log_level,
         admin_port=args.admin_port,
+        local_decode=local_decode(args),
     )
 
 

@@ -109,9 +109,10 @@ class Dispatcher(LegRunner):
         slots = state.slots if state is not None else None
         if state is None or slots is None or not slots.prefill:
             # No prefill to pair: say which side is missing (prefills of a revision without a
-            # decode are there but not routable).
+            # decode are there but not routable; a decode sidecar always has its own decode).
             paired_prefill_missing = slots is not None and any(i.routable for i in slots.table.prefill)
-            return self._no_slot(Role.DECODE if paired_prefill_missing else Role.PREFILL, slots)
+            decode_missing = paired_prefill_missing and slots is not None and not slots.decode
+            return self._no_slot(Role.DECODE if decode_missing else Role.PREFILL, slots)
         book, unreachable = self.book, self.unreachable
         prefills = self.policy.candidates(Role.PREFILL, slots.prefill, book)
         if unreachable.any():

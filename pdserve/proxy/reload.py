@@ -52,7 +52,7 @@ class RoutingWatcher:
         if signature == self._seen:
             return False
         try:
-            state = parse_state(self.path.read_bytes())
+            state = parse_state(self.path.read_bytes(), self.served.build)
         except (OSError, RoutingTableError, ValueError) as exc:
             if confirm_errors and self._suspect != signature:
                 self._suspect = signature  # look again next poll before calling it an error

@@ -18,8 +18,19 @@ from typing import Any
 from pdserve.proxy.connectors import Connector, make_connector
 from pdserve.proxy.health import SlotBook
 from pdserve.proxy.metrics import ProxyMetrics
-from pdserve.routing import Role, RoutingTableError, SlotTable, build_slot_table, load_routing_table
+from pdserve.routing import (
+    Role,
+    RoutingTable,
+    RoutingTableError,
+    SlotTable,
+    build_slot_table,
+    load_routing_table,
+)
 from pdserve.routing.slots import split_slot_key
+
+#: Turns a parsed table into the slots this router routes to: every slot of the table for a
+#: standalone router, the prefills plus its own engine for a decode sidecar (pdserve.routing.sidecar).
+SlotBuilder = Callable[[RoutingTable], SlotTable]
 
 log = logging.getLogger("pdserve.proxy.reload")
 
@@ -36,19 +47,26 @@ class RoutingState:
         return self.slots.table.generation
 
 
-def parse_state(text: str | bytes) -> RoutingState:
+def parse_state(text: str | bytes, build: SlotBuilder = build_slot_table) -> RoutingState:
     """A servable state from a routing table's JSON text; RoutingTableError/ValueError if not."""
     table = load_routing_table(text)
-    return RoutingState(build_slot_table(table), make_connector(table.connector))
+    return RoutingState(build(table), make_connector(table.connector))
 
 
 class ServedTable:
     """The served state plus why the source may be stuck: ``rejected`` is the last table refused
     (cleared by the next good one), ``problem`` what stops the source from being read now."""
 
-    def __init__(self, metrics: ProxyMetrics, source: str, clock: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self,
+        metrics: ProxyMetrics,
+        source: str,
+        clock: Callable[[], float] = time.time,
+        build: SlotBuilder = build_slot_table,
+    ) -> None:
         self.metrics = metrics
         self.source = source
+        self.build = build
         self.current: RoutingState | None = None
         self.loaded_at: float | None = None
         self.rejected: str | None = None
@@ -63,7 +81,7 @@ class ServedTable:
     def offer(self, text: str | bytes, origin: str) -> bool:
         """Serve ``text`` if it is a valid table; True when a new table is now served."""
         try:
-            state = parse_state(text)
+            state = parse_state(text, self.build)
         except (RoutingTableError, ValueError) as exc:
             self.reject(origin, str(exc))
             return False

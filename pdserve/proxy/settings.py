@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from pdserve.proxy.policies import DEFAULT_POLICY
+from pdserve.routing.sidecar import LocalDecode
 
 if TYPE_CHECKING:  # the ConfigMap source's types; the file source never imports them
     from pdserve.proxy.kubeconfig import ApiCredentials, ConfigMapRef
@@ -58,6 +59,8 @@ class ProxySettings:
     log_level: str = "info"
     #: Metrics, /debug/* and profiling on this port only (ports.py); None: all on ``port``.
     admin_port: int | None = None
+    #: Decode-sidecar mode: every decode leg goes to this local engine (pdserve.proxy.sidecar).
+    local_decode: LocalDecode | None = None
 
     @property
     def source(self) -> str:

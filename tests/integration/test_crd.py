@@ -98,7 +98,7 @@ def test_valid_manifest_is_accepted_and_defaulted_like_the_parser(
         "serviceType": "ClusterIP",
         "adminPort": 9000,
     }
-    assert spec["rollout"] == {"maxUnavailable": 1, "drainSeconds": 30}
+    assert spec["rollout"] == {"maxUnavailable": 1, "maxSurge": 1, "drainSeconds": 30, "nodeLossSeconds": 300}
     # The operator's view of the stored object equals the file's view without an API server.
     from_server = parse_pddeployment(stored)
     assert from_server.spec == parse_pddeployment(obj).spec
@@ -161,7 +161,15 @@ REFUSED = [
     ),
     pytest.param({"router": {"port": 0}}, "should be greater than or equal to 1", id="bound-port"),
     pytest.param(
-        {"rollout": {"maxUnavailable": 0}}, "should be greater than or equal to 1", id="bound-max-unavail"
+        {"rollout": {"maxUnavailable": -1}}, "should be greater than or equal to 0", id="bound-max-unavail"
+    ),
+    pytest.param(
+        {"rollout": {"maxUnavailable": 0, "maxSurge": 0}},
+        "maxSurge and maxUnavailable cannot both be 0",
+        id="no-surge-no-unavailable",
+    ),
+    pytest.param(
+        {"rollout": {"nodeLossSeconds": 86401}}, "should be less than or equal to 86400", id="bound-node-loss"
     ),
     *[
         pytest.param(

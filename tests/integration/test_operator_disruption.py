@@ -11,17 +11,20 @@ from __future__ import annotations
 import json
 import subprocess
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
 from tests.support.kube import KubeCluster, eventually, gpu_pool
+from tests.support.nodes import node_lost
 from tests.support.operator import (
     WAIT,
     Cluster,
     Operator,
     Recorder,
+    events,
     instance_of,
     pdd_manifest,
     pod_ready,
@@ -215,3 +218,75 @@ def test_the_eviction_api_answers_429_when_the_budget_is_spent(
         timeout=WAIT,
         message="both replaced on the free node",
     )
+
+
+def test_pods_of_a_lost_node_leave_the_table_at_once_and_are_replaced_after_the_grace(
+    operator: Operator, cluster: Cluster, recorder: Recorder, pool: tuple[str, list[str]]
+) -> None:
+    """kwok stops heartbeating for the node (its Lease taken over): the node lifecycle controller
+    marks it Unknown; the operator takes its pods out of the table at once, and after
+    rollout.nodeLossSeconds deletes them (they stay Terminating: nobody confirms they stopped)
+    and replaces them on the other node under new names, at most one routable pod per index."""
+    label, (first, second) = pool
+    kubectl = cluster.kube.kubectl
+    kubectl("cordon", second)
+    doc = on_pool("lost", label)
+    doc["spec"]["rollout"]["nodeLossSeconds"] = 8
+    cluster.apply(doc)
+    eventually(
+        lambda: all_decode_ready_on(cluster, "lost", first), timeout=WAIT, message="2 decode on one node"
+    )
+    kubectl("uncordon", second)
+    stranded = set(decode_pods(cluster, "lost"))
+    start = max((r.seq for r in recorder.records), default=0)
+
+    with node_lost(cluster.kube, first) as lost:
+        seen_unknown = time.time()
+        eventually(
+            lambda: routable(cluster.table("lost"), "decode") == [], timeout=15, message="out of the table"
+        )
+        out_after = time.time() - seen_unknown
+        degraded = eventually(
+            lambda: (c := cluster.condition("lost", "Degraded")).get("reason") == "NodeNotReady" and c,
+            timeout=15,
+            message="Degraded NodeNotReady",
+        )
+        assert all(name in degraded["message"] for name in stranded), degraded
+
+        def replaced() -> bool:
+            pods = decode_pods(cluster, "lost")
+            fresh = [p for n, p in pods.items() if n not in stranded]
+            return (
+                len(fresh) == 2
+                and all(pod_ready(p) and p["spec"].get("nodeName") == second for p in fresh)
+                and sorted(routable(cluster.table("lost"), "decode")) == ["lost-decode-0", "lost-decode-1"]
+            )
+
+        eventually(replaced, timeout=WAIT, message="replacements Ready on the other node")
+        for name in stranded:  # deleted, stuck Terminating on the unreachable node
+            pod = cluster.get("pod", name)
+            assert pod is not None and pod["metadata"].get("deletionTimestamp"), name
+        lost_events = eventually(
+            lambda: events(cluster, "lost", "NodeLost"), timeout=WAIT, message="NodeLost"
+        )
+        assert all(name in " ".join(lost_events) for name in stranded), lost_events
+        eventually(
+            lambda: cluster.condition("lost", "Degraded").get("status") == "False",
+            timeout=WAIT,
+            message="Degraded cleared once the stranded pods are deleted",
+        )
+        assert operator.metric("pdserve_operator_node_loss_replacements_total") == 2
+        print(f"node {lost.name} Unknown: its pods left the table {out_after:.1f}s after it was seen")
+    eventually(
+        lambda: not (set(decode_pods(cluster, "lost")) & stranded), timeout=WAIT, message="stuck pods gone"
+    )
+
+    records = recorder.stop()
+    gone = False  # once out of the table, the stranded pods never come back to it
+    for seq, table in tables(records):
+        if seq > start:
+            names = [instance_of(i.name) for i in table.decode if i.routable]
+            assert len(names) == len(set(names)), (seq, names)  # one routable pod per index
+            back = {i.name for i in table.decode if i.routable} & stranded
+            assert not (gone and back), (seq, back)
+            gone = gone or not back

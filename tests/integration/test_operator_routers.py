@@ -26,6 +26,7 @@ from tests.support.operator import (
     WAIT,
     Cluster,
     Operator,
+    events,
     instance_of,
     pdd_manifest,
     ready,
@@ -41,11 +42,6 @@ def can_i(on: Cluster, account: str, *what: str) -> str:
     subject = f"system:serviceaccount:{on.ns}:{account}"
     out = on.kube.kubectl("auth", "can-i", *what, "-n", on.ns, "--as", subject, check=False)
     return out.stdout.strip()
-
-
-def events(on: Cluster, name: str, reason: str) -> list[str]:
-    out = on.kubectl("get", "events", "--field-selector", f"involvedObject.name={name}", "-o", "json")
-    return [e["message"] for e in json.loads(out)["items"] if e["reason"] == reason]
 
 
 def test_the_router_may_read_its_routing_configmap_and_nothing_else(

@@ -245,6 +245,12 @@ def instance_of(pod_name: str) -> str:
     return re.sub(r"-[bcdfghjklmnpqrstvwxz2456789]{5}$", "", pod_name)
 
 
+def events(on: Cluster, name: str, reason: str) -> list[str]:
+    """Messages of the Events with this reason on object ``name``."""
+    out = on.kubectl("get", "events", "--field-selector", f"involvedObject.name={name}", "-o", "json")
+    return [e["message"] for e in json.loads(out)["items"] if e["reason"] == reason]
+
+
 def pod_ready(pod: dict[str, Any]) -> bool:
     return any(
         c["type"] == "Ready" and c["status"] == "True"

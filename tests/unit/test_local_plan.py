@@ -131,6 +131,14 @@ def test_a_role_without_instances_is_refused() -> None:
         plan_local_run(pdd, "sim", [9001], 8000, "/r.json")
 
 
+def test_decode_sidecar_placement_is_refused_not_ignored() -> None:
+    pdd = _example("sim/quickstart.yaml")
+    router = dataclasses.replace(pdd.spec.router, placement="decode-sidecar")
+    pdd = dataclasses.replace(pdd, spec=dataclasses.replace(pdd.spec, router=router))
+    with pytest.raises(PlanError, match="decode-sidecar is not run by `pdserve up` yet"):
+        _plan(pdd)
+
+
 # --- the view ----------------------------------------------------------------------------------
 
 
