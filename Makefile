@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: install test unit lint fmt bench bench-operator bench-operator-scale bench-routing cluster-build cluster-up cluster-down kind-e2e demo clean \
+.PHONY: install test unit lint fmt bench bench-operator bench-routing cluster-build cluster-up cluster-down kind-e2e demo clean \
 	e2e-vllm record-vllm-fixtures
 
 install: $(VENV)/.installed
@@ -37,12 +37,9 @@ fmt: install
 bench: install
 	$(PY) -m bench.proxy_bench
 
+## 200 PDDeployments x 10 pods (issue 12 item 7's scale, about 7 minutes); --shape small: see bench/operator_bench.py.
 bench-operator: install cluster-up
 	$(PY) -m bench.operator_bench
-
-## Issue 12 item 7's scale: 200 PDDeployments x 10 pods (2000 pods, 327 fake nodes); see bench/operator_bench.py.
-bench-operator-scale: install cluster-up
-	$(PY) -m bench.operator_bench --shape 10pods
 
 bench-routing: install cluster-up
 	$(PY) -m bench.routing_lag_bench
