@@ -921,7 +921,7 @@ def main(argv: list[str] | None = None) -> int:
             result["peak_rss_mb"] = memory["peak_rss_mb"]
             result["rss_end_mb"] = memory["rss_mb"]
             result["operator_cpu_s"] = round(end.cpu_s, 2)
-            result["api_requests"] = {k: round(v) for k, v in end.api_requests().items()}
+            result["api_requests"] = {k: round(v) for k, v in sorted(end.api_requests().items())}
             result["reconciles"] = {k: round(v) for k, v in end.reconciles().items()}
             result["phases"] = {
                 "apply_to_ready": phase(snaps["start"], snaps["ready"]),
@@ -1055,7 +1055,7 @@ def markdown(result: Mapping[str, Any]) -> str:
         f"Run {result['timestamp']} on {result['cpus']} CPU(s), 1-minute load average "
         f"{result['load_average_before']} before and {result['load_average_after']} after (the machine "
         f"and the test cluster are shared; compare ratios, not absolute times); `{result['command']}`, "
-        f"{result['wall_s']:.0f} s in all.",
+        f"{result['wall_s']:.0f} s in all; operator code of commit {result.get('operator_commit', '?')}.",
         f"{result['deployments']} PDDeployments x ({result['shape_text']}) = {result['pods']} pods on "
         + ", ".join(f"{v['nodes']} {k} nodes" for k, v in result["nodes"].items())
         + " (kwok: pods are marked Ready, nothing runs). The floor: the same pods, rendered by pdserve,"
