@@ -37,6 +37,7 @@ fmt: install
 bench: install
 	$(PY) -m bench.proxy_bench
 
+## 200 PDDeployments x 10 pods (issue 12 item 7's scale, about 7 minutes); --shape small: see bench/operator_bench.py.
 bench-operator: install cluster-up
 	$(PY) -m bench.operator_bench
 
