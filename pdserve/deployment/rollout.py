@@ -113,6 +113,9 @@ class RolePlan:
     def of(self, kind: ActionKind) -> tuple[Action, ...]:
         return tuple(a for a in self.actions if a.kind is kind)
 
+    def actions_except(self, kind: ActionKind) -> tuple[Action, ...]:
+        return tuple(a for a in self.actions if a.kind is not kind)
+
 
 @dataclass(frozen=True)
 class RolloutPolicy:
