@@ -17,9 +17,9 @@ lease exits with status 1 to be restarted as a follower. A graceful stop hands t
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 import os
-import threading
 from typing import TYPE_CHECKING
 
 from pdserve.operator.handlers import OperatorOptions
@@ -36,9 +36,6 @@ from pdserve.operator.leader import (
 
 if TYPE_CHECKING:
     from pdserve.operator.leader import LeaderElector
-
-#: After losing the lease, the process ends within this many seconds even if kopf's shutdown hangs.
-LOST_EXIT_SECONDS = 10.0
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -138,15 +135,10 @@ def run(args: argparse.Namespace) -> int:
         logging.getLogger("kopf.objects").setLevel(logging.WARNING)
     if args.metrics_port:
         start_http_server(args.metrics_port, addr=args.bind)
-    stop = threading.Event()
+    # Bound to kopf's loop on first use and set on it (handlers.startup). A threading.Event would
+    # leave one of kopf's executor threads waiting on it at exit.
+    stop = asyncio.Event()
     elector = _elector(election, args.kubeconfig) if election is not None else None
-
-    def lost(reason: str) -> None:
-        """client-go's OnStoppedLeading: end the process, so Kubernetes restarts it as a follower."""
-        stop.set()  # kopf stops; the fence already refuses every write
-        timer = threading.Timer(LOST_EXIT_SECONDS, os._exit, (1,))
-        timer.daemon = True
-        timer.start()
 
     options = OperatorOptions(
         resync_seconds=args.resync_seconds,
@@ -154,7 +146,7 @@ def run(args: argparse.Namespace) -> int:
         workers=args.workers,
         kubeconfig=args.kubeconfig,
         elector=elector,
-        on_lost=lost,
+        stop=stop,
     )
     liveness = f"http://{args.bind}:{args.liveness_port}/healthz" if args.liveness_port else None
     import pdserve.operator.handlers  # noqa: F401 - registers the handlers

@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+import os
+import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,8 +46,12 @@ class OperatorOptions:
     kubeconfig: str | None = None
     #: None: no election, this process reconciles from the start (a single replica).
     elector: LeaderElector | None = None
-    #: Called (from the election thread) when leadership is lost: the CLI stops the process.
-    on_lost: Callable[[str], None] | None = None
+    #: kopf's stop flag (``kopf.run(stop_flag=...)``): set when leadership is lost.
+    stop: asyncio.Event | None = None
+
+
+#: After losing the lease the process ends within this many seconds, even if kopf's shutdown hangs.
+LOST_EXIT_SECONDS = 10.0
 
 
 @kopf.on.startup()
@@ -78,9 +83,16 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) ->
             loop.call_soon_threadsafe(controller.start_leading)
 
         def lost(reason: str) -> None:
+            """client-go's OnStoppedLeading: end the process, Kubernetes restarts it as a follower.
+
+            The fence already refuses every write; kopf stops gracefully, or the timer ends it.
+            """
             loop.call_soon_threadsafe(controller.stop_leading)
-            if options.on_lost is not None:
-                options.on_lost(reason)
+            if options.stop is not None:
+                loop.call_soon_threadsafe(options.stop.set)
+            timer = threading.Timer(LOST_EXIT_SECONDS, os._exit, (1,))
+            timer.daemon = True
+            timer.start()
 
         # The watches start after the startup handlers: they fill the cache while this replica
         # follows, and whatever they deliver after it starts leading is reconciled as it comes.
