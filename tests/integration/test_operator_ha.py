@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import re
 import signal
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,6 +26,8 @@ from typing import Any
 
 import pytest
 
+from pdserve.operator.kube import Kube, NotLeader
+from pdserve.operator.leader import ElectionConfig, LeaderElector
 from tests.support.kube import KubeCluster, eventually
 from tests.support.operator import (
     WAIT,
@@ -32,6 +35,7 @@ from tests.support.operator import (
     Operator,
     Record,
     Recorder,
+    instance_of,
     pdd_manifest,
     pod_ready,
     ready,
@@ -121,9 +125,10 @@ def test_one_replica_leads_and_sigterm_hands_over_at_once(replicas: list[Operato
     eventually(lambda: len(cluster.pods("ha")) == 4 and ready(cluster, "ha"), timeout=WAIT, message="scaled")
 
 
-def live_claims_never_overlap(records: list[Record]) -> None:
-    """Replaying the pod watch in etcd order: at most one non-terminating pod per (role, index)."""
-    live: dict[str, tuple[str, str]] = {}  # uid -> (role, index) of pods alive and not terminating
+def live_claims(records: list[Record], per_revision: bool) -> None:
+    """Replaying the pod watch in etcd order, among pods alive and not terminating: one per
+    (role, instance), or with surge one per (role, instance, template hash) and two per instance."""
+    live: dict[str, tuple[str, str, str]] = {}  # uid -> (role, instance, template hash)
     for r in sorted((r for r in records if r.kind == "pod"), key=lambda r: r.seq):
         meta = r.obj["metadata"]
         labels = meta.get("labels") or {}
@@ -132,13 +137,24 @@ def live_claims_never_overlap(records: list[Record]) -> None:
         if r.type == "DELETED" or meta.get("deletionTimestamp"):
             live.pop(meta["uid"], None)
         else:
-            live[meta["uid"]] = (labels["pdserve.io/role"], labels["pdserve.io/instance"])
+            live[meta["uid"]] = (
+                labels["pdserve.io/role"],
+                labels["pdserve.io/instance"],
+                labels["pdserve.io/template-hash"],
+            )
         claims = list(live.values())
-        assert len(claims) == len(set(claims)), f"two live pods for one instance at {r.seq}: {claims}"
+        instances = [c[:2] for c in claims]
+        if per_revision:
+            assert len(claims) == len(set(claims)), f"two live pods of one revision at {r.seq}: {claims}"
+            assert all(instances.count(i) <= 2 for i in instances), f"more than one surge pod: {claims}"
+        else:
+            assert len(instances) == len(set(instances)), (
+                f"two live pods for one instance at {r.seq}: {claims}"
+            )
 
 
 def deletions_were_drained(records: list[Record]) -> dict[str, int]:
-    """Every pod deletion: the pod carried the draining annotation, and a table before it said
+    """Every pod deletion: the pod carried the draining annotation, and a table before it marked it
     draining. Returns pod name -> seq of its deletion."""
     deleted: dict[str, int] = {}
     for r in sorted((r for r in records if r.kind == "pod"), key=lambda r: r.seq):
@@ -151,32 +167,57 @@ def deletions_were_drained(records: list[Record]) -> dict[str, int]:
     return deleted
 
 
+def decode_pods(cluster: Cluster, name: str) -> list[dict[str, Any]]:
+    return [p for p in cluster.pods(name) if p["metadata"]["labels"]["pdserve.io/role"] == "decode"]
+
+
+def rolled(cluster: Cluster, name: str, instances: int, old_hash: str) -> bool:
+    pods = decode_pods(cluster, name)
+    hashes = {p["metadata"]["labels"]["pdserve.io/template-hash"] for p in pods}
+    return (
+        len(pods) == instances
+        and old_hash not in hashes
+        and all(map(pod_ready, pods))
+        and ready(cluster, name)
+    )
+
+
+@pytest.mark.parametrize("surge", [0, 1], ids=["in-place", "surge"])
 def test_sigkill_of_the_leader_mid_rollout_the_follower_finishes_it(
-    replicas: list[Operator], cluster: Cluster, recorder: Recorder
+    replicas: list[Operator], cluster: Cluster, recorder: Recorder, surge: int
 ) -> None:
     """The issue's test: no duplicate pods, no lost drain, every instance on the new template."""
     leader, follower, identity = start_pair(replicas, cluster)
     # A router that never answers holds each drain for drainSeconds: the rollout of 4 decode
     # instances takes over 20 s, and the leader dies in the middle of it.
-    spec = {"decode_instances": 4, "drain_seconds": 5, "silent_router": True}
-    cluster.apply(pdd_manifest("phoenix", **spec))  # type: ignore[arg-type]
+    spec: dict[str, Any] = {
+        "decode_instances": 4,
+        "drain_seconds": 5,
+        "silent_router": True,
+        "max_surge": surge,
+    }
+    cluster.apply(pdd_manifest("phoenix", **spec))
     eventually(lambda: ready(cluster, "phoenix"), timeout=WAIT, message="Ready=True")
     old_hash = cluster.status("phoenix")["decode"]["templateHash"]
     start = len(recorder.records)
-    cluster.apply(pdd_manifest("phoenix", decode_args=["--max-num-seqs", "8"], **spec))  # type: ignore[arg-type]
+    cluster.apply(pdd_manifest("phoenix", decode_args=["--max-num-seqs", "8"], **spec))
 
     def second_drain() -> bool:
-        """decode-3 replaced and decode-2 draining: mid-way."""
-        pods = {p["metadata"]["name"]: p for p in cluster.pods("phoenix")}
-        three, two = pods.get("phoenix-decode-3"), pods.get("phoenix-decode-2")
-        return bool(
-            three
-            and three["metadata"]["labels"]["pdserve.io/template-hash"] != old_hash
-            and two
+        """Instance 3 replaced (its old pod gone) and instance 2's old pod draining: mid-way."""
+        pods = decode_pods(cluster, "phoenix")
+        old = {
+            instance_of(p["metadata"]["name"]): p
+            for p in pods
+            if p["metadata"]["labels"]["pdserve.io/template-hash"] == old_hash
+        }
+        two = old.get("phoenix-decode-2")
+        return (
+            "phoenix-decode-3" not in old
+            and two is not None
             and DRAINING in (two["metadata"].get("annotations") or {})
         )
 
-    eventually(second_drain, timeout=WAIT, message="the second drain of the rollout")
+    eventually(second_drain, timeout=WAIT, interval=0.1, message="the second drain of the rollout")
     assert leader.proc is not None
     leader.proc.kill()
     killed = time.monotonic()
@@ -184,33 +225,24 @@ def test_sigkill_of_the_leader_mid_rollout_the_follower_finishes_it(
 
     new = eventually(lambda: leads(follower, cluster), timeout=40, interval=0.2, message="b leads")
     took = time.monotonic() - killed
-    print(f"takeover after SIGKILL: {took:.1f} s (lease duration 15 s)")
+    print(f"takeover after SIGKILL (maxSurge {surge}): {took:.1f} s (lease duration 15 s)")
     # Not before the lease expired on b's clock (15 s after it last saw a renewal, which came
     # at most one retry period before the kill), and within that plus b's jittered retry.
     assert 12.0 <= took <= 15.0 + 2.0 + 4.4 + 2.0, took
     assert new != identity and lease(cluster)["leaseTransitions"] >= 1
 
-    def rolled() -> bool:
-        pods = [p for p in cluster.pods("phoenix") if p["metadata"]["labels"]["pdserve.io/role"] == "decode"]
-        hashes = {p["metadata"]["labels"]["pdserve.io/template-hash"] for p in pods}
-        return (
-            len(pods) == 4
-            and old_hash not in hashes
-            and all(map(pod_ready, pods))
-            and ready(cluster, "phoenix")
-        )
-
-    eventually(rolled, timeout=120, message="the follower finished the rollout")
+    eventually(lambda: rolled(cluster, "phoenix", 4, old_hash), timeout=120, message="the follower finished")
     time.sleep(1.0)  # the last watch events
     records = recorder.stop()[start:]
 
-    live_claims_never_overlap(records)
+    live_claims(records, per_revision=bool(surge))
     deleted = deletions_were_drained(records)
-    assert sorted(deleted) == [f"phoenix-decode-{i}" for i in range(4)]
+    instances = [f"phoenix-decode-{i}" for i in range(4)]
+    assert sorted(instance_of(n) for n in deleted) == instances, "each old pod deleted once, drained"
     created = [r.name for r in records if r.kind == "pod" and r.type == "ADDED"]
-    assert sorted(created) == [f"phoenix-decode-{i}" for i in range(4)], "each index replaced exactly once"
+    assert sorted(instance_of(n) for n in created) == instances, "each instance replaced exactly once"
     for _, table in tables(records):
-        assert len(routable(table, "decode")) >= 3, table  # maxUnavailable 1 all along
+        assert len(routable(table, "decode")) >= 4 - (0 if surge else 1), table
     assert "became leader" in follower.log_path.read_text()
 
 
@@ -233,27 +265,23 @@ def test_a_stale_leader_resumed_after_takeover_writes_nothing_and_exits(
     for op in replicas:
         op.extra_args = timings
     stale, follower, identity = start_pair(replicas, cluster)
-    spec = {"decode_instances": 3, "drain_seconds": 3, "silent_router": True}
-    cluster.apply(pdd_manifest("stale", **spec))  # type: ignore[arg-type]
+    spec: dict[str, Any] = {"decode_instances": 3, "drain_seconds": 3, "silent_router": True}
+    cluster.apply(pdd_manifest("stale", **spec))
     eventually(lambda: ready(cluster, "stale"), timeout=WAIT, message="Ready=True")
     old_hash = cluster.status("stale")["decode"]["templateHash"]
-    cluster.apply(pdd_manifest("stale", decode_args=["--max-num-seqs", "8"], **spec))  # type: ignore[arg-type]
+    cluster.apply(pdd_manifest("stale", decode_args=["--max-num-seqs", "8"], **spec))
 
     def draining() -> bool:
-        pod = cluster.get("pod", "stale-decode-2")
-        return bool(pod and DRAINING in (pod["metadata"].get("annotations") or {}))
+        return any(
+            DRAINING in (p["metadata"].get("annotations") or {}) for p in decode_pods(cluster, "stale")
+        )
 
     eventually(draining, timeout=WAIT, message="the first drain")
     assert stale.proc is not None
     stale.proc.send_signal(signal.SIGSTOP)  # mid-drain, with a drain deadline and rechecks pending
     eventually(lambda: leads(follower, cluster), timeout=30, interval=0.2, message="b takes over")
 
-    def rolled() -> bool:
-        pods = [p for p in cluster.pods("stale") if p["metadata"]["labels"]["pdserve.io/role"] == "decode"]
-        hashes = {p["metadata"]["labels"]["pdserve.io/template-hash"] for p in pods}
-        return len(pods) == 3 and old_hash not in hashes and ready(cluster, "stale")
-
-    eventually(rolled, timeout=90, message="b finished the rollout")
+    eventually(lambda: rolled(cluster, "stale", 3, old_hash), timeout=90, message="b finished the rollout")
     # Quiet: nothing the operator writes changes any more.
     eventually(
         lambda: (v := operator_writes(cluster, "stale")) == operator_writes(cluster, "stale") and v,
@@ -273,3 +301,50 @@ def test_a_stale_leader_resumed_after_takeover_writes_nothing_and_exits(
     assert "lost leadership" in log
     refused = [line for line in log.splitlines() if "refused, not the leader" in line]
     print(f"stale leader: {len(refused)} writes refused by the fence after SIGCONT")
+
+
+class Clock:
+    """A monotonic clock the test can jump forward: a pause (SIGSTOP, GC) as the process sees it."""
+
+    def __init__(self) -> None:
+        self.skew = 0.0
+
+    def __call__(self) -> float:
+        return time.monotonic() + self.skew
+
+
+def test_the_fence_refuses_a_write_after_a_pause_and_nothing_reaches_the_api_server(
+    kube_cluster: KubeCluster, kube_namespace: str
+) -> None:
+    """In process, against the API server: the elector and a fenced Kube, as the operator wires them."""
+    clock = Clock()
+    config = ElectionConfig(kube_namespace, "pdserve-fence", "fence-test_1", 6, 4.0, 1.0)
+    elector = LeaderElector(config, Kube(str(kube_cluster.kubeconfig), pool_size=2), clock=clock)
+    kube = Kube(str(kube_cluster.kubeconfig), fence=elector.refusal)
+    started, stopped = threading.Event(), threading.Event()
+    reasons: list[str] = []
+    with pytest.raises(NotLeader, match="does not hold the leader lease"):
+        kube.create(configmap(kube_namespace, "before"))
+    elector.start(on_started=started.set, on_stopped=lambda why: (reasons.append(why), stopped.set()))
+    try:
+        assert started.wait(10), "no leadership on a fresh Lease"
+        kube.create(configmap(kube_namespace, "leading"))  # goes through
+        clock.skew = 30.0  # the process was paused for 30 s
+        with pytest.raises(NotLeader, match="refused, not the leader"):
+            kube.create(configmap(kube_namespace, "stale"))
+        assert stopped.wait(5), "the elector did not notice the lost lease"
+        assert "renew deadline" in reasons[0]
+        names = {c["metadata"]["name"] for c in kube.list_objects("ConfigMap", kube_namespace, "test=fence")}
+        assert names == {"leading"}, names
+    finally:
+        elector.release()
+        kube.close()
+
+
+def configmap(namespace: str, name: str) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": {"name": name, "namespace": namespace, "labels": {"test": "fence"}},
+        "data": {},
+    }
