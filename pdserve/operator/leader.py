@@ -284,6 +284,7 @@ class LeaderElector:
         self._observed: Observed | None = None
         self._stepped_down = False
         self._lost_reason: str | None = None
+        self._last_failure: str | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._on_started: Callable[[], None] = lambda: None
@@ -416,6 +417,7 @@ class LeaderElector:
         except KubeError as exc:  # 409: another replica created or wrote first; read again next time
             self._failed(f"cannot {decision.step.value} {self.lease}: {exc}")
             return
+        self._last_failure = None
         self._observed = Observed(LeaseRecord.from_spec(answer.get("spec")), _resource_version(answer), sent)
         with self._lock:
             if self._stepped_down:
@@ -426,10 +428,15 @@ class LeaderElector:
             log.info("acquired the leader lease %s: %s", self.lease, decision.why)
 
     def _failed(self, why: str) -> None:
-        if self._last_renewed is None:
-            log.debug("leader election: %s", why)
-        else:
+        """A leader warns at every failed renewal; a candidate once per distinct failure (a 403
+        must not stay silent, a conflict lost to another candidate is routine)."""
+        if self._last_renewed is not None:
             log.warning("leader lease renewal failed: %s", why)
+        elif why != self._last_failure and "409" not in why:
+            log.warning("cannot take part in leader election: %s", why)
+        else:
+            log.debug("leader election: %s", why)
+        self._last_failure = why
 
     def _started(self) -> None:
         record = self._observed.record if self._observed is not None else None
