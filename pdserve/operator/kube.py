@@ -99,8 +99,13 @@ class Kube:
         query: Mapping[str, str] | None = None,
         content_type: str = "application/json",
         timeout: float = REQUEST_TIMEOUT,
+        changes: bool | None = None,
     ) -> dict[str, Any]:
-        if self._fence is not None and method in _WRITES and (reason := self._fence()) is not None:
+        """``changes``: whether the call changes the cluster (default: by method); only those are
+        fenced. A POST that stores nothing (an access review) passes ``changes=False``."""
+        if changes is None:
+            changes = method in _WRITES
+        if self._fence is not None and changes and (reason := self._fence()) is not None:
             metrics.FENCED_WRITES.inc()
             raise NotLeader(method, path, reason)
         started = time.monotonic()
@@ -245,7 +250,8 @@ class Kube:
             "kind": "SelfSubjectAccessReview",
             "spec": {"resourceAttributes": {"verb": verb, "resource": resource, "group": group}},
         }
-        answer = self.request("POST", "/apis/authorization.k8s.io/v1/selfsubjectaccessreviews", review)
+        path = "/apis/authorization.k8s.io/v1/selfsubjectaccessreviews"
+        answer = self.request("POST", path, review, changes=False)  # stores nothing: a follower may ask
         return bool((answer.get("status") or {}).get("allowed"))
 
 

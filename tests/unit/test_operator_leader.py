@@ -367,7 +367,11 @@ def test_writes_are_refused_before_sending_and_reads_are_not(tmp_path: Path) -> 
         with pytest.raises(NotLeader, match="refused, not the leader: not the leader \\(test\\)") as info:
             call()
         assert isinstance(info.value, KubeError) and info.value.status == 0
-    # A read goes out (and fails to connect: port 9 is closed), the fence does not stop it.
+    # A read, or an access review (a POST that stores nothing), goes out (and fails to connect:
+    # port 9 is closed); the fence does not stop it.
+    with pytest.raises(KubeError) as review_error:
+        kube.allowed("list", "nodes")
+    assert not isinstance(review_error.value, NotLeader)
     with pytest.raises(KubeError) as read_error:
         kube.get("Pod", "ns", "p", timeout=2)
     assert not isinstance(read_error.value, NotLeader)
