@@ -427,6 +427,8 @@ def operator_process(
         "operator",
         "--namespace",
         namespace,
+        "--leader-election-namespace",  # as deployed: elected, its Lease beside its PDDeployments
+        namespace,
         "--bind",
         "127.0.0.1",
         "--liveness-port",

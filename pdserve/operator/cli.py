@@ -7,15 +7,35 @@ account when run as a pod.
 
 Endpoints: liveness on --liveness-port (/healthz), Prometheus metrics on --metrics-port.
 SIGTERM or SIGINT stop it gracefully.
+
+High availability: run several replicas. They elect a leader through the Lease
+--leader-election-id in --leader-election-namespace; only the leader reconciles (the others keep
+their watches warm), every write checks that its lease is fresh, and a replica that loses the
+lease exits with status 1 to be restarted as a follower. A graceful stop hands the lease over.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 import os
+from typing import TYPE_CHECKING
 
 from pdserve.operator.handlers import OperatorOptions
+from pdserve.operator.leader import (
+    DEFAULT_LEASE_NAME,
+    LEASE_DURATION,
+    RENEW_DEADLINE,
+    RETRY_PERIOD,
+    ElectionConfig,
+    default_identity,
+    default_namespace,
+    validate,
+)
+
+if TYPE_CHECKING:
+    from pdserve.operator.leader import LeaderElector
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -50,6 +70,49 @@ def configure(parser: argparse.ArgumentParser) -> None:
     # across many deployments does not queue behind other deployments' status writes.
     parser.add_argument("--workers", type=int, default=64, help="reconciles running in parallel")
     parser.add_argument("--kubeconfig", default=None, help="kubeconfig file (default: $KUBECONFIG)")
+    election = parser.add_argument_group("leader election (several replicas, one active)")
+    election.add_argument(
+        "--leader-elect",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="reconcile only while holding the leader Lease (default: on; --no-leader-elect for a "
+        "single replica without a Lease)",
+    )
+    election.add_argument(
+        "--leader-election-namespace",
+        default=None,
+        metavar="NS",
+        help="namespace of the Lease (default: $POD_NAMESPACE, else the service account's namespace)",
+    )
+    election.add_argument(
+        "--leader-election-id",
+        default=DEFAULT_LEASE_NAME,
+        metavar="NAME",
+        help=f"name of the Lease (default: {DEFAULT_LEASE_NAME}); replicas sharing it elect one leader",
+    )
+    election.add_argument(
+        "--lease-duration",
+        type=int,
+        default=LEASE_DURATION,
+        metavar="S",
+        help="seconds a follower waits, after the lease last changed, before taking it over "
+        f"(default: {LEASE_DURATION})",
+    )
+    election.add_argument(
+        "--renew-deadline",
+        type=float,
+        default=RENEW_DEADLINE,
+        metavar="S",
+        help="the leader stops writing, and exits, when it has not renewed for this long "
+        f"(default: {RENEW_DEADLINE:g})",
+    )
+    election.add_argument(
+        "--retry-period",
+        type=float,
+        default=RETRY_PERIOD,
+        metavar="S",
+        help=f"seconds between renewals and acquisition attempts (default: {RETRY_PERIOD:g})",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -62,6 +125,7 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit("pdserve operator: --workers must be at least 1")
     if args.kubeconfig:
         os.environ["KUBECONFIG"] = args.kubeconfig  # kopf's own login reads it too
+    election = election_config(args)
     kopf.configure(
         verbose=args.verbose,
         log_format=kopf.LogFormat.JSON if args.log_format == "json" else kopf.LogFormat.FULL,
@@ -71,11 +135,18 @@ def run(args: argparse.Namespace) -> int:
         logging.getLogger("kopf.objects").setLevel(logging.WARNING)
     if args.metrics_port:
         start_http_server(args.metrics_port, addr=args.bind)
+    # Bound to kopf's loop on first use and set on it (handlers.startup). A threading.Event would
+    # leave one of kopf's executor threads waiting on it at exit.
+    stop = asyncio.Event()
+    elector = _elector(election, args.kubeconfig) if election is not None else None
+
     options = OperatorOptions(
         resync_seconds=args.resync_seconds,
         debounce_seconds=args.debounce_ms / 1000.0,
         workers=args.workers,
         kubeconfig=args.kubeconfig,
+        elector=elector,
+        stop=stop,
     )
     liveness = f"http://{args.bind}:{args.liveness_port}/healthz" if args.liveness_port else None
     import pdserve.operator.handlers  # noqa: F401 - registers the handlers
@@ -86,8 +157,45 @@ def run(args: argparse.Namespace) -> int:
         namespaces=args.namespace,
         liveness_endpoint=liveness,
         memo=kopf.Memo(options=options),
+        stop_flag=stop,
     )
+    if elector is not None and elector.lost is not None:
+        return 1
     return 0
+
+
+def election_config(args: argparse.Namespace) -> ElectionConfig | None:
+    """The election settings from the flags, or None with --no-leader-elect; SystemExit if invalid."""
+    if not args.leader_elect:
+        return None
+    problems = validate(args.lease_duration, args.renew_deadline, args.retry_period)
+    if problems:
+        raise SystemExit("pdserve operator: " + "; ".join(problems))
+    namespace = args.leader_election_namespace or default_namespace()
+    if not namespace:
+        raise SystemExit(
+            "pdserve operator: leader election needs a namespace for its Lease: pass "
+            "--leader-election-namespace NS (or set POD_NAMESPACE), or --no-leader-elect to run a "
+            "single replica without election"
+        )
+    if not args.leader_election_id:
+        raise SystemExit("pdserve operator: --leader-election-id must not be empty")
+    return ElectionConfig(
+        namespace=namespace,
+        name=args.leader_election_id,
+        identity=default_identity(),
+        lease_duration=args.lease_duration,
+        renew_deadline=args.renew_deadline,
+        retry_period=args.retry_period,
+    )
+
+
+def _elector(config: ElectionConfig, kubeconfig: str | None) -> LeaderElector:
+    from pdserve.operator.kube import Kube
+    from pdserve.operator.leader import LeaderElector
+
+    # Its own small connection pool and no fence: a busy reconciler never delays a renewal.
+    return LeaderElector(config, Kube(kubeconfig, pool_size=2))
 
 
 def _positive(text: str) -> float:

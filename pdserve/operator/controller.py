@@ -10,6 +10,10 @@ Kubernetes client is synchronous).
 
 Every watch event first goes into the :class:`ClusterCache`, so the run it requests can plan
 from memory (see :mod:`pdserve.operator.reconcile`).
+
+With leader election, a follower keeps its watches and cache warm but runs nothing; the moment
+it starts leading it runs a full pass of every PDDeployment it knows (the planner is level-based,
+so a rollout continues where the pods' labels and annotations say it stands).
 """
 
 from __future__ import annotations
@@ -115,8 +119,10 @@ class Controller:
         nodes: NodeCache | None = None,
         debounce: float = 0.05,
         workers: int = 64,
+        leading: bool = True,
     ) -> None:
         self._reconciler = reconciler
+        self._leading = leading
         self._cache = cache
         self._nodes = nodes or NodeCache()
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="reconcile")
@@ -195,7 +201,22 @@ class Controller:
         """``full``: re-read everything instead of trusting the cache (see reconcile.Verified)."""
         if full:
             self._full.add(key)
-        self._coalescer.request(key)
+        if self._leading:  # a follower only keeps its cache warm
+            self._coalescer.request(key)
+
+    @property
+    def leading(self) -> bool:
+        return self._leading
+
+    def start_leading(self) -> None:
+        """This replica now holds the lease: a full pass of every known PDDeployment, at once."""
+        self._leading = True
+        for key in sorted(self._known):
+            self.request(key, full=True)
+
+    def stop_leading(self) -> None:
+        """Nothing new starts; a pass already running has its writes refused by the fence."""
+        self._leading = False
 
     async def resync_forever(self, interval: float) -> None:
         """Level-based safety net: every known PDDeployment gets a full reconcile this often.
@@ -219,6 +240,8 @@ class Controller:
         self._reconciler.close()
 
     async def _run(self, key: Key) -> float | None:
+        if not self._leading:
+            return None
         loop = asyncio.get_running_loop()
         full = key in self._full
         self._full.discard(key)

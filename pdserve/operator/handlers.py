@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,6 +31,7 @@ from pdserve.deployment.spec import GROUP, PLURAL, VERSION
 from pdserve.operator.cache import ClusterCache
 from pdserve.operator.controller import Controller
 from pdserve.operator.kube import Kube, KubeError
+from pdserve.operator.leader import LeaderElector
 from pdserve.operator.nodes import NodeCache
 from pdserve.operator.reconcile import Reconciler
 
@@ -41,6 +44,14 @@ class OperatorOptions:
     debounce_seconds: float = 0.05
     workers: int = 64
     kubeconfig: str | None = None
+    #: None: no election, this process reconciles from the start (a single replica).
+    elector: LeaderElector | None = None
+    #: kopf's stop flag (``kopf.run(stop_flag=...)``): set when leadership is lost.
+    stop: asyncio.Event | None = None
+
+
+#: After losing the lease the process ends within this many seconds, even if kopf's shutdown hangs.
+LOST_EXIT_SECONDS = 10.0
 
 
 @kopf.on.startup()
@@ -49,7 +60,8 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) ->
     configure_settings(settings)
     cache = ClusterCache()
     nodes = NodeCache()
-    kube = Kube(options.kubeconfig)
+    elector = options.elector
+    kube = Kube(options.kubeconfig, fence=elector.refusal if elector else None)
     # Before the controller exists: a retried startup (the API server not answering yet) must
     # not leave a controller and a resync task behind.
     if await asyncio.to_thread(seed_nodes, kube, nodes):
@@ -60,9 +72,31 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) ->
         nodes=nodes,
         debounce=options.debounce_seconds,
         workers=options.workers,
+        leading=elector is None,
     )
     memo["controller"] = controller
     memo["resync"] = asyncio.create_task(controller.resync_forever(options.resync_seconds), name="resync")
+    if elector is not None:
+        loop = asyncio.get_running_loop()
+
+        def started() -> None:
+            loop.call_soon_threadsafe(controller.start_leading)
+
+        def lost(reason: str) -> None:
+            """client-go's OnStoppedLeading: end the process, Kubernetes restarts it as a follower.
+
+            The fence already refuses every write; kopf stops gracefully, or the timer ends it.
+            """
+            loop.call_soon_threadsafe(controller.stop_leading)
+            if options.stop is not None:
+                loop.call_soon_threadsafe(options.stop.set)
+            timer = threading.Timer(LOST_EXIT_SECONDS, os._exit, (1,))
+            timer.daemon = True
+            timer.start()
+
+        # The watches start after the startup handlers: they fill the cache while this replica
+        # follows, and whatever they deliver after it starts leading is reconciled as it comes.
+        elector.start(on_started=started, on_stopped=lost)
 
 
 def seed_nodes(kube: Kube, nodes: NodeCache) -> bool:
@@ -120,12 +154,18 @@ def configure_settings(settings: kopf.OperatorSettings) -> None:
 
 @kopf.on.cleanup()
 async def cleanup(memo: kopf.Memo, **_: Any) -> None:
+    """Stop writing, let running passes end, then hand the lease over (it is free at once)."""
+    options: OperatorOptions = memo.get("options") or OperatorOptions()
+    if options.elector is not None:
+        options.elector.step_down()
     resync = memo.get("resync")
     if resync is not None:
         resync.cancel()
     controller: Controller | None = memo.get("controller")
     if controller is not None:
         await controller.close()
+    if options.elector is not None:
+        await asyncio.get_running_loop().run_in_executor(None, options.elector.release)
 
 
 @kopf.on.event(GROUP, VERSION, PLURAL)

@@ -18,6 +18,7 @@ from datetime import UTC, datetime
 from typing import Any
 from urllib.parse import quote
 
+import urllib3
 from kubernetes import client, config
 
 from pdserve.deployment.spec import GROUP, PLURAL, VERSION
@@ -39,7 +40,10 @@ _KINDS: dict[str, tuple[str, str]] = {
     "Deployment": ("/apis/apps/v1", "deployments"),
     "PodDisruptionBudget": ("/apis/policy/v1", "poddisruptionbudgets"),
     "PDDeployment": (f"/apis/{GROUP}/{VERSION}", PLURAL),
+    "Lease": ("/apis/coordination.k8s.io/v1", "leases"),
 }
+#: Methods that change the cluster: the leader-election fence guards them.
+_WRITES = frozenset({"POST", "PUT", "PATCH", "DELETE"})
 
 
 # The kubernetes package is untyped; these are the only entry points used.
@@ -55,8 +59,23 @@ class KubeError(RuntimeError):
         super().__init__(f"{method} {path}: {status} {message}".rstrip())
 
 
+class NotLeader(KubeError):
+    """A write refused before it was sent: this process does not hold a fresh leader lease."""
+
+    def __init__(self, method: str, path: str, reason: str) -> None:
+        super().__init__(method, path, 0, f"refused, not the leader: {reason}")
+
+
 class Kube:
-    def __init__(self, kubeconfig: str | None = None, pool_size: int = 128) -> None:
+    """``fence``, when given, is asked right before every write: a reason (str) refuses the write
+    with :class:`NotLeader`, None lets it go (see :mod:`pdserve.operator.leader`)."""
+
+    def __init__(
+        self,
+        kubeconfig: str | None = None,
+        pool_size: int = 128,
+        fence: Callable[[], str | None] | None = None,
+    ) -> None:
         cfg = client.Configuration()
         path = kubeconfig or os.environ.get("KUBECONFIG")
         if path or not os.environ.get("KUBERNETES_SERVICE_HOST"):
@@ -65,6 +84,7 @@ class Kube:
             _load_incluster_config(client_configuration=cfg)
         cfg.connection_pool_maxsize = pool_size
         self._api: Any = client.ApiClient(cfg)
+        self._fence = fence
 
     def close(self) -> None:
         self._api.close()
@@ -78,10 +98,19 @@ class Kube:
         body: Mapping[str, Any] | None = None,
         query: Mapping[str, str] | None = None,
         content_type: str = "application/json",
+        timeout: float = REQUEST_TIMEOUT,
+        changes: bool | None = None,
     ) -> dict[str, Any]:
+        """``changes``: whether the call changes the cluster (default: by method); only those are
+        fenced. A POST that stores nothing (an access review) passes ``changes=False``."""
+        if changes is None:
+            changes = method in _WRITES
+        if self._fence is not None and changes and (reason := self._fence()) is not None:
+            metrics.FENCED_WRITES.inc()
+            raise NotLeader(method, path, reason)
         started = time.monotonic()
         try:
-            return self._request(method, path, body, query, content_type)
+            return self._request(method, path, body, query, content_type, timeout)
         finally:
             metrics.API_REQUESTS.labels(method).observe(time.monotonic() - started)
 
@@ -92,6 +121,7 @@ class Kube:
         body: Mapping[str, Any] | None,
         query: Mapping[str, str] | None,
         content_type: str,
+        timeout: float,
     ) -> dict[str, Any]:
         headers = {"Accept": "application/json", "Content-Type": content_type}
         serialized = self._api.param_serialize(
@@ -104,19 +134,21 @@ class Kube:
         _, url, headers_out, _, _ = serialized
         try:
             # The client serializes dict bodies itself (JSON for both json and yaml content types).
-            response = self._api.call_api(method, url, headers_out, body, None, REQUEST_TIMEOUT)
+            response = self._api.call_api(method, url, headers_out, body, None, timeout)
             raw = response.read()
         except client.ApiException as exc:
             raise KubeError(method, path, exc.status or 0, str(exc.reason or "")) from exc
-        except OSError as exc:  # connection refused, reset, timeout
+        except (OSError, urllib3.exceptions.HTTPError) as exc:  # refused, reset, timed out
             raise KubeError(method, path, 0, str(exc)) from exc
         if response.status >= 400:
             raise KubeError(method, path, response.status, _message(raw))
         return json.loads(raw) if raw else {}
 
-    def get(self, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
+    def get(
+        self, kind: str, namespace: str, name: str, timeout: float = REQUEST_TIMEOUT
+    ) -> dict[str, Any] | None:
         try:
-            return self.request("GET", object_path(kind, namespace, name))
+            return self.request("GET", object_path(kind, namespace, name), timeout=timeout)
         except KubeError as exc:
             if exc.status == 404:
                 return None
@@ -133,10 +165,16 @@ class Kube:
         version = (doc.get("metadata") or {}).get("resourceVersion")
         return list(doc.get("items") or []), str(version) if version is not None else None
 
-    def create(self, obj: Mapping[str, Any]) -> dict[str, Any]:
+    def create(self, obj: Mapping[str, Any], timeout: float = REQUEST_TIMEOUT) -> dict[str, Any]:
         """POST. A 409 is an error: pod names carry a random suffix, so a clash is never "ours"."""
         meta = obj["metadata"]
-        return self.request("POST", object_path(obj["kind"], meta["namespace"]), obj)
+        return self.request("POST", object_path(obj["kind"], meta["namespace"]), obj, timeout=timeout)
+
+    def replace(self, obj: Mapping[str, Any], timeout: float = REQUEST_TIMEOUT) -> dict[str, Any]:
+        """PUT; with ``metadata.resourceVersion`` set, a KubeError 409 if the object changed since."""
+        meta = obj["metadata"]
+        path = object_path(obj["kind"], meta["namespace"], meta["name"])
+        return self.request("PUT", path, obj, timeout=timeout)
 
     def apply(self, obj: Mapping[str, Any]) -> dict[str, Any]:
         """Server-side apply as pdserve-operator: fields it dropped from a manifest go away too."""
@@ -212,7 +250,8 @@ class Kube:
             "kind": "SelfSubjectAccessReview",
             "spec": {"resourceAttributes": {"verb": verb, "resource": resource, "group": group}},
         }
-        answer = self.request("POST", "/apis/authorization.k8s.io/v1/selfsubjectaccessreviews", review)
+        path = "/apis/authorization.k8s.io/v1/selfsubjectaccessreviews"
+        answer = self.request("POST", path, review, changes=False)  # stores nothing: a follower may ask
         return bool((answer.get("status") or {}).get("allowed"))
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from prometheus_client import Counter, Histogram
+from prometheus_client import Counter, Gauge, Histogram
 
 RECONCILES = Counter(
     "pdserve_operator_reconciles_total",
@@ -50,4 +50,17 @@ ROUTER_QUERIES = Counter(
 NODE_LOSS_REPLACEMENTS = Counter(
     "pdserve_operator_node_loss_replacements_total",
     "Instance pods deleted and replaced because their node was NotReady past rollout.nodeLossSeconds.",
+)
+LEADER = Gauge(
+    "pdserve_operator_leader",
+    "1 while this replica holds the leader lease (and reconciles), 0 while it follows.",
+    ["identity"],
+)
+LEADER_TRANSITIONS = Counter(
+    "pdserve_operator_leader_transitions_total",
+    "Changes of the leader lease's holder seen by this replica (its own takeovers included).",
+)
+FENCED_WRITES = Counter(
+    "pdserve_operator_fenced_writes_total",
+    "Writes refused before being sent because this replica did not hold a fresh leader lease.",
 )

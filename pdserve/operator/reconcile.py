@@ -81,7 +81,7 @@ from pdserve.deployment.status import Observation, RoleObservation, compute_stat
 from pdserve.deployment.validate import problems as spec_problems
 from pdserve.operator import metrics
 from pdserve.operator.cache import Body, ClusterCache, version_number
-from pdserve.operator.kube import Kube, KubeError
+from pdserve.operator.kube import Kube, KubeError, NotLeader
 from pdserve.operator.nodes import NodeCache
 from pdserve.operator.routers import POLL_SECONDS, Draining, Routers
 from pdserve.routing import build_slot_table
@@ -266,6 +266,11 @@ class Reconciler:
         outcome = Outcome("ok", body=body)
         try:
             self._reconcile_object(body, pods, verified, fresh, prefetched or {}, outcome)
+        except NotLeader as exc:  # leadership lapsed mid-pass: nothing more is written, no traceback
+            meta = body["metadata"]
+            log.warning("reconcile of %s/%s stopped: %s", meta["namespace"], meta["name"], exc)
+            outcome.result = "error"
+            self.forget(meta["namespace"], meta["name"])
         except (KubeError, RoutingTableError, ValueError) as exc:
             meta = body["metadata"]
             metrics.RECONCILE_ERRORS.inc()

@@ -144,7 +144,9 @@ def _serve_examples(kube_cluster: KubeCluster, ns: str, operator: subprocess.Pop
         table = json.loads(_get(kube_cluster, ns, "configmap", f"{name}-routing")["data"]["routing.json"])
         assert all(i["ready"] for i in table["prefill"] + table["decode"])
         kube_cluster.kubectl("get", "pdb", f"{name}-prefill", f"{name}-decode", "-n", ns)  # the chart's RBAC
-    assert "Forbidden" not in log.read_text(), "the chart's RBAC must cover everything the operator does"
+    text = log.read_text()
+    assert "Forbidden" not in text, "the chart's RBAC must cover everything the operator does"
+    assert "became leader" in text, "the chart's Role must let the operator hold its Lease"
 
 
 def _wait_ready(
@@ -187,7 +189,15 @@ def _operator(
             stdout=out,
             stderr=subprocess.STDOUT,
             cwd=REPO,
-            env={**os.environ, "KUBECONFIG": str(kubeconfig), "PYTHONUNBUFFERED": "1"},
+            # What the chart's downward API gives the pod: the leader election's identity and the
+            # namespace of its Lease (so the chart's Role for the Lease is what is tested).
+            env={
+                **os.environ,
+                "KUBECONFIG": str(kubeconfig),
+                "PYTHONUNBUFFERED": "1",
+                "POD_NAME": f"{service_account}-0",
+                "POD_NAMESPACE": ns,
+            },
         )
     try:
         yield operator, log

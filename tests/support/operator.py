@@ -96,11 +96,20 @@ def pdd_crd(kube_cluster: KubeCluster) -> KubeCluster:
 
 @dataclass
 class Operator:
+    """``pdserve operator`` for one namespace, electing its leader through a Lease in that namespace
+    (each test has its own namespace, so a killed operator never makes the next test wait).
+
+    ``pod_name`` is the identity's prefix (POD_NAME, as the chart sets it); ``extra_args`` go last
+    (election timings, a Lease name).
+    """
+
     kubeconfig: Path
     namespace: str
     log_path: Path
     proc: subprocess.Popen[bytes] | None = None
     metrics_port: int = 0
+    pod_name: str = "operator"
+    extra_args: list[str] = field(default_factory=list)
 
     def start(self) -> None:
         liveness = free_port()
@@ -122,8 +131,11 @@ class Operator:
             "2",
             "--log-format",
             "json",
+            "--leader-election-namespace",
+            self.namespace,
+            *self.extra_args,
         ]
-        env = {**os.environ, "KUBECONFIG": str(self.kubeconfig)}
+        env = {**os.environ, "KUBECONFIG": str(self.kubeconfig), "POD_NAME": self.pod_name}
         log = self.log_path.open("ab")
         self.proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
         proc = self.proc
@@ -148,13 +160,17 @@ class Operator:
             raise AssertionError(f"operator did not stop within 30 s of SIGTERM:\n{self.log()}") from None
 
     def metric(self, name: str) -> float:
+        return sum(self.samples(name).values())
+
+    def samples(self, name: str) -> dict[str, float]:
+        """Every sample of the metric family ``name``: the sample line's name and labels -> value."""
         with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5) as r:
             text = r.read().decode()
-        return sum(
-            float(line.rsplit(" ", 1)[1])
+        return {
+            line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
             for line in text.splitlines()
             if line.startswith(name) and not line.startswith("#")
-        )
+        }
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")[-6000:]

@@ -185,12 +185,36 @@ def _rules(doc: dict[str, Any]) -> list[dict[str, Any]]:
     return list(doc["rules"])
 
 
+OPERATOR_NAMESPACE = "pdserve-system"  # where deploy/rbac puts the operator's own objects
+
+
+def _own(docs: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
+    """Objects in the operator's own namespace (leader election), not a watched one."""
+    return [d for d in by_kind(docs, kind) if d["metadata"].get("namespace") == OPERATOR_NAMESPACE]
+
+
+def _watched(docs: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
+    return [d for d in by_kind(docs, kind) if d["metadata"].get("namespace") != OPERATOR_NAMESPACE]
+
+
+def _lease_rules(source: list[dict[str, Any]], lease: str) -> list[dict[str, Any]]:
+    """The source's leader-election rules with the release's Lease name."""
+    (role,) = _own(source, "Role")
+    return [{**r, "resourceNames": [lease]} if "resourceNames" in r else r for r in _rules(role)]
+
+
 def test_cluster_scope_rbac_equals_deploy_rbac(helm: str) -> None:
     docs = objects(render(helm))
-    (source_role,) = by_kind(source_docs("cluster.yaml"), "ClusterRole")
+    source = source_docs("cluster.yaml")
+    (source_role,) = by_kind(source, "ClusterRole")
     (role,) = by_kind(docs, "ClusterRole")
     assert _rules(role) == _rules(source_role)
-    assert not by_kind(docs, "Role")
+    # The only Role: leader election's, in the release namespace, for the release's Lease.
+    (lease_role,) = by_kind(docs, "Role")
+    assert lease_role["metadata"]["namespace"] == NAMESPACE
+    assert _rules(lease_role) == _lease_rules(source, "pdserve-operator")
+    (lease_binding,) = by_kind(docs, "RoleBinding")
+    assert lease_binding["roleRef"]["name"] == lease_role["metadata"]["name"]
     (binding,) = by_kind(docs, "ClusterRoleBinding")
     (sa,) = by_kind(docs, "ServiceAccount")
     (deployment,) = by_kind(docs, "Deployment")
@@ -204,13 +228,16 @@ def test_cluster_scope_rbac_equals_deploy_rbac(helm: str) -> None:
 def test_namespaced_scope_rbac_equals_deploy_rbac_in_every_namespace(helm: str) -> None:
     docs = objects(render(helm, CASES["namespaced"]))
     source = source_docs("namespaced.yaml")
-    (source_role,) = by_kind(source, "Role")
-    roles = by_kind(docs, "Role")
+    (source_role,) = _watched(source, "Role")
+    roles = _watched(docs, "Role")
     assert sorted(r["metadata"]["namespace"] for r in roles) == ["team-a", "team-b"]
     for role in roles:
         assert _rules(role) == _rules(source_role)
-    bindings = by_kind(docs, "RoleBinding")
+    bindings = _watched(docs, "RoleBinding")
     assert sorted(b["metadata"]["namespace"] for b in bindings) == ["team-a", "team-b"]
+    # Leader election's Role stays in the release namespace, whatever is watched.
+    (lease_role,) = _own(docs, "Role")
+    assert _rules(lease_role) == _lease_rules(source, "pdserve-operator")
     # Cluster-scoped reads (nodes, for the GPU fit check) stay a ClusterRole, with nothing more.
     assert [_rules(r) for r in by_kind(docs, "ClusterRole")] == [
         _rules(r) for r in by_kind(source, "ClusterRole")
@@ -236,6 +263,18 @@ def test_operator_args_are_accepted_by_the_operator_cli(helm: str, case: str) ->
     else:
         assert parsed.all_namespaces and not parsed.namespace
     assert parsed.verbose is (case == "monitoring")
+    # Leader election: on, the release's Lease, the chart's timings, identity and namespace from
+    # the downward API; two replicas that prefer different nodes.
+    assert parsed.leader_elect and parsed.leader_election_id == "pdserve-operator"
+    assert (parsed.lease_duration, parsed.renew_deadline, parsed.retry_period) == (15, 10.0, 2.0)
+    env = {e["name"]: e.get("valueFrom", {}).get("fieldRef", {}).get("fieldPath") for e in container["env"]}
+    assert env["POD_NAME"] == "metadata.name" and env["POD_NAMESPACE"] == "metadata.namespace"
+    assert deployment["spec"]["replicas"] == 2
+    pod_spec = deployment["spec"]["template"]["spec"]
+    if "podAntiAffinity" in pod_spec.get("affinity", {}):
+        (term,) = pod_spec["affinity"]["podAntiAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"]
+        selector = term["podAffinityTerm"]["labelSelector"]["matchLabels"]
+        assert selector.items() <= deployment["spec"]["template"]["metadata"]["labels"].items()
     ports = {p["name"]: p["containerPort"] for p in container["ports"]}
     assert ports == {"metrics": parsed.metrics_port, "liveness": parsed.liveness_port}
     assert container["livenessProbe"]["httpGet"]["path"] == "/healthz"
@@ -280,6 +319,8 @@ def test_metrics_service_and_service_monitor_select_the_operator(helm: str) -> N
 
 
 BAD_VALUES = [
+    (["--set", "operator.replicas=0"], "operator.replicas"),
+    (["--set", "operator.leaderElection.leaseDuration=soon"], "operator.leaderElection.leaseDuration"),
     (["--set", "operator.scope=everywhere"], "operator.scope"),
     (["--set", "operator.metricsPort=http"], "operator.metricsPort"),
     (["--set", "operator.livenessPort=70000"], "operator.livenessPort"),
@@ -302,6 +343,41 @@ def test_schema_rejects_bad_values_naming_the_field(helm: str, values: list[str]
     assert result.returncode != 0, f"accepted {values}"
     assert "values don't meet the specifications of the schema" in result.stderr, result.stderr
     assert field.replace(".", "/") in result.stderr or field in result.stderr, result.stderr
+
+
+def test_leader_election_off_only_for_one_replica(helm: str) -> None:
+    off = ["--set", "operator.leaderElection.enabled=false"]
+    result = run_helm(helm, "template", RELEASE, str(CHART), *off)
+    assert result.returncode != 0
+    assert "operator.replicas > 1 needs operator.leaderElection.enabled=true" in result.stderr
+    docs = objects(render(helm, [*off, "--set", "operator.replicas=1"]))
+    (deployment,) = by_kind(docs, "Deployment")
+    assert "--no-leader-elect" in deployment["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert not by_kind(docs, "Role"), "no Lease, no Role for it"
+
+
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        (["--set", "operator.leaderElection.leaseDuration=10"], "leaseDuration must be greater than"),
+        (["--set", "operator.leaderElection.retryPeriod=9"], "renewDeadline must be greater than 1.2 x"),
+    ],
+)
+def test_leader_election_timings_follow_client_go_rules(helm: str, values: list[str], message: str) -> None:
+    result = run_helm(helm, "template", RELEASE, str(CHART), *values)
+    assert result.returncode != 0 and message in result.stderr, result.stderr
+
+
+def test_each_release_has_its_own_lease(helm: str) -> None:
+    """Two releases in one namespace (different watched namespaces) must not share a Lease."""
+    result = run_helm(helm, "template", "team-a", str(CHART), "--namespace", NAMESPACE)
+    assert result.returncode == 0, result.stderr
+    docs = objects(result.stdout)
+    (deployment,) = by_kind(docs, "Deployment")
+    args = deployment["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert "--leader-election-id=team-a-pdserve-operator" in args
+    (role,) = by_kind(docs, "Role")
+    assert role["rules"][1]["resourceNames"] == ["team-a-pdserve-operator"]
 
 
 def test_namespaces_without_namespaced_scope_are_refused(helm: str) -> None:

@@ -35,6 +35,11 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
 {{- end -}}
 {{- end -}}
 
+{{/* The operator's leader-election Lease, in the release namespace: one per release. */}}
+{{- define "pdserve.leaseName" -}}
+{{- printf "%s-operator" (include "pdserve.fullname" .) | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
 {{- define "pdserve.image" -}}
 {{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) -}}
 {{- end -}}
