@@ -47,7 +47,10 @@ decode):
   (revision.py). While a rollout changes what both sides share, the last routable pod of a
   revision still paired with the other side is not drained (free or budgeted) until the
   current revision is routable on both sides (:func:`revisions_to_keep`): the roles roll
-  independently, yet traffic always has a paired revision to go to.
+  independently, yet traffic always has a paired revision to go to. And neither role runs ahead:
+  a role starts another replacement only while its share of pods on the new revision is within
+  one instance of the other role's (:func:`replacement_allowance`), so the new revision grows at
+  the spec's P:D ratio.
 """
 
 from __future__ import annotations
@@ -142,13 +145,16 @@ def plan_role(
     now: float,
     released: Mapping[str, str] | None = None,
     keep_revisions: Collection[str] = (),
+    max_starts: int | None = None,
 ) -> RolePlan:
     """The actions to take now for one role; see the module docstring for the rules.
 
     ``released``: names of draining pods that may be deleted before the bound, with why.
     ``keep_revisions``: revisions whose last routable pod of this role must not be drained
-    (:func:`revisions_to_keep`).
+    (:func:`revisions_to_keep`). ``max_starts``: how many replacements (surge creates, in-place
+    drains of old pods) may begin now; None: no limit (:func:`replacement_allowance`).
     """
+    starts = max_starts
     released = released or {}
     all_pods = sorted(pods, key=lambda p: (p.index, p.name))
     actions: list[Action] = []
@@ -248,11 +254,12 @@ def plan_role(
     )
     surged: set[int] = set()
     for pod in stale:
-        if surge_used >= policy.max_surge or pod.index in surged:
+        if surge_used >= policy.max_surge or pod.index in surged or starts == 0:
             continue
         actions.append(Action(ActionKind.CREATE, role, pod.index, f"surge: replaces {pod.name}"))
         surged.add(pod.index)
         surge_used += 1
+        starts = None if starts is None else starts - 1
 
     # 6. Budgeted drains: in-place replacements, then scale down; highest index first.
     def available(index: int) -> bool:
@@ -286,10 +293,13 @@ def plan_role(
     for pod in candidates:
         if budget <= 0 or routable_now - 1 < floor:
             break
-        if last_of_kept_revision(pod):
+        replacing = pod.index < instances and pod.index not in keepers
+        if last_of_kept_revision(pod) or (replacing and starts == 0):
             continue
         act(ActionKind.DRAIN, pod, _why_unwanted(pod, instances, keepers))
         drained.add(pod.name)
+        if replacing and starts is not None:
+            starts -= 1
         budget -= 1
         routable_now -= 1
         recheck.append(policy.drain_seconds)
@@ -313,6 +323,28 @@ def revisions_to_keep(
     if target == current[Role.DECODE] and target in paired:
         return {Role.PREFILL: frozenset(), Role.DECODE: frozenset()}
     return {Role.PREFILL: frozenset(paired), Role.DECODE: frozenset(paired)}
+
+
+def replacement_allowance(
+    updated: Mapping[Role, int], wanted: Mapping[Role, int], shared: bool
+) -> dict[Role, int | None]:
+    """Per role, how many more replacements may begin (None: no limit).
+
+    Only while a rollout changes what both roles share (``shared``: pods of an old revision
+    exist): a role may have ``ceil((u_other + 1) * n_self / n_other)`` pods on the new revision,
+    ``u`` the pods on it (``updated``) and ``n`` the wanted instances, i.e. at most one instance
+    ahead of the other role at the spec's ratio. The role that is behind can always start one.
+    """
+    if not shared:
+        return {role: None for role in Role}
+    out: dict[Role, int | None] = {}
+    for role, other in ((Role.PREFILL, Role.DECODE), (Role.DECODE, Role.PREFILL)):
+        if wanted[other] == 0:
+            out[role] = None
+            continue
+        cap = -(-(updated[other] + 1) * wanted[role] // wanted[other])  # ceiling division
+        out[role] = max(cap - updated[role], 0)
+    return out
 
 
 def _keeper_order(pod: ObservedPod) -> tuple[bool, bool, float, str]:

@@ -63,6 +63,7 @@ from pdserve.deployment.rollout import (
     RolePlan,
     apply_drains,
     plan_role,
+    replacement_allowance,
     revisions_to_keep,
     rollout_policy,
 )
@@ -320,9 +321,16 @@ class Reconciler:
         verdicts = self._routers.verdicts(pdd, draining, fresh, now, available)
         released = {name: f"drained: {v.reason.value}" for name, v in verdicts.items() if v.done}
         policy = rollout_policy(pdd)
+        current = {r: pairing_revision(pdd, r) for r in ROLES}
         keep = revisions_to_keep(
             {r: [p.observed.revision for p in pods if p.role is r and p.observed.routable] for r in ROLES},
-            {r: pairing_revision(pdd, r) for r in ROLES},
+            current,
+        )
+        existing = [p for p in pods if not p.observed.terminating]
+        allowance = replacement_allowance(
+            {r: sum(1 for p in existing if p.role is r and p.observed.revision == current[r]) for r in ROLES},
+            {r: pdd.spec.role(r).instances for r in ROLES},
+            shared=any(p.observed.revision != current[p.role] for p in existing),
         )
         plans = {
             role: plan_role(
@@ -334,6 +342,7 @@ class Reconciler:
                 now=now,
                 released=released,
                 keep_revisions=keep[role],
+                max_starts=allowance[role],
             )
             for role in ROLES
         }

@@ -16,6 +16,7 @@ from pdserve.deployment.rollout import (
     RolloutPolicy,
     apply_drains,
     plan_role,
+    replacement_allowance,
     revisions_to_keep,
 )
 from pdserve.routing.table import Role
@@ -456,13 +457,15 @@ def test_last_pod_of_a_still_paired_revision_stays_until_the_new_one_is_paired()
 
 
 @pytest.mark.parametrize(
-    ("prefill", "decode", "max_surge", "max_unavailable"), [(2, 2, 1, 1), (1, 3, 1, 1), (3, 2, 0, 1)]
+    ("prefill", "decode", "max_surge", "max_unavailable"),
+    [(2, 2, 1, 1), (1, 3, 1, 1), (3, 2, 0, 1), (4, 4, 1, 1), (2, 6, 1, 1)],
 )
 def test_shared_rollout_always_leaves_a_revision_routable_on_both_sides(
     prefill: int, decode: int, max_surge: int, max_unavailable: int
 ) -> None:
     """Both roles change revision A -> B, planned independently each pass; prefill pods get Ready
-    a pass after creation, decode pods four. Some revision is always paired."""
+    a pass after creation, decode pods four. Some revision is always paired, and neither role
+    has more pods on B than one instance ahead of the other at the spec's ratio."""
     sizes = {Role.PREFILL: prefill, Role.DECODE: decode}
     cluster: dict[str, tuple[Role, ObservedPod]] = {
         f"{r.value}-{i}-a": (r, ObservedPod(i, f"{r.value}-{i}-a", OLD, True, revision="A"))
@@ -476,6 +479,10 @@ def test_shared_rollout_always_leaves_a_revision_routable_on_both_sides(
         pods = {r: [p for role, p in cluster.values() if role is r] for r in Role}
         routable = {r: [p.revision for p in pods[r] if p.routable] for r in Role}
         keep = revisions_to_keep(routable, {r: "B" for r in Role})
+        on_b = {r: sum(1 for p in pods[r] if p.revision == "B" and not p.terminating) for r in Role}
+        allowance = replacement_allowance(
+            on_b, sizes, shared=any(p.revision == "A" for r in Role for p in pods[r])
+        )
         plans = {
             r: plan_role(
                 r,
@@ -485,6 +492,7 @@ def test_shared_rollout_always_leaves_a_revision_routable_on_both_sides(
                 policy=policy,
                 now=now,
                 keep_revisions=keep[r],
+                max_starts=allowance[r],
             )
             for r in Role
         }
@@ -506,8 +514,33 @@ def test_shared_rollout_always_leaves_a_revision_routable_on_both_sides(
                     cluster[a.pod] = (r, replace(cluster[a.pod][1], draining_since=since))
         after = {r: {p.revision for role, p in cluster.values() if role is r and p.routable} for r in Role}
         assert after[Role.PREFILL] & after[Role.DECODE], (step, after)
+        on_b = {r: sum(1 for role, p in cluster.values() if role is r and p.revision == "B") for r in Role}
+        for r, other in ((Role.PREFILL, Role.DECODE), (Role.DECODE, Role.PREFILL)):
+            ahead = on_b[r] / sizes[r] - on_b[other] / sizes[other]
+            assert ahead <= 1 / sizes[other] + 1 / sizes[r] + 1e-9 or on_b[other] == sizes[other], (
+                step,
+                on_b,
+            )
         for name, (r, p) in list(cluster.items()):
             startup = 1.0 if r is Role.PREFILL else 4.0  # decode loads for longer: prefill finishes first
             if not p.ready and now - p.created >= startup - 0.5:
                 cluster[name] = (r, replace(p, ready=True))
     raise AssertionError("did not converge")
+
+
+def test_replacement_allowance_keeps_the_new_revision_at_the_spec_ratio() -> None:
+    wanted = {Role.PREFILL: 2, Role.DECODE: 6}
+    assert replacement_allowance({Role.PREFILL: 0, Role.DECODE: 0}, wanted, shared=False) == {
+        Role.PREFILL: None,
+        Role.DECODE: None,
+    }
+    # Nothing on the new revision yet: prefill may start 1 (ceil(1 * 2/6)), decode 3 (1 * 6/2).
+    assert replacement_allowance({Role.PREFILL: 0, Role.DECODE: 0}, wanted, shared=True) == {
+        Role.PREFILL: 1,
+        Role.DECODE: 3,
+    }
+    # Prefill ran ahead (2 of 2) while decode has 1 of 6: decode may catch up, prefill is done.
+    assert replacement_allowance({Role.PREFILL: 2, Role.DECODE: 1}, wanted, shared=True) == {
+        Role.PREFILL: 0,
+        Role.DECODE: 8,
+    }
