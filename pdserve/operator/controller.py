@@ -29,7 +29,8 @@ from typing import Any
 from pdserve.operator import metrics
 from pdserve.operator.cache import ClusterCache
 from pdserve.operator.nodes import NodeCache
-from pdserve.operator.reconcile import Outcome, Reconciler
+from pdserve.operator.reconcile import Reconciler
+from pdserve.operator.steps import Outcome
 
 log = logging.getLogger("pdserve.operator")
 
