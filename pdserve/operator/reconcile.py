@@ -11,8 +11,9 @@ created after a read of the PDDeployment in the same pass (a light pass GETs it 
 pod event cannot resurrect a deleted deployment's pods. The decisions are the pure functions of
 :mod:`pdserve.deployment` (rendering, validation, rollout planning, routing table, status); this
 module reads, sequences and reports, :mod:`pdserve.operator.views` turns pods into the planner's
-inputs and :mod:`pdserve.operator.steps` makes the writes. Running it twice on an unchanged cluster writes nothing, and a
-restarted operator continues a rollout where the annotations say it stands.
+inputs and :mod:`pdserve.operator.steps` makes the writes. Running it twice on an unchanged
+cluster writes nothing, and a restarted operator continues a rollout where the annotations say
+it stands.
 
 Order inside one pass, chosen so that the router never sends work to a pod being removed and the
 routing table (what users wait for) goes out first:
