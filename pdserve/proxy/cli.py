@@ -227,9 +227,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--local-decode",
         metavar="URL",
         default=_env("PDSERVE_LOCAL_DECODE"),
-        help="decode-sidecar mode: send every decode leg to this engine (http://127.0.0.1:8000 in a decode "
-        "pod) and walk its DP ranks here; prefills come from the routing table. /ready then also needs "
-        "the engine's /health [env PDSERVE_LOCAL_DECODE]",
+        help="decode-sidecar mode: send every decode leg to this engine (http://$(POD_IP):8000 in a decode "
+        "pod: its own engine) and walk its DP ranks here; prefills come from the routing table. /ready "
+        "then also needs the engine's /health [env PDSERVE_LOCAL_DECODE]",
     )
     add(
         "--local-dp-size",

@@ -189,18 +189,23 @@ def test_routers_serve_with_exact_per_slot_counts(e2e: Cluster) -> None:
     assert len(routers) == 2
     per_router = 16  # 4 prefill and 4 decode slots: 4 full cycles per router
     for ip in routers:
-        for i in range(per_router):
-            body = {"model": "sim-model", "prompt": f"count {i}", "max_tokens": 4}
-            req = urllib.request.Request(
-                f"http://{ip}:{ROUTER_PORT}/v1/completions",
-                data=json.dumps(body).encode(),
-                headers={"Content-Type": "application/json"},
-            )
-            with urllib.request.urlopen(req, timeout=30) as r:
-                assert r.status == 200
+        complete(f"http://{ip}:{ROUTER_PORT}", per_router)
     for role in ("prefill", "decode"):
         for ip in ready_ips(e2e, role):
             assert stats(ip)["by_rank"] == {"0": 8, "1": 8}, f"{role} {ip}: {stats(ip)}"
+
+
+def complete(base_url: str, count: int) -> None:
+    """``count`` short completions one after the other, each answered 200."""
+    for i in range(count):
+        body = {"model": "sim-model", "prompt": f"count {i}", "max_tokens": 4}
+        req = urllib.request.Request(
+            f"{base_url}/v1/completions",
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(req, timeout=30) as r:
+            assert r.status == 200
 
 
 def test_prefill_template_change_under_load_fails_nothing(e2e: Cluster) -> None:

@@ -13,15 +13,13 @@ sidecar code in that checkout.
 
 from __future__ import annotations
 
-import json
 import time
-import urllib.request
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
 
-from tests.integration.test_e2e_cluster import NAME, WAIT, get_json, pods, ready_ips, stats
+from tests.integration.test_e2e_cluster import NAME, WAIT, complete, get_json, pods, ready_ips, stats
 from tests.support.kube import eventually
 from tests.support.load import Load
 from tests.support.operator import Cluster, Operator
@@ -78,15 +76,7 @@ def test_decode_sidecars_exact_counts_and_rollouts_under_load(e2e: Cluster) -> N
     assert not [p for p in pods(e2e, "router")], "no router Deployment pods with decode-sidecar"
     # 8 requests per decode pod: its 2 ranks get 4 each; the 4 prefill slots get 4 each overall
     for ip in ready_ips(e2e, "decode"):
-        for i in range(8):
-            body = {"model": "sim-model", "prompt": f"count {i}", "max_tokens": 4}
-            req = urllib.request.Request(
-                f"http://{ip}:{SIDECAR_PORT}/v1/completions",
-                data=json.dumps(body).encode(),
-                headers={"Content-Type": "application/json"},
-            )
-            with urllib.request.urlopen(req, timeout=30) as r:
-                assert r.status == 200
+        complete(f"http://{ip}:{SIDECAR_PORT}", 8)
     for role in ("prefill", "decode"):
         for ip in ready_ips(e2e, role):
             assert stats(ip)["by_rank"] == {"0": 4, "1": 4}, f"{role} {ip}: {stats(ip)}"

@@ -432,28 +432,23 @@ def test_last_pod_of_a_still_paired_revision_stays_until_the_new_one_is_paired()
         ObservedPod(0, "p0-b", NEW, True, revision="B"),
         ObservedPod(1, "p1-b", NEW, True, revision="B"),
     ]
-    held = plan_role(
-        Role.PREFILL,
-        instances=2,
-        template_hash=NEW,
-        pods=pods,
-        policy=RolloutPolicy(max_surge=1),
-        now=0.0,
-        keep_revisions=keep[Role.PREFILL],
-    )
-    assert held.actions == ()
+
+    def plan_prefill(keep_revisions: frozenset[str]) -> RolePlan:
+        policy = RolloutPolicy(max_surge=1)
+        return plan_role(
+            Role.PREFILL,
+            instances=2,
+            template_hash=NEW,
+            pods=pods,
+            policy=policy,
+            now=0.0,
+            keep_revisions=keep_revisions,
+        )
+
+    assert plan_prefill(keep[Role.PREFILL]).actions == ()
     freed = revisions_to_keep({Role.PREFILL: ["A", "B"], Role.DECODE: ["A", "B"]}, {r: "B" for r in Role})
     assert freed == {Role.PREFILL: frozenset(), Role.DECODE: frozenset()}
-    go = plan_role(
-        Role.PREFILL,
-        instances=2,
-        template_hash=NEW,
-        pods=pods,
-        policy=RolloutPolicy(max_surge=1),
-        now=0.0,
-        keep_revisions=freed[Role.PREFILL],
-    )
-    assert [(a.kind.value, a.pod) for a in go.actions] == [("drain", "p0-a")]
+    assert [(a.kind.value, a.pod) for a in plan_prefill(freed[Role.PREFILL]).actions] == [("drain", "p0-a")]
 
 
 @pytest.mark.parametrize(
