@@ -23,6 +23,7 @@ import aiohttp
 from quart import Quart, Response, g, request
 from werkzeug.exceptions import HTTPException
 
+from pdserve.proxy.admission import AdmissionGate, per_worker_limit
 from pdserve.proxy.flow import Deadlines, Dispatcher
 from pdserve.proxy.generation import GenerationApp, client_key_problem, request_id_of
 from pdserve.proxy.health import SlotBook
@@ -128,6 +129,12 @@ def create_app(settings: ProxySettings, lifecycle: Lifecycle | None = None) -> G
         settings.backend_api_key,
         settings.kv_lease_seconds,
         settings.max_fan_out,
+        AdmissionGate(
+            per_worker_limit(settings.max_per_slot, settings.workers),
+            settings.admission_queue,
+            settings.admission_timeout,
+            metrics,
+        ),
     )
     tasks: list[asyncio.Task[None]] = []
 

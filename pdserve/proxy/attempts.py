@@ -35,6 +35,8 @@ from pdserve.routing import Role, Slot, SlotTable
 TRANSPORT_OUTCOMES = frozenset({"connect_error", "dropped"})
 #: The request never reached the instance: it is unreachable, and a handoff sent to it is intact.
 UNREACHABLE_OUTCOME = "connect_error"
+#: The engine is saturated (503/429): try another slot, but this one is not failing (no ejection).
+BUSY_OUTCOME = "busy"
 
 
 class LegFailure(Exception):
@@ -169,4 +171,6 @@ def failure_reply(failure: LegFailure, attempts: int) -> Reply:
         return error_reply(502, message, "bad_kv_handoff")
     if error.outcome == "timeout":
         return error_reply(504, message, f"{failure.role.value}_timeout")
+    if error.outcome == BUSY_OUTCOME:
+        return error_reply(503, message, f"{failure.role.value}_busy", retry_after_header(1))
     return error_reply(502, message, f"{failure.role.value}_unavailable")

@@ -25,6 +25,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from pdserve.proxy.cpus import available_cpus
 from pdserve.proxy.policies import DEFAULT_POLICY, POLICIES
 from pdserve.proxy.settings import (
     DEFAULT_DECODE_TTFB_S,
@@ -32,7 +33,10 @@ from pdserve.proxy.settings import (
     DEFAULT_KV_LEASE_S,
     DEFAULT_MAX_BODY_BYTES,
     DEFAULT_MAX_FAN_OUT,
+    DEFAULT_MAX_PER_SLOT,
     DEFAULT_PREFILL_TTFB_S,
+    DEFAULT_QUEUE_SIZE,
+    DEFAULT_QUEUE_TIMEOUT_S,
     DEFAULT_SHUTDOWN_GRACE_S,
     DEFAULT_STREAM_IDLE_S,
     HTTP_SERVERS,
@@ -258,6 +262,35 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "slot an exact share (default %(default)s) [env PDSERVE_INSTANCE_INDEX]",
     )
     add(
+        "--max-per-slot",
+        type=int,
+        default=int(_env("PDSERVE_PROXY_MAX_PER_SLOT", str(DEFAULT_MAX_PER_SLOT)) or 0),
+        help="most legs in flight per slot (one engine rank), router-wide; a request whose slots are "
+        "full waits in the admission queue; 0: no limit (default %(default)s) "
+        "[env PDSERVE_PROXY_MAX_PER_SLOT]",
+    )
+    add(
+        "--admission-queue",
+        type=int,
+        default=DEFAULT_QUEUE_SIZE,
+        help="requests that may wait for a slot with room (per worker); more get 429 with Retry-After "
+        "(default %(default)s)",
+    )
+    add(
+        "--admission-timeout",
+        type=float,
+        default=DEFAULT_QUEUE_TIMEOUT_S,
+        help="seconds a request may wait in the admission queue before it gets 429 (default %(default)s)",
+    )
+    add(
+        "--workers",
+        type=int,
+        default=int(_env("PDSERVE_PROXY_WORKERS", "0") or 0),
+        help="worker processes sharing the port (SO_REUSEPORT), one routing counter per role in shared "
+        "memory; 0: the CPUs available to the process (affinity and cgroup cpu.max) "
+        "[env PDSERVE_PROXY_WORKERS]",
+    )
+    add(
         "--log-level",
         default=_env("PDSERVE_PROXY_LOG_LEVEL", "info"),
         choices=["debug", "info", "warning", "error"],
@@ -363,6 +396,10 @@ def settings_from_args(args: argparse.Namespace) -> ProxySettings:
         admin_port=args.admin_port,
         admin_host=args.admin_host or None,
         local_decode=local_decode(args),
+        max_per_slot=max(0, args.max_per_slot),
+        admission_queue=max(0, args.admission_queue),
+        admission_timeout=max(0.0, args.admission_timeout),
+        workers=args.workers if args.workers > 0 else available_cpus(),
     )
 
 

@@ -22,6 +22,14 @@ import time
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+from pdserve.proxy.admission import (
+    SHED_QUEUE_FULL,
+    SHED_QUEUE_TIMEOUT,
+    AdmissionGate,
+    has_room,
+    room_first,
+    shed_reply,
+)
 from pdserve.proxy.attempts import (
     UNREACHABLE_OUTCOME,
     LegFailure,
@@ -47,6 +55,8 @@ __all__ = ["Deadlines", "Dispatcher", "LegFailure", "RelayStream", "Reply"]
 
 log = logging.getLogger("pdserve.proxy.request")
 
+SHED_REASONS = frozenset({SHED_QUEUE_FULL, SHED_QUEUE_TIMEOUT})
+
 
 class Dispatcher(LegRunner):
     def __init__(
@@ -61,8 +71,9 @@ class Dispatcher(LegRunner):
         backend_api_key: str | None,
         kv_lease_seconds: float = DEFAULT_KV_LEASE_S,
         max_fan_out: int = DEFAULT_MAX_FAN_OUT,
+        admission: AdmissionGate | None = None,
     ) -> None:
-        super().__init__(book, upstream, metrics, deadlines, backend_api_key)
+        super().__init__(book, upstream, metrics, deadlines, backend_api_key, admission)
         self.served = served
         self.policy = policy
         self.max_retries = max_retries
@@ -96,10 +107,7 @@ class Dispatcher(LegRunner):
             self._close(trace, 500, "proxy_error")
             raise
         if isinstance(reply.body, bytes):
-            outcome = (
-                "ok" if reply.status < 400 else "client_error" if reply.status < 500 else "upstream_error"
-            )
-            self._close(trace, reply.status, "no_slot" if reply.status == 503 else outcome)
+            self._close(trace, reply.status, reply_outcome(reply))
         return reply
 
     async def _serve(
@@ -128,6 +136,13 @@ class Dispatcher(LegRunner):
                     Role.DECODE, slots, [d for rev in pairable for d in slots.decode_for(rev)]
                 )
             prefills = [s for s in prefills if pairable[s.revision]]
+        gate = self.admission
+        limit = gate.limit
+        if limit > 0:
+            shed = await gate.admit(lambda: _room_for_pair(slots, prefills, book, limit))
+            if shed is not None:
+                return shed_reply(shed, gate.queue_size, gate.timeout)
+            prefills = room_first(Role.PREFILL, prefills, book, limit)
         prefill = next_candidate(Role.PREFILL, prefills, book, unreachable)
         assert prefill is not None
         decodes: dict[str, list[Slot]] = {}  # per revision: its decode candidates not tried yet
@@ -135,8 +150,11 @@ class Dispatcher(LegRunner):
 
         def decode_for(revision: str) -> Slot | None:
             if revision not in current:
-                decodes[revision] = self.policy.candidates(
-                    Role.DECODE, slots.decode_for(revision), book, revision
+                decodes[revision] = room_first(
+                    Role.DECODE,
+                    self.policy.candidates(Role.DECODE, slots.decode_for(revision), book, revision),
+                    book,
+                    limit,
                 )
                 current[revision] = next_candidate(Role.DECODE, decodes[revision], book, unreachable)
             return current[revision]
@@ -299,6 +317,34 @@ class Dispatcher(LegRunner):
             (now - trace.started) * 1000,
             extra,
         )
+
+
+def reply_outcome(reply: Reply) -> str:
+    """The ``requests_total`` outcome of a buffered reply."""
+    if reply.reason in SHED_REASONS:
+        return "shed"
+    if reply.reason is not None and reply.reason.endswith("_busy"):
+        return "busy"
+    if reply.status == 503:
+        return "no_slot"
+    return "ok" if reply.status < 400 else "client_error" if reply.status < 500 else "upstream_error"
+
+
+def _room_for_pair(slots: SlotTable, prefills: Sequence[Slot], book: SlotBook, limit: int) -> bool:
+    """Whether some prefill candidate has room and so does a decode of its revision."""
+    decode_room: dict[str, bool] = {}
+    for prefill in prefills:
+        if not has_room(Role.PREFILL, prefill, book, limit):
+            continue
+        revision = prefill.revision
+        room = decode_room.get(revision)
+        if room is None:
+            room = decode_room[revision] = any(
+                has_room(Role.DECODE, d, book, limit) for d in slots.decode_for(revision)
+            )
+        if room:
+            return True
+    return False
 
 
 async def _close_streams(replies: Iterable[Reply]) -> None:

@@ -16,7 +16,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pdserve.proxy import codec
-from pdserve.proxy.attempts import TRANSPORT_OUTCOMES, UNREACHABLE_OUTCOME, Handoff, LegFailure, Unreachable
+from pdserve.proxy.admission import AdmissionGate
+from pdserve.proxy.attempts import (
+    BUSY_OUTCOME,
+    TRANSPORT_OUTCOMES,
+    UNREACHABLE_OUTCOME,
+    Handoff,
+    LegFailure,
+    Unreachable,
+)
 from pdserve.proxy.connectors import Connector, LegPlan
 from pdserve.proxy.health import SlotBook
 from pdserve.proxy.metrics import ProxyMetrics
@@ -69,8 +77,10 @@ class LegRunner:
         metrics: ProxyMetrics,
         deadlines: Deadlines,
         backend_api_key: str | None,
+        admission: AdmissionGate | None = None,
     ) -> None:
         self.book = book
+        self.admission = admission or AdmissionGate(0, 0, 0.0, metrics)
         self.upstream = upstream
         self.metrics = metrics
         self.deadlines = deadlines
@@ -242,13 +252,17 @@ class LegRunner:
         self.metrics.child(self.metrics.slot_in_flight, role.value, slot.key).inc()
 
     def _leg_finished(self, role: Role, slot: Slot, outcome: str) -> None:
-        ok = outcome in ("ok", "cancelled") or outcome.startswith("http_4")
+        ok = outcome in ("ok", "cancelled", BUSY_OUTCOME) or outcome.startswith("http_4")
         self.book.finished(role, slot.key, ok)
+        self.admission.release()
         self.metrics.child(self.metrics.slot_in_flight, role.value, slot.key).dec()
         self.metrics.child(self.metrics.upstream, role.value, slot.key, outcome).inc()
 
     def _eject(self, role: Role, slot: Slot, outcome: str = "") -> None:
-        """A connection failure ejects every slot of the instance; any other failure, the slot."""
+        """A connection failure ejects every slot of the instance; a busy engine nothing; any other
+        failure, the slot."""
+        if outcome == BUSY_OUTCOME:
+            return
         if outcome not in TRANSPORT_OUTCOMES:
             if self.book.eject(role, slot.key):
                 self.metrics.ejections.labels(role.value, slot.key).inc()

@@ -46,23 +46,61 @@ class ProxyMetrics:
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
-        self.in_flight = Gauge("pdserve_proxy_in_flight", "Client requests being served", registry=r)
+        # multiprocess_mode says how worker processes' values combine (pdserve.proxy.workers);
+        # a single process ignores it.
+        self.in_flight = Gauge(
+            "pdserve_proxy_in_flight", "Client requests being served", registry=r, multiprocess_mode="livesum"
+        )
         self.slot_in_flight = Gauge(
-            "pdserve_proxy_slot_in_flight", "Upstream legs in flight per slot", ["role", "slot"], registry=r
+            "pdserve_proxy_slot_in_flight",
+            "Upstream legs in flight per slot",
+            ["role", "slot"],
+            registry=r,
+            multiprocess_mode="livesum",
         )
         self.generation = Gauge(
-            "pdserve_proxy_routing_generation", "Generation of the routing table being served", registry=r
+            "pdserve_proxy_routing_generation",
+            "Generation of the routing table being served (with workers: the oldest any worker serves)",
+            registry=r,
+            multiprocess_mode="livemin",
         )
-        self.slots = Gauge("pdserve_proxy_routing_slots", "Routable slots per role", ["role"], registry=r)
+        self.slots = Gauge(
+            "pdserve_proxy_routing_slots",
+            "Routable slots per role",
+            ["role"],
+            registry=r,
+            multiprocess_mode="livemostrecent",
+        )
         self.loaded_at = Gauge(
             "pdserve_proxy_routing_loaded_timestamp_seconds",
-            "Unix time the served routing table was loaded",
+            "Unix time the served routing table was loaded (with workers: the earliest of theirs)",
             registry=r,
+            multiprocess_mode="livemin",
         )
         self.unpaired = Gauge(
             "pdserve_proxy_routing_unpaired_slots",
             "Ready slots of a revision that the other role lacks: they take no traffic",
             ["role", "revision"],
+            registry=r,
+            multiprocess_mode="livemostrecent",
+        )
+        self.queue_depth = Gauge(
+            "pdserve_proxy_admission_queue_depth",
+            "Requests waiting for a slot with room (per-slot limit reached)",
+            registry=r,
+            multiprocess_mode="livesum",
+        )
+        self.queue_wait = Histogram(
+            "pdserve_proxy_admission_wait_seconds",
+            "Time requests waited in the admission queue (admitted or shed)",
+            buckets=(0.001, 0.005, 0.025, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120),
+            registry=r,
+        )
+        self.shed = Counter(
+            "pdserve_proxy_shed_requests",
+            "Requests answered 429 because the admission queue was full (queue_full) or their wait "
+            "passed the deadline (queue_timeout)",
+            ["reason"],
             registry=r,
         )
         self.reloads = Counter(
@@ -78,6 +116,7 @@ class ProxyMetrics:
             "1 while the table source is read and holds a table, 0 while it cannot be read or the "
             "ConfigMap is missing",
             registry=r,
+            multiprocess_mode="livemin",
         )
         self.watch_restarts = Counter(
             "pdserve_proxy_routing_watch_restarts",

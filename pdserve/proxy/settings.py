@@ -25,6 +25,14 @@ DEFAULT_MAX_FAN_OUT = 128
 # The ASGI servers the proxy can run on (pdserve.proxy.server has one function per name).
 HTTP_SERVERS = ("hypercorn", "uvicorn")
 DEFAULT_HTTP_SERVER = "hypercorn"
+# Legs in flight per slot (one engine rank). vLLM runs up to ``max_num_seqs`` (256 by
+# default) at once per rank and queues the rest itself; twice that leaves the engine its own
+# queue while a flood of clients cannot open thousands of connections to one rank.
+DEFAULT_MAX_PER_SLOT = 512
+# Requests that may wait for room; more are shed at once.
+DEFAULT_QUEUE_SIZE = 8192
+# Seconds a request may wait for room before it is shed.
+DEFAULT_QUEUE_TIMEOUT_S = 60.0
 # On SIGTERM in-flight streams get this long to finish: a long generation runs for minutes.
 DEFAULT_SHUTDOWN_GRACE_S = 120.0
 
@@ -64,6 +72,13 @@ class ProxySettings:
     admin_host: str | None = None
     #: Decode-sidecar mode: every decode leg goes to this local engine (pdserve.proxy.sidecar).
     local_decode: LocalDecode | None = None
+    #: Legs in flight per slot, router-wide (each worker enforces its share); 0: no limit.
+    max_per_slot: int = DEFAULT_MAX_PER_SLOT
+    #: Requests that may wait for a slot with room (per worker), and for how long.
+    admission_queue: int = DEFAULT_QUEUE_SIZE
+    admission_timeout: float = DEFAULT_QUEUE_TIMEOUT_S
+    #: Worker processes (pdserve.proxy.workers); 1 serves in this process.
+    workers: int = 1
 
     @property
     def source(self) -> str:

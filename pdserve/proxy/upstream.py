@@ -20,7 +20,8 @@ POOL_KEEPALIVE_SECONDS = 30.0
 class LegError(Exception):
     """A leg that failed in a way another slot may not: retry elsewhere, eject this slot.
 
-    ``outcome`` is the metrics label: connect_error, http_5xx, dropped, timeout or bad_handoff.
+    ``outcome`` is the metrics label: connect_error, http_5xx, dropped, timeout, bad_handoff, or
+    busy (the engine answered 503 or 429: saturated, not broken; retried elsewhere, not ejected).
     """
 
     def __init__(self, outcome: str, detail: str, problems: tuple[str, ...] = ()) -> None:
@@ -124,7 +125,13 @@ class Upstream:
             raise
 
 
+#: What a saturated engine answers (vLLM: 503 while it cannot take more, 429 from a rate limiter).
+BUSY_STATUSES = frozenset({429, 503})
+
+
 def _checked(answer: Answer) -> Answer:
+    if answer.status in BUSY_STATUSES:
+        raise LegError("busy", f"HTTP {answer.status} (busy): {_snippet(answer.body)}")
     if answer.status >= 500:
         raise LegError("http_5xx", f"HTTP {answer.status}: {_snippet(answer.body)}")
     if answer.status >= 400:
