@@ -4,8 +4,8 @@ Each generation request (/v1/completions, /v1/chat/completions) goes to a prefil
 (with the prefill's KV handoff) to a decode slot, whose answer is streamed back. Slots are
 (instance, data-parallel rank) pairs read from the routing table, which comes from exactly one
 source: --routing-configmap (list+watch of the ConfigMap through the API server, in a cluster)
-or --routing-file (a watched file, for local mode and tests). One process, one event loop: the
-flat-interleaved counter is the process's only counter.
+or --routing-file (a watched file, for local mode and tests). --workers processes (default: the
+CPUs available) share the port and one flat-interleaved counter per role in shared memory.
 
 Environment variables give defaults for the main flags (a flag wins): PDSERVE_ROUTING_FILE,
 PDSERVE_ROUTING_CONFIGMAP, KUBECONFIG, PDSERVE_PROXY_HOST, PDSERVE_PROXY_PORT, PDSERVE_PROXY_POLICY,
@@ -417,6 +417,10 @@ def run(args: argparse.Namespace) -> int:
         format="%(asctime)s %(levelname)s %(name)s %(message)s",
         stream=sys.stderr,
     )
+    if settings.workers > 1:
+        from pdserve.proxy.workers import run_workers  # forks before the server's imports
+
+        return run_workers(settings)
     from pdserve.proxy.server import run_server  # heavy imports only once the flags are valid
 
     run_server(settings)

@@ -48,6 +48,7 @@ from pdserve.proxy.relay import RelayStream
 from pdserve.proxy.reply import JSON, Reply, ReplyStream, error_reply
 from pdserve.proxy.served import RoutingState, ServedTable
 from pdserve.proxy.settings import DEFAULT_KV_LEASE_S, DEFAULT_MAX_FAN_OUT
+from pdserve.proxy.shared import SharedState
 from pdserve.proxy.upstream import BackendRefusal, Upstream
 from pdserve.routing import Role, Slot, SlotTable
 
@@ -72,8 +73,9 @@ class Dispatcher(LegRunner):
         kv_lease_seconds: float = DEFAULT_KV_LEASE_S,
         max_fan_out: int = DEFAULT_MAX_FAN_OUT,
         admission: AdmissionGate | None = None,
+        shared: SharedState | None = None,
     ) -> None:
-        super().__init__(book, upstream, metrics, deadlines, backend_api_key, admission)
+        super().__init__(book, upstream, metrics, deadlines, backend_api_key, admission, shared)
         self.served = served
         self.policy = policy
         self.max_retries = max_retries
@@ -81,6 +83,8 @@ class Dispatcher(LegRunner):
         self.max_fan_out = max_fan_out
         self._ids_in_flight: dict[str, int] = {}
         self._renamed = 0
+        self._claims = shared.claims if shared is not None else None  # worker processes
+        self.served_requests = 0  # generation requests this process took (admin views)
 
     # --- the request ----------------------------------------------------------------------------
 
@@ -93,6 +97,7 @@ class Dispatcher(LegRunner):
         fan: FanOut | None = None,
     ) -> Reply:
         trace = Trace(request_id, path, body.get("stream") is True, engine_base=self._claim(request_id))
+        self.served_requests += 1
         self.metrics.in_flight.inc()
         state = self.served.current  # this request's table, whatever reloads happen meanwhile
         try:
@@ -260,7 +265,12 @@ class Dispatcher(LegRunner):
 
     def _claim(self, request_id: str) -> str:
         """The stem of the legs' request ids: the client's id, suffixed while another request
-        with the same id is in flight (two clients, or one, may send the same X-Request-Id)."""
+        with the same id is in flight (two clients, or one, may send the same X-Request-Id; with
+        worker processes, on any worker)."""
+        if self._claims is not None:
+            if self._claims.claim(request_id) == 0:
+                return request_id
+            return f"{request_id}.{self._claims.rename()}"
         count = self._ids_in_flight.get(request_id, 0)
         self._ids_in_flight[request_id] = count + 1
         if count == 0:
@@ -269,6 +279,9 @@ class Dispatcher(LegRunner):
         return f"{request_id}.{self._renamed}"
 
     def _release(self, request_id: str) -> None:
+        if self._claims is not None:
+            self._claims.release(request_id)
+            return
         count = self._ids_in_flight.pop(request_id, 1) - 1
         if count > 0:
             self._ids_in_flight[request_id] = count

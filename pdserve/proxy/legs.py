@@ -31,6 +31,7 @@ from pdserve.proxy.metrics import ProxyMetrics
 from pdserve.proxy.relay import RelayStream
 from pdserve.proxy.reply import JSON, Reply
 from pdserve.proxy.served import RoutingState
+from pdserve.proxy.shared import SharedState
 from pdserve.proxy.upstream import Answer, BackendRefusal, LegError, Upstream
 from pdserve.routing import Role, Slot
 from pdserve.wire.headers import AUTHORIZATION, DP_RANK, REQUEST_ID
@@ -78,6 +79,7 @@ class LegRunner:
         deadlines: Deadlines,
         backend_api_key: str | None,
         admission: AdmissionGate | None = None,
+        shared: SharedState | None = None,
     ) -> None:
         self.book = book
         self.admission = admission or AdmissionGate(0, 0, 0.0, metrics)
@@ -85,7 +87,9 @@ class LegRunner:
         self.metrics = metrics
         self.deadlines = deadlines
         self.backend_api_key = backend_api_key
-        self.unreachable = Unreachable(book.eject_seconds)
+        self.unreachable = Unreachable(
+            book.eject_seconds, shared=shared.unreachable if shared is not None else None
+        )
 
     def _close(self, trace: Trace, status: int, outcome: str) -> None:
         """The end of a request (the dispatcher counts and logs it)."""

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from pdserve.proxy.fanin import WorkerInfo
 from pdserve.proxy.policies import DEFAULT_POLICY
 from pdserve.routing.sidecar import LocalDecode
 
@@ -79,6 +80,8 @@ class ProxySettings:
     admission_timeout: float = DEFAULT_QUEUE_TIMEOUT_S
     #: Worker processes (pdserve.proxy.workers); 1 serves in this process.
     workers: int = 1
+    #: Set in each worker process by pdserve.proxy.workers (None: the only process).
+    worker: WorkerInfo | None = None
 
     @property
     def source(self) -> str:

@@ -72,8 +72,9 @@ def test_every_slot_busy_is_503_with_retry_after(stack: PDStack) -> None:
 
 @pytest.fixture(scope="module")
 def limited(stack: PDStack) -> Iterator[Proc]:
-    """A second proxy on the same table: one leg per slot, two waiting requests, 4 s deadline."""
-    args = proxy_args(stack.routing_file, "--host", "127.0.0.1", "--max-per-slot", "1")
+    """A second proxy on the same table: one leg per slot, two waiting requests, 4 s deadline; one
+    worker (with several, each enforces its share of the limit and has a queue of its own)."""
+    args = proxy_args(stack.routing_file, "--host", "127.0.0.1", "--max-per-slot", "1", "--workers", "1")
     args += ["--admission-queue", "2", "--admission-timeout", "4"]
     proc = stack.group.start("proxy-limited", args)
     yield proc

@@ -26,17 +26,30 @@ FAST_SIM = ["--ttft-ms", "2", "--itl-ms", "1", "--tokens", "4"]
 
 # The proxy suite runs against either HTTP server: PDSERVE_TEST_HTTP_SERVER=uvicorn pytest ...
 TEST_HTTP_SERVER = os.environ.get("PDSERVE_TEST_HTTP_SERVER", "hypercorn")
+# ... and with one or several worker processes: PDSERVE_TEST_PROXY_WORKERS=2 pytest ... (make test-workers)
+TEST_WORKERS = os.environ.get("PDSERVE_TEST_PROXY_WORKERS", "1")
 
 
 def proxy_args(routing_file: Path, *extra: str) -> list[str]:
-    """``pdserve proxy`` arguments for a test proxy, on the HTTP server the suite was asked for."""
-    return ["proxy", "--routing-file", str(routing_file), "--http-server", TEST_HTTP_SERVER, *extra]
+    """``pdserve proxy`` arguments for a test proxy, on the HTTP server and with the workers the
+    suite was asked for."""
+    return [
+        "proxy",
+        "--routing-file",
+        str(routing_file),
+        "--http-server",
+        TEST_HTTP_SERVER,
+        "--workers",
+        TEST_WORKERS,
+        *extra,
+    ]
 
 
 def configmap_proxy_args(configmap: str, kubeconfig: Path, *extra: str) -> list[str]:
     """The same for a proxy that watches ``NAMESPACE/NAME`` through the API server."""
     source = ["--routing-configmap", configmap, "--kubeconfig", str(kubeconfig)]
-    return ["proxy", *source, "--host", "127.0.0.1", "--http-server", TEST_HTTP_SERVER, *extra]
+    server = ["--http-server", TEST_HTTP_SERVER, "--workers", TEST_WORKERS]
+    return ["proxy", *source, "--host", "127.0.0.1", *server, *extra]
 
 
 @dataclass
