@@ -212,7 +212,7 @@ def create_app(
             reason = sidecar_not_ready_reason(served, local)
             if reason is None:
                 reason = await local_engine_problem(upstream.session, local)
-        if lifecycle.stopping:
+        if lifecycle.stopping or (shared is not None and shared.stopping()):
             reason = "shutting down (SIGTERM): finishing in-flight requests, taking no new ones"
         payload: dict[str, Any] = {
             "ready": reason is None,

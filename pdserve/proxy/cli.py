@@ -114,8 +114,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--http-server",
         choices=HTTP_SERVERS,
         default=_env("PROXY_HTTP_SERVER", DEFAULT_HTTP_SERVER),
-        help="ASGI server: hypercorn, or uvicorn with httptools (less CPU per request); both on uvloop "
-        "with the same backlog, keep-alive and grace period (default %(default)s) [env PROXY_HTTP_SERVER]",
+        help="ASGI server: uvicorn with httptools (a third less CPU per request), or hypercorn; both on "
+        "uvloop with the same backlog, keep-alive and grace period (default %(default)s) "
+        "[env PROXY_HTTP_SERVER]",
     )
     add(
         "--backlog",

@@ -1,4 +1,4 @@
-"""Serving: Hypercorn (default) or uvicorn on uvloop, sized for bursts and multi-minute streams,
+"""Serving: uvicorn (default) or Hypercorn on uvloop, sized for bursts and multi-minute streams,
 graceful on SIGTERM.
 
 Quart's debug server listens with a backlog of 100 and reset about 16% of a 512-connection

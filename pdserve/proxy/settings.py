@@ -24,8 +24,10 @@ DEFAULT_KV_LEASE_S = 30.0
 # Sequences one request may ask for (prompts x n): OpenAI's own limit for n.
 DEFAULT_MAX_FAN_OUT = 128
 # The ASGI servers the proxy can run on (pdserve.proxy.server has one function per name).
+# uvicorn (httptools) by default: Hypercorn's h11 protocol stack cost about a third more CPU per
+# request and per streamed chunk, and no Hypercorn setting removes it (bench/results/latest.md).
 HTTP_SERVERS = ("hypercorn", "uvicorn")
-DEFAULT_HTTP_SERVER = "hypercorn"
+DEFAULT_HTTP_SERVER = "uvicorn"
 # Legs in flight per slot (one engine rank). vLLM runs up to ``max_num_seqs`` (256 by
 # default) at once per rank and queues the rest itself; twice that leaves the engine its own
 # queue while a flood of clients cannot open thousands of connections to one rank.

@@ -191,7 +191,7 @@ class SharedState:
     CLAIM_ENTRIES = 1 << 17  # client request ids in flight at once
 
     def __init__(self, lock: Any) -> None:
-        sizes = (self.COUNTER_ENTRIES, self.DEADLINE_ENTRIES, self.CLAIM_ENTRIES, 1)
+        sizes = (self.COUNTER_ENTRIES, self.DEADLINE_ENTRIES, self.CLAIM_ENTRIES, 1, 4)
         self._buf = mmap.mmap(-1, sum(sizes) * ENTRY_BYTES)  # MAP_SHARED | MAP_ANONYMOUS
         offsets = [sum(sizes[:k]) * ENTRY_BYTES for k in range(len(sizes))]
         self.counters = SharedCounters(SharedTable(self._buf, offsets[0], sizes[0], lock, _INT))
@@ -202,3 +202,15 @@ class SharedState:
             SharedTable(self._buf, offsets[2], sizes[2], lock, _INT),
             SharedTable(self._buf, offsets[3], sizes[3], lock, _INT),
         )
+        self._flags = SharedTable(self._buf, offsets[4], sizes[4], lock, _INT)
+
+    _STOPPING = 1
+
+    def set_stopping(self) -> None:
+        """The supervisor got SIGTERM: every worker's /ready says so at once, before the signal
+        it forwards reaches the worker."""
+        if not self.stopping():
+            self._flags.add(self._STOPPING, 1)
+
+    def stopping(self) -> bool:
+        return bool(self._flags.get(self._STOPPING, 0))

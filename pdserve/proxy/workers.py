@@ -106,6 +106,7 @@ def run_workers(settings: ProxySettings) -> int:
 
     def forward(signum: int, _frame: FrameType | None) -> None:
         stopping["signals"] += 1
+        shared.set_stopping()
         if stopping["signals"] == 1:
             log.info("%s: stopping %d workers", signal.Signals(signum).name, count)
             # The workers stop accepting on their copies; these must not keep queueing connections.
