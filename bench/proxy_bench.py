@@ -3,9 +3,9 @@
 One run starts one prefill and one decode `pdserve sim` (DP2 each, NIXL semantics) and measures,
 one system after the other on those same backends:
 
-  * ``pdserve``: `pdserve proxy` in its default configuration (Hypercorn, ``--workers`` = the
+  * ``pdserve``: `pdserve proxy` in its default configuration (uvicorn, ``--workers`` = the
     CPUs available, back-pressure on), which is what the image and the chart run, with a routing
-    file naming the two simulators; ``pdserve-1w`` (``--workers 1``) and ``pdserve-uvicorn`` on
+    file naming the two simulators; ``pdserve-1w`` (``--workers 1``) and ``pdserve-hypercorn`` on
     request (``--systems``);
   * ``vllm-router``: the PyPI router in P/D mode (--vllm-pd-disaggregation --kv-connector nixl);
   * ``direct``: the client talking to the decode simulator itself, the floor no proxy can beat.
@@ -52,10 +52,10 @@ RESULTS = REPO / "bench" / "results"
 PDSERVE_SYSTEMS: dict[str, tuple[str, ...]] = {
     "pdserve": (),
     "pdserve-1w": ("--workers", "1"),
-    "pdserve-uvicorn": ("--http-server", "uvicorn"),
+    "pdserve-hypercorn": ("--http-server", "hypercorn"),
 }
 SYSTEMS = ("direct", *PDSERVE_SYSTEMS, "vllm-router")
-DEFAULT_SYSTEMS = ("direct", "pdserve", "vllm-router")
+DEFAULT_SYSTEMS = ("direct", "pdserve", "pdserve-1w", "vllm-router")
 
 
 @dataclass(frozen=True)
@@ -405,7 +405,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--loads", nargs="+", default=None, help="only these loads (default: all)")
     parser.add_argument(
-        "--requests", type=int, default=2000, help="streaming requests per system (default 2000)"
+        "--requests", type=int, default=3000, help="requests per system of the c64/c256 loads (default 3000)"
     )
     parser.add_argument("--tokens", type=int, default=8, help="tokens per answer (default 8)")
     parser.add_argument("--dp-size", type=int, default=2, help="DP size of each simulator (default 2)")

@@ -20,7 +20,6 @@ is the only state.
 from __future__ import annotations
 
 import asyncio
-import math
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -33,18 +32,16 @@ from pdserve.routing import Role, Slot
 if TYPE_CHECKING:  # prometheus_client must load only after the worker set-up (pdserve.proxy.workers)
     from pdserve.proxy.metrics import ProxyMetrics
 
+#: With worker processes, how often waiters look for room another worker's leg freed.
+ADMISSION_POLL_S = 0.01
+#: ... and how many waiters one look may wake (each checks again when it runs: the room it was
+#: woken for may have gone to the one before it, then it is first in line again).
+POLL_WAKES = 16
 #: What a shed request's Retry-After says.
 RETRY_AFTER_S = 1
 
 SHED_QUEUE_FULL = "queue_full"
 SHED_QUEUE_TIMEOUT = "queue_timeout"
-
-
-def per_worker_limit(limit: int, workers: int) -> int:
-    """Each of ``workers`` processes enforces its share of a router-wide limit (0: none)."""
-    if limit <= 0:
-        return 0
-    return max(1, math.ceil(limit / max(1, workers)))
 
 
 def has_room(role: Role, slot: Slot, book: SlotBook, limit: int) -> bool:
@@ -82,12 +79,21 @@ class _Waiter:
 class AdmissionGate:
     """The admission queue: FIFO, bounded, with a deadline; :meth:`release` after every leg."""
 
-    def __init__(self, limit: int, queue_size: int, timeout: float, metrics: ProxyMetrics) -> None:
+    def __init__(
+        self,
+        limit: int,
+        queue_size: int,
+        timeout: float,
+        metrics: ProxyMetrics,
+        poll_seconds: float | None = None,
+    ) -> None:
         self.limit = limit
         self.queue_size = queue_size
         self.timeout = timeout
         self.metrics = metrics
+        self.poll_seconds = poll_seconds  # room may also come free where release() is not called
         self._waiters: deque[_Waiter] = deque()
+        self._poller: asyncio.TimerHandle | None = None
 
     @property
     def depth(self) -> int:
@@ -106,6 +112,8 @@ class AdmissionGate:
         waiter = _Waiter(ready)
         self._waiters.append(waiter)
         self.metrics.queue_depth.inc()
+        if self.poll_seconds is not None and self._poller is None:
+            self._poller = loop.call_later(self.poll_seconds, self._poll)
         admitted = False
         try:
             async with asyncio.timeout(self.timeout):
@@ -133,7 +141,16 @@ class AdmissionGate:
         if self._waiters:
             self._wake()
 
-    def _wake(self) -> None:
+    def _poll(self) -> None:
+        self._poller = None
+        for _ in range(POLL_WAKES):
+            if not self._wake():
+                break
+        if self._waiters and self.poll_seconds is not None:
+            self._poller = asyncio.get_running_loop().call_later(self.poll_seconds, self._poll)
+
+    def _wake(self) -> bool:
+        """Wake the first waiter if it fits now; whether one was woken."""
         for waiter in self._waiters:
             if waiter.future.done():
                 continue
@@ -141,7 +158,9 @@ class AdmissionGate:
                 self._waiters.remove(waiter)
                 self.metrics.queue_depth.dec()
                 waiter.future.set_result(None)
-            return
+                return True
+            return False
+        return False
 
     def _remove(self, waiter: _Waiter) -> bool:
         try:

@@ -23,7 +23,7 @@ import aiohttp
 from quart import Quart, Response, g, request
 from werkzeug.exceptions import HTTPException
 
-from pdserve.proxy.admission import AdmissionGate, per_worker_limit
+from pdserve.proxy.admission import ADMISSION_POLL_S, AdmissionGate
 from pdserve.proxy.fanin import FanInError, Views, gather_views, serve_views
 from pdserve.proxy.flow import Deadlines, Dispatcher
 from pdserve.proxy.generation import GenerationApp, client_key_problem, request_id_of
@@ -113,7 +113,11 @@ def create_app(
         BODY_TIMEOUT=60,
     )
     metrics = ProxyMetrics(primary=settings.worker is None or settings.worker.index == 0)
-    book = SlotBook(settings.eject_seconds, shared=shared.ejections if shared is not None else None)
+    book = SlotBook(
+        settings.eject_seconds,
+        shared=shared.ejections if shared is not None else None,
+        shared_in_flight=shared.in_flight if shared is not None else None,
+    )
     local = settings.local_decode
     build: SlotBuilder = build_slot_table
     if local is not None:
@@ -136,10 +140,12 @@ def create_app(
         settings.kv_lease_seconds,
         settings.max_fan_out,
         AdmissionGate(
-            per_worker_limit(settings.max_per_slot, settings.workers),
+            settings.max_per_slot,  # router-wide: with workers the legs in flight are shared
             settings.admission_queue,
             settings.admission_timeout,
             metrics,
+            # Room freed by another worker's leg wakes nobody here: look again this often.
+            poll_seconds=ADMISSION_POLL_S if shared is not None else None,
         ),
         shared,
     )

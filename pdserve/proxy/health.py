@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 from pdserve.routing import Role
 
 if TYPE_CHECKING:
-    from pdserve.proxy.shared import SharedDeadlines
+    from pdserve.proxy.shared import SharedDeadlines, SharedInFlight
 
 
 @dataclass
@@ -42,10 +42,12 @@ class SlotBook:
         eject_seconds: float,
         clock: Callable[[], float] = time.monotonic,
         shared: SharedDeadlines | None = None,
+        shared_in_flight: SharedInFlight | None = None,
     ) -> None:
         self.eject_seconds = eject_seconds
         self._clock = clock
         self._shared = shared  # worker processes: cool-downs are the router's, not one worker's
+        self._shared_in_flight = shared_in_flight  # ... and so are the legs in flight per slot
         self._states: dict[tuple[Role, str], SlotState] = {}
         self._last_cool_down_end = 0.0  # no slot is ejected once the clock has passed it
 
@@ -56,6 +58,10 @@ class SlotBook:
         return entry
 
     def in_flight(self, role: Role, key: str) -> int:
+        """Legs in flight on the slot, router-wide (every worker's); ``state().in_flight`` is this
+        process's own."""
+        if self._shared_in_flight is not None:
+            return self._shared_in_flight.total(f"{role.value}/{key}")
         return self.state(role, key).in_flight
 
     def _until(self, role: Role, key: str) -> float:
@@ -94,10 +100,14 @@ class SlotBook:
         entry = self.state(role, key)
         entry.requests += 1
         entry.in_flight += 1
+        if self._shared_in_flight is not None:
+            self._shared_in_flight.add(f"{role.value}/{key}", 1)
 
     def finished(self, role: Role, key: str, ok: bool) -> None:
         entry = self.state(role, key)
         entry.in_flight -= 1
+        if self._shared_in_flight is not None:
+            self._shared_in_flight.add(f"{role.value}/{key}", -1)
         if not ok:
             entry.errors += 1
 

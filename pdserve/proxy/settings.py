@@ -75,7 +75,7 @@ class ProxySettings:
     admin_host: str | None = None
     #: Decode-sidecar mode: every decode leg goes to this local engine (pdserve.proxy.sidecar).
     local_decode: LocalDecode | None = None
-    #: Legs in flight per slot, router-wide (each worker enforces its share); 0: no limit.
+    #: Legs in flight per slot, router-wide (the workers count them in shared memory); 0: no limit.
     max_per_slot: int = DEFAULT_MAX_PER_SLOT
     #: Requests that may wait for a slot with room (per worker), and for how long.
     admission_queue: int = DEFAULT_QUEUE_SIZE

@@ -19,7 +19,8 @@ What is shared (and why a per-worker copy would not do):
 * cool-downs (:class:`SharedDeadlines`): a slot ejected or an instance found unreachable by one
   worker is so for all, at once, and is counted once;
 * the client request ids in flight (``claims``): two requests with one ``X-Request-Id`` on two
-  workers must still get different engine ids.
+  workers must still get different engine ids;
+* legs in flight per slot (:class:`SharedInFlight`): the per-slot limit is the router's.
 """
 
 from __future__ import annotations
@@ -115,6 +116,10 @@ class SharedTable:
                 self._put(i, key, value)
             return old
 
+    def clear(self) -> None:
+        with self._lock:
+            self._buf[self._base : self._base + self._n * ENTRY_BYTES] = bytes(self._n * ENTRY_BYTES)
+
     def _delete(self, i: int) -> None:
         """Backward-shift deletion: later entries of the same probe run move up into the hole."""
         n = self._n
@@ -183,15 +188,46 @@ class SharedClaims:
         return self._renames.add(1, 1) + 1
 
 
+class SharedInFlight:
+    """Legs in flight per slot, router-wide: each worker counts its own in a region of its own
+    (cleared when the worker starts, so a worker that died leaves no stale count behind), and a
+    read sums the regions. The per-slot limit of the back-pressure reads it."""
+
+    def __init__(self, tables: list[SharedTable]) -> None:
+        self._tables = tables
+        self._own: SharedTable | None = None
+
+    def bind(self, worker: int) -> None:
+        """This process is worker ``worker``: its region starts empty."""
+        self._own = self._tables[worker]
+        self._own.clear()
+
+    def add(self, key: str, delta: int) -> None:
+        if self._own is not None:
+            self._own.add(key_hash("in-flight", key), delta)
+
+    def total(self, key: str) -> int:
+        hashed = key_hash("in-flight", key)
+        return sum(int(table.get(hashed, 0)) for table in self._tables)
+
+
 class SharedState:
     """Everything the workers share, in one mapping; build before forking."""
 
     COUNTER_ENTRIES = 1024
     DEADLINE_ENTRIES = 8192  # slots and instances ever ejected (a few per GPU group)
     CLAIM_ENTRIES = 1 << 17  # client request ids in flight at once
+    IN_FLIGHT_ENTRIES = 4096  # slots in use at once, per worker
 
-    def __init__(self, lock: Any) -> None:
-        sizes = (self.COUNTER_ENTRIES, self.DEADLINE_ENTRIES, self.CLAIM_ENTRIES, 1, 4)
+    def __init__(self, lock: Any, workers: int = 1) -> None:
+        sizes = (
+            self.COUNTER_ENTRIES,
+            self.DEADLINE_ENTRIES,
+            self.CLAIM_ENTRIES,
+            1,
+            4,
+            *([self.IN_FLIGHT_ENTRIES] * workers),
+        )
         self._buf = mmap.mmap(-1, sum(sizes) * ENTRY_BYTES)  # MAP_SHARED | MAP_ANONYMOUS
         offsets = [sum(sizes[:k]) * ENTRY_BYTES for k in range(len(sizes))]
         self.counters = SharedCounters(SharedTable(self._buf, offsets[0], sizes[0], lock, _INT))
@@ -203,6 +239,9 @@ class SharedState:
             SharedTable(self._buf, offsets[3], sizes[3], lock, _INT),
         )
         self._flags = SharedTable(self._buf, offsets[4], sizes[4], lock, _INT)
+        self.in_flight = SharedInFlight(
+            [SharedTable(self._buf, offsets[5 + w], sizes[5 + w], lock, _INT) for w in range(workers)]
+        )
 
     _STOPPING = 1
 

@@ -24,7 +24,8 @@ processes one router:
   requests for the grace period) and exits when they have; a worker that dies otherwise is
   started again on the same socket, so its share of the connections is served again.
 
-The per-slot limit of the back-pressure (``--max-per-slot``) is split between the workers.
+The per-slot limit of the back-pressure (``--max-per-slot``) is the router's: the legs in flight
+per slot are counted in shared memory too (each worker in a region of its own, summed on read).
 """
 
 from __future__ import annotations
@@ -63,6 +64,7 @@ def _worker_main(
         if i != index:
             for sock in own:
                 sock.close()  # a sibling's socket: a dead sibling's must not stay open here
+    shared.in_flight.bind(index)  # a restarted worker's region starts from 0
     from pdserve.proxy.server import run_server
 
     run_server(settings, shared, sockets[index])
@@ -80,7 +82,7 @@ def run_workers(settings: ProxySettings) -> int:
     from pdserve.proxy.server import binds, listen
 
     context = multiprocessing.get_context("fork")
-    shared = SharedState(context.Lock())
+    shared = SharedState(context.Lock(), count)
     try:
         sockets = [
             [listen(h, p, settings.backlog, reuse_port=True) for h, p in binds(settings)]

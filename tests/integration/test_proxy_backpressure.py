@@ -73,7 +73,8 @@ def test_every_slot_busy_is_503_with_retry_after(stack: PDStack) -> None:
 @pytest.fixture(scope="module")
 def limited(stack: PDStack) -> Iterator[Proc]:
     """A second proxy on the same table: one leg per slot, two waiting requests, 4 s deadline; one
-    worker (with several, each enforces its share of the limit and has a queue of its own)."""
+    worker (with several, the limit is still the router's but each has a queue of its own; the
+    router-wide limit with two workers is tested in test_proxy_workers.py)."""
     args = proxy_args(stack.routing_file, "--host", "127.0.0.1", "--max-per-slot", "1", "--workers", "1")
     args += ["--admission-queue", "2", "--admission-timeout", "4"]
     proc = stack.group.start("proxy-limited", args)

@@ -126,6 +126,24 @@ def test_routing_served_counts_the_streams_of_every_worker(stack: PDStack) -> No
     assert proxy_metric(stack.url, "pdserve_proxy_in_flight") == 0
 
 
+def test_the_per_slot_limit_is_the_routers_not_each_workers(stack: PDStack) -> None:
+    s = stack.sims
+    stack.route([s["p0"]], [s["d0"]])
+    s["d0"].faults({"kind": "slow-first-byte", "ms": 600, "roles": ["decode"]})  # type: ignore[arg-type]
+    args = proxy_args(stack.routing_file, "--host", "127.0.0.1", "--workers", str(WORKERS))
+    proc = stack.group.start("proxy-limit", [*args, "--max-per-slot", "1"], health="/ready")
+    try:
+        started = time.monotonic()
+        assert asyncio.run(_many(proc.url, 6)) == [200] * 6  # 3 decode ranks, one leg each at a time
+        elapsed = time.monotonic() - started
+        assert elapsed >= 2 * 0.6 - 0.05, elapsed  # 6 legs over 3 ranks, one at a time: two rounds
+        waited = proxy_metric(proc.url, "pdserve_proxy_admission_wait_seconds_count")
+        assert waited >= 3  # whichever worker took them, the second round waited for room
+    finally:
+        proc.stop()
+        s["d0"].faults()
+
+
 def _worker_pids(proxy: Proc) -> list[int]:
     import psutil
 

@@ -10,7 +10,6 @@ from pdserve.proxy.admission import (
     SHED_QUEUE_TIMEOUT,
     AdmissionGate,
     has_room,
-    per_worker_limit,
     room_first,
     shed_reply,
 )
@@ -34,13 +33,6 @@ def test_room_first_keeps_the_policy_order_and_puts_full_slots_last() -> None:
     assert room_first(Role.DECODE, slots, book, 1) == [slots[1], slots[2], slots[0]]
     assert room_first(Role.DECODE, slots, book, 0) == list(slots)  # 0: no limit
     assert not has_room(Role.DECODE, slots[0], book, 1) and has_room(Role.DECODE, slots[0], book, 2)
-
-
-def test_per_worker_limit_splits_the_router_wide_limit() -> None:
-    assert per_worker_limit(512, 2) == 256
-    assert per_worker_limit(5, 2) == 3
-    assert per_worker_limit(1, 4) == 1
-    assert per_worker_limit(0, 4) == 0
 
 
 def test_shed_reply_is_429_with_retry_after_in_vllm_shape() -> None:
