@@ -72,13 +72,14 @@ class Load:
 def loads(args: argparse.Namespace) -> list[Load]:
     n, t = args.requests, args.tokens
     return [
+        # First, right after the warm-up: its RSS must not include the bursts' high-water mark.
+        Load("open-1000", "stream", 1000, 1000, t, hold_ms=4000),
         Load("stream-c64", "stream", n, 64, t),
         Load("stream-c256", "stream", n, 256, t),
         Load("plain-c64", "stream", n, 64, t, stream=False),
         Load("long-256tok", "stream", max(64, n // 8), 64, 256),
         Load("burst-2048", "burst", 2048, 2048, t),
         Load("burst-4096", "burst", 4096, 4096, t),
-        Load("open-1000", "stream", 1000, 1000, t, hold_ms=4000),
     ]
 
 

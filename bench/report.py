@@ -102,7 +102,7 @@ COLUMNS = (
     ("p99 ms", 8),
     ("proxy CPU ms/req", 16),
     ("CPU µs/chunk", 12),
-    ("RSS MB (base)", 13),
+    ("RSS MB (before)", 15),
 )
 
 
