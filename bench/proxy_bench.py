@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import resource
 import shutil
 import socket
@@ -279,6 +280,16 @@ def pyspy_path() -> str | None:
     return shutil.which("py-spy", path=str(Path(sys.executable).parent)) or shutil.which("py-spy")
 
 
+def scrub_paths(svg: Path) -> None:
+    """No path of the machine that ran the bench in a committed flame graph (py-spy writes the
+    command lines, with the interpreter's and the temporary routing file's paths)."""
+    text = svg.read_text()
+    text = text.replace(str(REPO) + "/", "").replace(str(Path(sys.executable).parent) + "/", "")
+    text = re.sub(r"/[^\s\"'<>()]*?/(pdserve-bench-[^/\s\"'<>()]+)/", r"\1/", text)
+    text = re.sub(r"(/[\w.+-]+)+/(python[\d.]*|py-spy)\b", r"\2", text)
+    svg.write_text(text)
+
+
 def profile(proxy: Server, args: argparse.Namespace, out: Path) -> str:
     """A py-spy flame graph of the proxy and its workers under the stream-c64 load (not measured:
     sampling costs the proxy some CPU); a note saying what was written or why not."""
@@ -297,6 +308,7 @@ def profile(proxy: Server, args: argparse.Namespace, out: Path) -> str:
         err.seek(0)
         if recorder.returncode != 0 or not out.exists():
             return f"py-spy failed ({recorder.returncode}): {err.read()[-300:]!r}"
+    scrub_paths(out)
     return f"flame graph of {proxy.name} under stream-c64 load: bench/results/{out.name}"
 
 
