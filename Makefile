@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: install test unit lint fmt bench bench-operator bench-routing cluster-build cluster-up cluster-down kind-e2e demo clean \
+.PHONY: install test test-workers unit lint fmt bench bench-operator bench-routing cluster-build cluster-up cluster-down kind-e2e demo clean \
 	e2e-vllm record-vllm-fixtures
 
 install: $(VENV)/.installed
@@ -19,6 +19,15 @@ $(VENV)/.installed: pyproject.toml
 ## Whole suite: unit, loopback integration and tests against the real control plane (built and started on demand).
 test: install cluster-build
 	$(VENV)/bin/pytest $(PYTEST_ARGS)
+
+## The proxy's fairness, robustness and guard-rail tests again, with 2 worker processes per proxy
+## (one shared counter per role, SO_REUSEPORT, merged admin views; docs/proxy.md#workers-one-router-on-every-core).
+PROXY_WORKER_TESTS := tests/integration/test_proxy_routing.py tests/integration/test_proxy_resilience.py \
+	tests/integration/test_proxy_faults.py tests/integration/test_proxy_retries.py \
+	tests/integration/test_proxy_backpressure.py tests/integration/test_proxy_admin.py \
+	tests/integration/test_proxy_load.py tests/integration/test_proxy_workers.py
+test-workers: install
+	PDSERVE_TEST_PROXY_WORKERS=2 $(VENV)/bin/pytest $(PROXY_WORKER_TESTS) $(PYTEST_ARGS)
 
 ## Fast feedback: unit tests only.
 unit: install

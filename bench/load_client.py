@@ -4,11 +4,11 @@ Why a separate process: the client must not share a core's event loop with the s
 measures. Input: one JSON object as argv[1]; output: one JSON object on stdout.
 
     {"url": "http://127.0.0.1:8000", "mode": "stream" | "burst", "requests": 2000,
-     "concurrency": 64, "tokens": 8, "timeout_s": 60}
+     "concurrency": 64, "tokens": 8, "timeout_s": 60, "stream": true}
 
-``stream``: ``requests`` streaming completions, at most ``concurrency`` in flight over a
-keep-alive pool. ``burst``: ``requests`` requests started at once, each on its own new TCP
-connection, so the server faces that many simultaneous connects.
+``stream``: ``requests`` completions, at most ``concurrency`` in flight over a keep-alive pool.
+``burst``: ``requests`` requests started at once, each on its own new TCP connection, so the
+server faces that many simultaneous connects. ``"stream": false`` asks for buffered answers.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ DONE = b"data: [DONE]"
 async def one_request(
     session: aiohttp.ClientSession, url: str, body: dict[str, Any], tokens: int
 ) -> tuple[float, str | None]:
+    """Streams must end with [DONE] and carry every token; a buffered answer must be a completion."""
     """Latency in seconds and None, or the failure's kind."""
     start = time.perf_counter()
     try:
@@ -43,6 +44,8 @@ async def one_request(
     except TimeoutError:
         return time.perf_counter() - start, "timeout"
     elapsed = time.perf_counter() - start
+    if not body["stream"]:
+        return elapsed, None if raw.startswith(b"{") and b'"choices"' in raw else "not-a-completion"
     if DONE not in raw[-32:]:
         return elapsed, "no-[DONE]"
     if raw.count(b'"text":" tok') != tokens:
@@ -57,7 +60,7 @@ async def run(spec: dict[str, Any]) -> dict[str, Any]:
         "model": spec.get("model", "sim-model"),
         "prompt": "bench " * 32,
         "max_tokens": tokens,
-        "stream": True,
+        "stream": bool(spec.get("stream", True)),
     }
     requests = int(spec["requests"])
     timeout = aiohttp.ClientTimeout(total=float(spec.get("timeout_s", 60)))

@@ -3,16 +3,22 @@
 One run starts one prefill and one decode `pdserve sim` (DP2 each, NIXL semantics) and measures,
 one system after the other on those same backends:
 
-  * ``pdserve-hypercorn`` and ``pdserve-uvicorn``: `pdserve proxy` on each of its HTTP servers,
-    with a routing file naming the two simulators;
+  * ``pdserve``: `pdserve proxy` in its default configuration (uvicorn, ``--workers`` = the
+    CPUs available, back-pressure on), which is what the image and the chart run, with a routing
+    file naming the two simulators; ``pdserve-1w`` (``--workers 1``) and ``pdserve-hypercorn`` on
+    request (``--systems``);
   * ``vllm-router``: the PyPI router in P/D mode (--vllm-pd-disaggregation --kv-connector nixl);
   * ``direct``: the client talking to the decode simulator itself, the floor no proxy can beat.
 
 Both proxies log at warning (no line per request). The systems run in rounds, each round in the
-reverse order of the previous one (A B C D, D C B A, ...), so a slow drift of the machine's load
+reverse order of the previous one (A B C, C B A, ...), so a slow drift of the machine's load
 favours none of them; the figures pool all rounds (per-round figures are in the notes).
-Loads, each from a separate client process (bench/load_client.py): streaming completions at
-concurrency 64, and a burst of 2048 requests on 2048 new connections started at once.
+Loads (LOADS below), each from a separate client process (bench/load_client.py): streaming
+completions at concurrency 64 and 256, non-streaming at 64, long streams (256 tokens), bursts of
+2048 and 4096 requests on as many new connections started at once, and 1000 streams held open
+at once (the decode holds its first byte 4 s) while the proxy's RSS is sampled. Proxy CPU is
+the CPU time of the proxy and its worker processes, per request and per streamed chunk (an SSE
+event: each token and ``[DONE]``).
 Results: a table on stdout, bench/results/<timestamp>.json, <timestamp>.png, latest.md,
 latest.png. This is a benchmark, not a test: it prints figures side by side and asserts nothing.
 """
@@ -24,129 +30,58 @@ import json
 import os
 import resource
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from bench.report import Summary, chart, markdown, ratios, summarize, table
+from bench.report import Summary, chart, markdown, ratios, summarize, table, targets
+from bench.servers import Server, free_port, http_json, http_post_json, log, profile, run_load, start
 from pdserve.routing.table import Connector, Instance, RoutingTable
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results"
-PDSERVE_SYSTEMS = {"pdserve-hypercorn": "hypercorn", "pdserve-uvicorn": "uvicorn"}
+#: pdserve systems and the flags that make them (none: the default configuration).
+PDSERVE_SYSTEMS: dict[str, tuple[str, ...]] = {
+    "pdserve": (),
+    "pdserve-1w": ("--workers", "1"),
+    "pdserve-hypercorn": ("--http-server", "hypercorn"),
+}
 SYSTEMS = ("direct", *PDSERVE_SYSTEMS, "vllm-router")
-LOG_LEVEL = "warning"  # both proxies: no log line per request
+DEFAULT_SYSTEMS = ("direct", "pdserve", "pdserve-1w", "vllm-router")
 
 
-def log(message: str) -> None:
-    print(f"[bench {time.strftime('%H:%M:%S')}] {message}", flush=True)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-@dataclass
-class Server:
+@dataclass(frozen=True)
+class Load:
     name: str
-    port: int
-    popen: subprocess.Popen[bytes]
-    log_path: Path
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def cpu_seconds(self) -> float:
-        """CPU time of the server and its children: the cost per request on a shared machine."""
-        import psutil
-
-        try:
-            proc = psutil.Process(self.popen.pid)
-            total = 0.0
-            for p in [proc, *proc.children(recursive=True)]:
-                times = p.cpu_times()
-                total += times.user + times.system
-            return total
-        except psutil.Error:
-            return 0.0
-
-    def stop(self) -> None:
-        if self.popen.poll() is None:
-            self.popen.terminate()
-            try:
-                self.popen.wait(10)
-            except subprocess.TimeoutExpired:
-                self.popen.kill()
-                self.popen.wait(5)
+    mode: str  # load_client's: "stream" (a pool of `concurrency`) or "burst" (new connections)
+    requests: int
+    concurrency: int
+    tokens: int
+    stream: bool = True
+    hold_ms: int = 0  # the decode holds its first byte this long (open streams, RSS sampled)
 
 
-def start(
-    name: str, argv: Sequence[str], port: int, ready_path: str, logs: Path, timeout: float = 60
-) -> Server:
-    log_path = logs / f"{name}.log"
-    with log_path.open("wb") as out:
-        popen = subprocess.Popen(list(argv), stdout=out, stderr=subprocess.STDOUT, cwd=REPO)
-    server = Server(name, port, popen, log_path)
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if popen.poll() is not None:
-            raise RuntimeError(
-                f"{name} exited with {popen.returncode}:\n{log_path.read_text(errors='replace')}"
-            )
-        try:
-            with urllib.request.urlopen(server.url + ready_path, timeout=2) as resp:
-                if resp.status == 200:
-                    return server
-        except (urllib.error.URLError, OSError):
-            pass
-        time.sleep(0.1)
-    server.stop()
-    raise RuntimeError(
-        f"{name} not ready at {ready_path} within {timeout}s:\n{log_path.read_text(errors='replace')}"
-    )
+def loads(args: argparse.Namespace) -> list[Load]:
+    n, t = args.requests, args.tokens
+    return [
+        # First, right after the warm-up: its RSS must not include the bursts' high-water mark.
+        Load("open-1000", "stream", 1000, 1000, t, hold_ms=4000),
+        Load("stream-c64", "stream", n, 64, t),
+        Load("stream-c256", "stream", n, 256, t),
+        Load("plain-c64", "stream", n, 64, t, stream=False),
+        Load("long-256tok", "stream", max(64, n // 8), 64, 256),
+        Load("burst-2048", "burst", 2048, 2048, t),
+        Load("burst-4096", "burst", 4096, 4096, t),
+    ]
 
 
-def http_json(url: str, method: str = "GET") -> Any:
-    request = urllib.request.Request(url, method=method, data=b"{}" if method == "POST" else None)
-    with urllib.request.urlopen(request, timeout=10) as resp:
-        return json.loads(resp.read())
-
-
-def run_load(
-    url: str, mode: str, requests: int, concurrency: int, tokens: int, timeout_s: float
-) -> dict[str, Any]:
-    spec = {
-        "url": url,
-        "mode": mode,
-        "requests": requests,
-        "concurrency": concurrency,
-        "tokens": tokens,
-        "timeout_s": timeout_s,
-    }
-    done = subprocess.run(
-        [sys.executable, "-m", "bench.load_client", json.dumps(spec)],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=timeout_s + 60,
-        check=False,
-    )
-    if done.returncode != 0:
-        raise RuntimeError(f"load client failed ({done.returncode}): {done.stderr[-2000:]}")
-    result: dict[str, Any] = json.loads(done.stdout)
-    return result
+LOG_LEVEL = "warning"  # both proxies: no log line per request
 
 
 def routing_file(prefill: Server, decode: Server, dp_size: int, path: Path) -> Path:
@@ -169,7 +104,7 @@ def start_system(system: str, prefill: Server, decode: Server, dp_size: int, log
     if system in PDSERVE_SYSTEMS:
         table = routing_file(prefill, decode, dp_size, logs / "routing.json")
         argv = [sys.executable, "-m", "pdserve.cli", "proxy", "--routing-file", str(table)]
-        argv += ["--http-server", PDSERVE_SYSTEMS[system], "--log-level", LOG_LEVEL]
+        argv += [*PDSERVE_SYSTEMS[system], "--log-level", LOG_LEVEL]
         return start(system, [*argv, "--host", "127.0.0.1", "--port", str(port)], port, "/ready", logs)
     router = shutil.which("vllm-router", path=str(Path(sys.executable).parent)) or "vllm-router"
     argv = [
@@ -196,6 +131,7 @@ class Measured:
     result: dict[str, Any]
     cpu_s: float | None
     spread: str = ""  # legs per DP rank as the simulators counted them
+    chunks: int = 0  # SSE events per answer (0: buffered)
 
 
 def bench_system(
@@ -209,28 +145,53 @@ def bench_system(
         warm = run_load(url, "stream", 200, 16, args.tokens, 60)
         if warm["failures"]:
             notes.append(f"{system} round {round_}: warm-up failures {warm['failures']}")
-        for mode, requests in (("stream", args.requests), ("burst", args.burst)):
+        for load in loads(args):
+            if args.loads and load.name not in args.loads:
+                continue
             for sim in (prefill, decode):
                 http_json(sim.url + "/sim/reset", "POST")
+            if load.hold_ms:
+                fault = {"kind": "slow-first-byte", "ms": load.hold_ms, "roles": ["decode"]}
+                http_post_json(decode.url + "/sim/faults", {"faults": [fault]})
+            rss_base = proxy.rss_bytes() if proxy is not None else 0
             cpu_before = proxy.cpu_seconds() if proxy is not None else 0.0
-            log(
-                f"round {round_} {system}: {mode} load, {requests} requests"
-                + (f" at concurrency {args.concurrency}" if mode == "stream" else " at once")
-            )
-            result = run_load(url, mode, requests, args.concurrency, args.tokens, args.timeout)
+            log(f"round {round_} {system}: {load.name}: {load.requests} requests")
+            try:
+                result = run_load(
+                    url,
+                    load.mode,
+                    load.requests,
+                    load.concurrency,
+                    load.tokens,
+                    args.timeout,
+                    load.stream,
+                    sample=proxy if load.hold_ms else None,
+                )
+            finally:
+                if load.hold_ms:
+                    http_post_json(decode.url + "/sim/faults", {"faults": []})
             cpu = proxy.cpu_seconds() - cpu_before if proxy is not None else None
+            if load.hold_ms and proxy is not None:
+                result["rss_base_bytes"] = rss_base
             pstats = http_json(prefill.url + "/sim/stats")
             dstats = http_json(decode.url + "/sim/stats")
             spread = (
                 f"prefill legs {pstats['requests']} (by rank {pstats['by_rank']}), "
                 f"decode legs {dstats['by_leg']['decode']} (by rank {dstats['by_rank']})"
             )
-            measured.append(Measured(system, mode, round_, result, cpu, spread if proxy else ""))
-            summary = summarize(system, mode, result, cpu)
+            chunks = load.tokens + 1 if load.stream else 0
+            measured.append(Measured(system, load.name, round_, result, cpu, spread if proxy else "", chunks))
+            summary = summarize(system, load.name, result, cpu, chunks)
+            profiled = args.profile and not args.no_write and system in PDSERVE_SYSTEMS and round_ == 1
+            if load.name == "stream-c64" and proxy is not None and profiled:
+                RESULTS.mkdir(parents=True, exist_ok=True)
+                notes.append(profile(proxy, args, RESULTS / f"flame-{system}-{args.stamp}.svg"))
+                log(notes[-1])
             log(
-                f"round {round_} {system}: {mode}: {summary.ok} ok, {summary.failed} failed, "
+                f"round {round_} {system}: {load.name}: {summary.ok} ok, {summary.failed} failed, "
                 f"{summary.rps:.0f} req/s, p50 {summary.p50_ms:.1f} ms, p99 {summary.p99_ms:.1f} ms, "
                 f"proxy CPU {summary.proxy_cpu_ms} ms/req"
+                + (f", RSS peak {summary.rss_mb} MB" if summary.rss_mb else "")
             )
     finally:
         if proxy is not None:
@@ -250,9 +211,13 @@ def pooled(runs: Sequence[Measured]) -> Summary:
         "failures": failures,
         "requests": sum(r.result["requests"] for r in runs),
     }
+    peaks = [r.result["rss_peak_bytes"] for r in runs if "rss_peak_bytes" in r.result]
+    if peaks:
+        result["rss_peak_bytes"] = max(peaks)
+        result["rss_base_bytes"] = max(r.result.get("rss_base_bytes", 0) for r in runs)
     cpus = [r.cpu_s for r in runs]
     cpu = None if any(c is None for c in cpus) else sum(c for c in cpus if c is not None)
-    return summarize(runs[0].system, runs[0].load, result, cpu)
+    return summarize(runs[0].system, runs[0].load, result, cpu, runs[0].chunks)
 
 
 def round_orders(systems: Sequence[str], rounds: int) -> list[list[str]]:
@@ -271,14 +236,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.proxy_bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     parser.add_argument(
-        "--systems", nargs="+", choices=SYSTEMS, default=list(SYSTEMS), help="systems to measure"
+        "--systems", nargs="+", choices=SYSTEMS, default=list(DEFAULT_SYSTEMS), help="systems to measure"
     )
+    parser.add_argument("--loads", nargs="+", default=None, help="only these loads (default: all)")
     parser.add_argument(
-        "--requests", type=int, default=2000, help="streaming requests per system (default 2000)"
-    )
-    parser.add_argument("--concurrency", type=int, default=64, help="streaming concurrency (default 64)")
-    parser.add_argument(
-        "--burst", type=int, default=2048, help="simultaneous connections of the burst (default 2048)"
+        "--requests", type=int, default=3000, help="requests per system of the c64/c256 loads (default 3000)"
     )
     parser.add_argument("--tokens", type=int, default=8, help="tokens per answer (default 8)")
     parser.add_argument("--dp-size", type=int, default=2, help="DP size of each simulator (default 2)")
@@ -293,7 +255,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--rounds", type=int, default=2, help="rounds, each in the reverse order of the last (default 2)"
     )
     parser.add_argument("--no-write", action="store_true", help="print only; write nothing to bench/results")
+    parser.add_argument(
+        "--no-profile",
+        dest="profile",
+        action="store_false",
+        help="no py-spy flame graph of pdserve (by default one per pdserve system, in round 1, after its "
+        "stream-c64 load, written to bench/results/flame-<system>-<timestamp>.svg)",
+    )
+    parser.add_argument(
+        "--profile-seconds", type=int, default=12, help="py-spy recording length (default 12)"
+    )
     args = parser.parse_args(argv)
+    args.stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
 
     # Children inherit the limit: a burst needs a socket per connection in every process.
     _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
@@ -318,7 +291,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             "--itl-ms",
             str(args.itl_ms),
         ]
-        sim = [sys.executable, "-m", "pdserve.cli", "sim", *sim_args, "--tokens", str(args.tokens)]
+        # Answers are as long as each request's max_tokens, up to the longest load's 256 tokens.
+        most = str(max(args.tokens, *(load.tokens for load in loads(args))))
+        sim = [sys.executable, "-m", "pdserve.cli", "sim", *sim_args, "--tokens", most]
         pport, dport = free_port(), free_port()
         log(f"starting simulators: prefill :{pport}, decode :{dport} (DP{args.dp_size} each)")
         prefill = start(
@@ -347,13 +322,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         finally:
             prefill.stop()
             decode.stop()
+    load_names = [load.name for load in loads(args)]
     for system in systems:
-        for load in ("stream", "burst"):
+        for load in load_names:
             runs = [m for m in measured if m.system == system and m.load == load]
             if not runs:
                 continue
             summaries.append(pooled(runs))
-            per_round = [summarize(system, load, r.result, r.cpu_s) for r in runs]
+            per_round = [summarize(system, load, r.result, r.cpu_s, r.chunks) for r in runs]
             cpu = ", ".join("-" if p.proxy_cpu_ms is None else f"{p.proxy_cpu_ms:.2f}" for p in per_round)
             notes.append(
                 f"{system} {load} per round: req/s {', '.join(f'{p.rps:.0f}' for p in per_round)}; "
@@ -381,7 +357,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.no_write or not summaries:
         return 0
 
-    stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
+    stamp = args.stamp
     meta = {
         "timestamp": stamp,
         "cpus": os.cpu_count(),
@@ -391,10 +367,20 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"itl {args.itl_ms} ms, {args.tokens} tokens per answer"
         ),
         "loads": (
-            f"stream: {args.requests} streaming completions at concurrency {args.concurrency}; "
-            f"burst: {args.burst} requests on new connections started at once; "
-            f"{args.rounds} round(s), alternating order, pooled; both proxies at --log-level {LOG_LEVEL}"
+            "; ".join(
+                f"{load.name}: {load.requests} {'streaming' if load.stream else 'non-streaming'} "
+                f"requests of {load.tokens} tokens, "
+                + (
+                    "all at once on new connections"
+                    if load.mode == "burst"
+                    else f"{load.concurrency} at a time"
+                )
+                + (f", the decode holding its first byte {load.hold_ms} ms" if load.hold_ms else "")
+                for load in loads(args)
+            )
+            + f"; {args.rounds} round(s), alternating order, pooled; both proxies at --log-level {LOG_LEVEL}"
         ),
+        "targets": targets(summaries),
         "ratios": ratio_pairs,
         "notes": notes,
     }

@@ -24,6 +24,11 @@ class Summary:
     #: CPU time of the proxy process(es) per successful request; None for ``direct``. Steadier than
     #: req/s on a machine shared with other work.
     proxy_cpu_ms: float | None = None
+    #: Proxy CPU per streamed chunk (an SSE event) in microseconds; None for buffered answers.
+    proxy_cpu_us_per_chunk: float | None = None
+    #: Peak resident memory of the proxy (all its processes) during the load, and before it.
+    rss_mb: float | None = None
+    rss_base_mb: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -38,8 +43,15 @@ def percentile(values: Sequence[float], q: float) -> float:
     return ordered[rank - 1]
 
 
-def summarize(system: str, load: str, result: Mapping[str, Any], proxy_cpu_s: float | None = None) -> Summary:
+def summarize(
+    system: str, load: str, result: Mapping[str, Any], proxy_cpu_s: float | None = None, chunks: int = 0
+) -> Summary:
     latencies = list(result["latencies_s"])
+    per_chunk = None
+    if proxy_cpu_s is not None and chunks and latencies:
+        per_chunk = round(proxy_cpu_s * 1e6 / (len(latencies) * chunks), 1)
+    rss = result.get("rss_peak_bytes")
+    base = result.get("rss_base_bytes")
     failures = dict(result["failures"])
     wall = float(result["wall_s"])
     return Summary(
@@ -54,6 +66,9 @@ def summarize(system: str, load: str, result: Mapping[str, Any], proxy_cpu_s: fl
         p50_ms=round(percentile(latencies, 50) * 1000, 2),
         p99_ms=round(percentile(latencies, 99) * 1000, 2),
         proxy_cpu_ms=None if proxy_cpu_s is None else round(proxy_cpu_s * 1000 / max(1, len(latencies)), 2),
+        proxy_cpu_us_per_chunk=per_chunk,
+        rss_mb=round(rss / 2**20, 1) if rss else None,
+        rss_base_mb=round(base / 2**20, 1) if base else None,
     )
 
 
@@ -78,14 +93,16 @@ def ratios(summaries: Sequence[Summary], numerator: str, denominator: str) -> di
 
 
 COLUMNS = (
-    ("system", 17),
-    ("load", 6),
+    ("system", 15),
+    ("load", 11),
     ("ok", 5),
     ("failed", 6),
     ("req/s", 8),
     ("p50 ms", 8),
     ("p99 ms", 8),
     ("proxy CPU ms/req", 16),
+    ("CPU µs/chunk", 12),
+    ("RSS MB (before)", 15),
 )
 
 
@@ -111,6 +128,8 @@ def table(summaries: Sequence[Summary]) -> str:
             f"{s.p50_ms:.2f}",
             f"{s.p99_ms:.2f}",
             "-" if s.proxy_cpu_ms is None else f"{s.proxy_cpu_ms:.2f}",
+            "-" if s.proxy_cpu_us_per_chunk is None else f"{s.proxy_cpu_us_per_chunk:.1f}",
+            "-" if s.rss_mb is None else f"{s.rss_mb:.0f} ({s.rss_base_mb or 0:.0f})",
         ]
         lines.append(row(cells))
     return "\n".join(lines)
@@ -136,6 +155,14 @@ def markdown(summaries: Sequence[Summary], meta: Mapping[str, Any], chart_name: 
                 f"- {num}/{den}, {load}: req/s x{r['rps']}, p50 x{r['p50']}, p99 x{r['p99']}, "
                 f"proxy CPU per request x{r['cpu']}"
             )
+    if meta.get("targets"):
+        lines += [
+            "",
+            "Targets of issue 13 (pdserve's default configuration against vllm-router, this run):",
+            "",
+        ]
+        lines += [f"- {target}" for target in meta["targets"]]
+        lines.append("")
     failures = [s for s in summaries if s.failed]
     for s in failures:
         lines.append(f"- failures of {s.system} ({s.load}): {s.failures}")
@@ -143,6 +170,50 @@ def markdown(summaries: Sequence[Summary], meta: Mapping[str, Any], chart_name: 
         lines += ["", *[f"- {note}" for note in meta["notes"]]]
     lines += ["", f"![requests/s and latency per system]({chart_name})", ""]
     return "\n".join(lines)
+
+
+#: Loads where pdserve must match vllm-router's req/s and p99; bursts: 0 failed and p50.
+THROUGHPUT_LOADS = ("stream-c64", "stream-c256", "plain-c64", "long-256tok")
+BURST_LOADS = ("burst-2048", "burst-4096")
+CPU_TARGET_MS = 1.5
+
+
+def targets(summaries: Sequence[Summary], ours: str = "pdserve", theirs: str = "vllm-router") -> list[str]:
+    """Each target of the issue, met or not, with the figures that decide it."""
+    by_key = {(s.system, s.load): s for s in summaries}
+    out = []
+    for load in THROUGHPUT_LOADS:
+        a, b = by_key.get((ours, load)), by_key.get((theirs, load))
+        if a is None or b is None:
+            continue
+        rps, p99 = a.rps / b.rps if b.rps else 0.0, a.p99_ms / b.p99_ms if b.p99_ms else 0.0
+        verdict = "met" if rps >= 1.0 and p99 <= 1.0 else "NOT met"
+        out.append(f"{load}: req/s x{rps:.2f} (>= 1.0), p99 x{p99:.2f} (<= 1.0): {verdict}")
+    for load in BURST_LOADS:
+        a, b = by_key.get((ours, load)), by_key.get((theirs, load))
+        if a is None or b is None:
+            continue
+        p50 = a.p50_ms / b.p50_ms if b.p50_ms else 0.0
+        verdict = "met" if a.failed == 0 and p50 <= 1.0 else "NOT met"
+        out.append(f"{load}: {a.failed} failed (0), p50 x{p50:.2f} (<= 1.0): {verdict}")
+    a = by_key.get((ours, "stream-c64"))
+    if a is not None and a.proxy_cpu_ms is not None:
+        verdict = "met" if a.proxy_cpu_ms <= CPU_TARGET_MS else "NOT met"
+        out.append(
+            f"proxy CPU per request (stream-c64): {a.proxy_cpu_ms:.2f} ms (<= {CPU_TARGET_MS}): {verdict}; "
+            f"per streamed chunk (long-256tok): "
+            + (
+                f"{by_key[(ours, 'long-256tok')].proxy_cpu_us_per_chunk} µs"
+                if (ours, "long-256tok") in by_key
+                else "not measured"
+            )
+        )
+    a = by_key.get((ours, "open-1000"))
+    if a is not None and a.rss_mb is not None:
+        b = by_key.get((theirs, "open-1000"))
+        theirs_rss = f", vllm-router {b.rss_mb:.0f} MB" if b is not None and b.rss_mb else ""
+        out.append(f"RSS at 1000 open streams: {a.rss_mb:.0f} MB (reported){theirs_rss}")
+    return out
 
 
 def chart(summaries: Sequence[Summary], path: Path) -> None:

@@ -23,14 +23,18 @@ import aiohttp
 from quart import Quart, Response, g, request
 from werkzeug.exceptions import HTTPException
 
+from pdserve.proxy.admission import ADMISSION_POLL_S, AdmissionGate
+from pdserve.proxy.fanin import FanInError, Views, gather_views, serve_views
 from pdserve.proxy.flow import Deadlines, Dispatcher
 from pdserve.proxy.generation import GenerationApp, client_key_problem, request_id_of
 from pdserve.proxy.health import SlotBook
+from pdserve.proxy.merge import merge_debug, merge_served
 from pdserve.proxy.metrics import ProxyMetrics
 from pdserve.proxy.policies import make_policy
 from pdserve.proxy.reload import RoutingWatcher
 from pdserve.proxy.served import ServedTable, SlotBuilder, served_view
 from pdserve.proxy.settings import ProxySettings
+from pdserve.proxy.shared import SharedState
 from pdserve.proxy.sidecar import local_engine_problem, sidecar_not_ready_reason
 from pdserve.proxy.upstream import Upstream
 from pdserve.routing import Instance, Role, build_slot_table
@@ -96,7 +100,10 @@ def table_source(settings: ProxySettings, served: ServedTable, metrics: ProxyMet
     return TableSource(watcher.run, lambda: watcher.poll(confirm_errors=False))
 
 
-def create_app(settings: ProxySettings, lifecycle: Lifecycle | None = None) -> GenerationApp:
+def create_app(
+    settings: ProxySettings, lifecycle: Lifecycle | None = None, shared: SharedState | None = None
+) -> GenerationApp:
+    """``shared``: the state worker processes share (pdserve.proxy.workers); None in one process."""
     """The proxy's ASGI app: the generation endpoints, with a Quart app for everything else."""
     lifecycle = lifecycle or Lifecycle()
     app = Quart("pdserve.proxy")
@@ -105,8 +112,12 @@ def create_app(settings: ProxySettings, lifecycle: Lifecycle | None = None) -> G
         RESPONSE_TIMEOUT=None,  # streams last minutes; the stream-idle deadline guards them
         BODY_TIMEOUT=60,
     )
-    metrics = ProxyMetrics()
-    book = SlotBook(settings.eject_seconds)
+    metrics = ProxyMetrics(primary=settings.worker is None or settings.worker.index == 0)
+    book = SlotBook(
+        settings.eject_seconds,
+        shared=shared.ejections if shared is not None else None,
+        shared_in_flight=shared.in_flight if shared is not None else None,
+    )
     local = settings.local_decode
     build: SlotBuilder = build_slot_table
     if local is not None:
@@ -119,7 +130,7 @@ def create_app(settings: ProxySettings, lifecycle: Lifecycle | None = None) -> G
     )
     dispatcher = Dispatcher(
         served,
-        make_policy(settings.policy),
+        make_policy(settings.policy, shared.counters if shared is not None else None),
         book,
         upstream,
         metrics,
@@ -128,8 +139,19 @@ def create_app(settings: ProxySettings, lifecycle: Lifecycle | None = None) -> G
         settings.backend_api_key,
         settings.kv_lease_seconds,
         settings.max_fan_out,
+        AdmissionGate(
+            settings.max_per_slot,  # router-wide: with workers the legs in flight are shared
+            settings.admission_queue,
+            settings.admission_timeout,
+            metrics,
+            # Room freed by another worker's leg wakes nobody here: look again this often.
+            poll_seconds=ADMISSION_POLL_S if shared is not None else None,
+        ),
+        shared,
     )
     tasks: list[asyncio.Task[None]] = []
+
+    views_server: list[asyncio.AbstractServer] = []
 
     @app.before_serving
     async def start() -> None:
@@ -137,9 +159,13 @@ def create_app(settings: ProxySettings, lifecycle: Lifecycle | None = None) -> G
         if source.load_now is not None:
             source.load_now()
         tasks.append(asyncio.create_task(source.run()))
+        if worker is not None and worker.count > 1:
+            views_server.append(await serve_views(worker, local_views))
 
     @app.after_serving
     async def stop() -> None:
+        for server in views_server:
+            server.close()
         for task in tasks:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -192,7 +218,7 @@ def create_app(settings: ProxySettings, lifecycle: Lifecycle | None = None) -> G
             reason = sidecar_not_ready_reason(served, local)
             if reason is None:
                 reason = await local_engine_problem(upstream.session, local)
-        if lifecycle.stopping:
+        if lifecycle.stopping or (shared is not None and shared.stopping()):
             reason = "shutting down (SIGTERM): finishing in-flight requests, taking no new ones"
         payload: dict[str, Any] = {
             "ready": reason is None,
@@ -206,17 +232,9 @@ def create_app(settings: ProxySettings, lifecycle: Lifecycle | None = None) -> G
             payload["reason"] = reason
         return json_response(payload, 200 if reason is None else 503)
 
-    @app.get("/routing/served")
-    async def routing_served() -> Response:
-        return json_response(served_view(served, book))
+    worker = settings.worker
 
-    @app.get("/metrics")
-    async def prometheus() -> Response:
-        body, content_type = metrics.render()
-        return Response(body, content_type=content_type)
-
-    @app.get("/debug/routing")
-    async def debug_routing() -> Response:
+    def debug_view() -> dict[str, Any]:
         state = served.current
         out: dict[str, Any] = {
             "source": served.source,
@@ -250,7 +268,47 @@ def create_app(settings: ProxySettings, lifecycle: Lifecycle | None = None) -> G
                     }
                 )
             out["slots"][role.value] = rows
-        return json_response(out)
+        return out
+
+    local_views: Views = {
+        "served": lambda: {
+            **served_view(served, book),
+            "worker": worker.index if worker else 0,
+            "requests": dispatcher.served_requests,
+        },
+        "debug": lambda: {
+            **debug_view(),
+            "worker": worker.index if worker else 0,
+            "loaded_at": served.loaded_at,
+        },
+    }
+
+    async def router_view(name: str, merge: Callable[[list[dict[str, Any]]], dict[str, Any]]) -> Response:
+        """This worker's view, or with several workers every worker's, merged (fanin.py)."""
+        if worker is None or worker.count == 1:
+            view = local_views[name]()
+            view.pop("worker", None)
+            view.pop("requests", None)
+            if name == "debug":
+                view.pop("loaded_at", None)
+            return json_response(view)
+        try:
+            return json_response(merge(await gather_views(worker, name, local_views[name])))
+        except FanInError as exc:
+            return openai_error(503, f"cannot answer for the whole router: {exc}", "fan_in_failed")
+
+    @app.get("/routing/served")
+    async def routing_served() -> Response:
+        return await router_view("served", merge_served)
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        body, content_type = metrics.render()
+        return Response(body, content_type=content_type)
+
+    @app.get("/debug/routing")
+    async def debug_routing() -> Response:
+        return await router_view("debug", merge_debug)
 
     @app.get("/v1/models")
     async def models() -> Response:

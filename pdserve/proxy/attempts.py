@@ -24,17 +24,22 @@ import math
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pdserve.proxy.health import SlotBook
 from pdserve.proxy.reply import Reply, error_reply
 from pdserve.proxy.upstream import LegError
 from pdserve.routing import Role, Slot, SlotTable
 
+if TYPE_CHECKING:
+    from pdserve.proxy.shared import SharedDeadlines
+
 #: Outcomes that are the connection's failure, not one engine rank's: the whole instance is ejected.
 TRANSPORT_OUTCOMES = frozenset({"connect_error", "dropped"})
 #: The request never reached the instance: it is unreachable, and a handoff sent to it is intact.
 UNREACHABLE_OUTCOME = "connect_error"
+#: The engine is saturated (503/429): try another slot, but this one is not failing (no ejection).
+BUSY_OUTCOME = "busy"
 
 
 class LegFailure(Exception):
@@ -68,25 +73,40 @@ def handoff_reusable(
 
 
 class Unreachable:
-    """Instances that refused a connection within the cool-down; they are not routed to."""
+    """Instances that refused a connection within the cool-down; they are not routed to. With
+    worker processes the marks are shared (``shared``): one worker's refused connection keeps
+    every worker away from the instance."""
 
-    def __init__(self, seconds: float, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        seconds: float,
+        clock: Callable[[], float] = time.monotonic,
+        shared: SharedDeadlines | None = None,
+    ) -> None:
         self.seconds = seconds
         self._clock = clock
+        self._shared = shared
         self._until: dict[tuple[Role, str], float] = {}
         self._latest = 0.0  # nothing is unreachable once the clock has passed it
 
     def mark(self, role: Role, name: str) -> None:
-        until = self._clock() + self.seconds
+        now = self._clock()
+        until = now + self.seconds
         self._until[(role, name)] = until
         self._latest = max(self._latest, until)
+        if self._shared is not None:
+            self._shared.extend(_shared_key(role, name), until, now)
 
     def down_for(self, role: Role, name: str) -> float:
         """Seconds until the instance is tried again (0: reachable)."""
-        until = self._until.get((role, name))
-        if until is None:
+        if self._shared is not None:
+            until = self._shared.until(_shared_key(role, name))
+            if until > self._clock():
+                self._until[(role, name)] = until  # listed by this worker's snapshot too
+        found = self._until.get((role, name))
+        if found is None:
             return 0.0
-        left = until - self._clock()
+        left = found - self._clock()
         if left <= 0:
             del self._until[(role, name)]
             return 0.0
@@ -94,6 +114,8 @@ class Unreachable:
 
     def any(self) -> bool:
         """False when no instance is unreachable: one clock read, the common case."""
+        if self._shared is not None:
+            return self._shared.latest() > self._clock()
         return self._latest > self._clock()
 
     def reachable(self, role: Role, slot: Slot) -> bool:
@@ -112,6 +134,10 @@ class Unreachable:
             if left:
                 out.setdefault(role.value, {})[name] = round(left, 3)
         return out
+
+
+def _shared_key(role: Role, name: str) -> str:
+    return f"{role.value}/{name}"
 
 
 def next_candidate(
@@ -169,4 +195,6 @@ def failure_reply(failure: LegFailure, attempts: int) -> Reply:
         return error_reply(502, message, "bad_kv_handoff")
     if error.outcome == "timeout":
         return error_reply(504, message, f"{failure.role.value}_timeout")
+    if error.outcome == BUSY_OUTCOME:
+        return error_reply(503, message, f"{failure.role.value}_busy", retry_after_header(1))
     return error_reply(502, message, f"{failure.role.value}_unavailable")

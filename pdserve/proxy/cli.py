@@ -4,8 +4,8 @@ Each generation request (/v1/completions, /v1/chat/completions) goes to a prefil
 (with the prefill's KV handoff) to a decode slot, whose answer is streamed back. Slots are
 (instance, data-parallel rank) pairs read from the routing table, which comes from exactly one
 source: --routing-configmap (list+watch of the ConfigMap through the API server, in a cluster)
-or --routing-file (a watched file, for local mode and tests). One process, one event loop: the
-flat-interleaved counter is the process's only counter.
+or --routing-file (a watched file, for local mode and tests). --workers processes (default: the
+CPUs available) share the port and one flat-interleaved counter per role in shared memory.
 
 Environment variables give defaults for the main flags (a flag wins): PDSERVE_ROUTING_FILE,
 PDSERVE_ROUTING_CONFIGMAP, KUBECONFIG, PDSERVE_PROXY_HOST, PDSERVE_PROXY_PORT, PDSERVE_PROXY_POLICY,
@@ -25,6 +25,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from pdserve.proxy.cpus import available_cpus
 from pdserve.proxy.policies import DEFAULT_POLICY, POLICIES
 from pdserve.proxy.settings import (
     DEFAULT_DECODE_TTFB_S,
@@ -32,7 +33,10 @@ from pdserve.proxy.settings import (
     DEFAULT_KV_LEASE_S,
     DEFAULT_MAX_BODY_BYTES,
     DEFAULT_MAX_FAN_OUT,
+    DEFAULT_MAX_PER_SLOT,
     DEFAULT_PREFILL_TTFB_S,
+    DEFAULT_QUEUE_SIZE,
+    DEFAULT_QUEUE_TIMEOUT_S,
     DEFAULT_SHUTDOWN_GRACE_S,
     DEFAULT_STREAM_IDLE_S,
     HTTP_SERVERS,
@@ -110,8 +114,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--http-server",
         choices=HTTP_SERVERS,
         default=_env("PROXY_HTTP_SERVER", DEFAULT_HTTP_SERVER),
-        help="ASGI server: hypercorn, or uvicorn with httptools (less CPU per request); both on uvloop "
-        "with the same backlog, keep-alive and grace period (default %(default)s) [env PROXY_HTTP_SERVER]",
+        help="ASGI server: uvicorn with httptools (a third less CPU per request), or hypercorn; both on "
+        "uvloop with the same backlog, keep-alive and grace period (default %(default)s) "
+        "[env PROXY_HTTP_SERVER]",
     )
     add(
         "--backlog",
@@ -258,6 +263,35 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "slot an exact share (default %(default)s) [env PDSERVE_INSTANCE_INDEX]",
     )
     add(
+        "--max-per-slot",
+        type=int,
+        default=int(_env("PDSERVE_PROXY_MAX_PER_SLOT", str(DEFAULT_MAX_PER_SLOT)) or 0),
+        help="most legs in flight per slot (one engine rank), router-wide; a request whose slots are "
+        "full waits in the admission queue; 0: no limit (default %(default)s) "
+        "[env PDSERVE_PROXY_MAX_PER_SLOT]",
+    )
+    add(
+        "--admission-queue",
+        type=int,
+        default=DEFAULT_QUEUE_SIZE,
+        help="requests that may wait for a slot with room (per worker); more get 429 with Retry-After "
+        "(default %(default)s)",
+    )
+    add(
+        "--admission-timeout",
+        type=float,
+        default=DEFAULT_QUEUE_TIMEOUT_S,
+        help="seconds a request may wait in the admission queue before it gets 429 (default %(default)s)",
+    )
+    add(
+        "--workers",
+        type=int,
+        default=int(_env("PDSERVE_PROXY_WORKERS", "0") or 0),
+        help="worker processes sharing the port (SO_REUSEPORT), one routing counter per role in shared "
+        "memory; 0: the CPUs available to the process (affinity and cgroup cpu.max) "
+        "[env PDSERVE_PROXY_WORKERS]",
+    )
+    add(
         "--log-level",
         default=_env("PDSERVE_PROXY_LOG_LEVEL", "info"),
         choices=["debug", "info", "warning", "error"],
@@ -363,6 +397,10 @@ def settings_from_args(args: argparse.Namespace) -> ProxySettings:
         admin_port=args.admin_port,
         admin_host=args.admin_host or None,
         local_decode=local_decode(args),
+        max_per_slot=max(0, args.max_per_slot),
+        admission_queue=max(0, args.admission_queue),
+        admission_timeout=max(0.0, args.admission_timeout),
+        workers=args.workers if args.workers > 0 else available_cpus(),
     )
 
 
@@ -380,6 +418,10 @@ def run(args: argparse.Namespace) -> int:
         format="%(asctime)s %(levelname)s %(name)s %(message)s",
         stream=sys.stderr,
     )
+    if settings.workers > 1:
+        from pdserve.proxy.workers import run_workers  # forks before the server's imports
+
+        return run_workers(settings)
     from pdserve.proxy.server import run_server  # heavy imports only once the flags are valid
 
     run_server(settings)

@@ -22,6 +22,14 @@ import time
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+from pdserve.proxy.admission import (
+    SHED_QUEUE_FULL,
+    SHED_QUEUE_TIMEOUT,
+    AdmissionGate,
+    has_room,
+    room_first,
+    shed_reply,
+)
 from pdserve.proxy.attempts import (
     UNREACHABLE_OUTCOME,
     LegFailure,
@@ -40,12 +48,15 @@ from pdserve.proxy.relay import RelayStream
 from pdserve.proxy.reply import JSON, Reply, ReplyStream, error_reply
 from pdserve.proxy.served import RoutingState, ServedTable
 from pdserve.proxy.settings import DEFAULT_KV_LEASE_S, DEFAULT_MAX_FAN_OUT
+from pdserve.proxy.shared import SharedState
 from pdserve.proxy.upstream import BackendRefusal, Upstream
 from pdserve.routing import Role, Slot, SlotTable
 
 __all__ = ["Deadlines", "Dispatcher", "LegFailure", "RelayStream", "Reply"]
 
 log = logging.getLogger("pdserve.proxy.request")
+
+SHED_REASONS = frozenset({SHED_QUEUE_FULL, SHED_QUEUE_TIMEOUT})
 
 
 class Dispatcher(LegRunner):
@@ -61,8 +72,10 @@ class Dispatcher(LegRunner):
         backend_api_key: str | None,
         kv_lease_seconds: float = DEFAULT_KV_LEASE_S,
         max_fan_out: int = DEFAULT_MAX_FAN_OUT,
+        admission: AdmissionGate | None = None,
+        shared: SharedState | None = None,
     ) -> None:
-        super().__init__(book, upstream, metrics, deadlines, backend_api_key)
+        super().__init__(book, upstream, metrics, deadlines, backend_api_key, admission, shared)
         self.served = served
         self.policy = policy
         self.max_retries = max_retries
@@ -70,6 +83,8 @@ class Dispatcher(LegRunner):
         self.max_fan_out = max_fan_out
         self._ids_in_flight: dict[str, int] = {}
         self._renamed = 0
+        self._claims = shared.claims if shared is not None else None  # worker processes
+        self.served_requests = 0  # generation requests this process took (admin views)
 
     # --- the request ----------------------------------------------------------------------------
 
@@ -82,6 +97,7 @@ class Dispatcher(LegRunner):
         fan: FanOut | None = None,
     ) -> Reply:
         trace = Trace(request_id, path, body.get("stream") is True, engine_base=self._claim(request_id))
+        self.served_requests += 1
         self.metrics.in_flight.inc()
         state = self.served.current  # this request's table, whatever reloads happen meanwhile
         try:
@@ -96,10 +112,7 @@ class Dispatcher(LegRunner):
             self._close(trace, 500, "proxy_error")
             raise
         if isinstance(reply.body, bytes):
-            outcome = (
-                "ok" if reply.status < 400 else "client_error" if reply.status < 500 else "upstream_error"
-            )
-            self._close(trace, reply.status, "no_slot" if reply.status == 503 else outcome)
+            self._close(trace, reply.status, reply_outcome(reply))
         return reply
 
     async def _serve(
@@ -128,6 +141,13 @@ class Dispatcher(LegRunner):
                     Role.DECODE, slots, [d for rev in pairable for d in slots.decode_for(rev)]
                 )
             prefills = [s for s in prefills if pairable[s.revision]]
+        gate = self.admission
+        limit = gate.limit
+        if limit > 0:
+            shed = await gate.admit(lambda: _room_for_pair(slots, prefills, book, limit))
+            if shed is not None:
+                return shed_reply(shed, gate.queue_size, gate.timeout)
+            prefills = room_first(Role.PREFILL, prefills, book, limit)
         prefill = next_candidate(Role.PREFILL, prefills, book, unreachable)
         assert prefill is not None
         decodes: dict[str, list[Slot]] = {}  # per revision: its decode candidates not tried yet
@@ -135,8 +155,11 @@ class Dispatcher(LegRunner):
 
         def decode_for(revision: str) -> Slot | None:
             if revision not in current:
-                decodes[revision] = self.policy.candidates(
-                    Role.DECODE, slots.decode_for(revision), book, revision
+                decodes[revision] = room_first(
+                    Role.DECODE,
+                    self.policy.candidates(Role.DECODE, slots.decode_for(revision), book, revision),
+                    book,
+                    limit,
                 )
                 current[revision] = next_candidate(Role.DECODE, decodes[revision], book, unreachable)
             return current[revision]
@@ -242,7 +265,12 @@ class Dispatcher(LegRunner):
 
     def _claim(self, request_id: str) -> str:
         """The stem of the legs' request ids: the client's id, suffixed while another request
-        with the same id is in flight (two clients, or one, may send the same X-Request-Id)."""
+        with the same id is in flight (two clients, or one, may send the same X-Request-Id; with
+        worker processes, on any worker)."""
+        if self._claims is not None:
+            if self._claims.claim(request_id) == 0:
+                return request_id
+            return f"{request_id}.{self._claims.rename()}"
         count = self._ids_in_flight.get(request_id, 0)
         self._ids_in_flight[request_id] = count + 1
         if count == 0:
@@ -251,6 +279,9 @@ class Dispatcher(LegRunner):
         return f"{request_id}.{self._renamed}"
 
     def _release(self, request_id: str) -> None:
+        if self._claims is not None:
+            self._claims.release(request_id)
+            return
         count = self._ids_in_flight.pop(request_id, 1) - 1
         if count > 0:
             self._ids_in_flight[request_id] = count
@@ -299,6 +330,34 @@ class Dispatcher(LegRunner):
             (now - trace.started) * 1000,
             extra,
         )
+
+
+def reply_outcome(reply: Reply) -> str:
+    """The ``requests_total`` outcome of a buffered reply."""
+    if reply.reason in SHED_REASONS:
+        return "shed"
+    if reply.reason is not None and reply.reason.endswith("_busy"):
+        return "busy"
+    if reply.status == 503:
+        return "no_slot"
+    return "ok" if reply.status < 400 else "client_error" if reply.status < 500 else "upstream_error"
+
+
+def _room_for_pair(slots: SlotTable, prefills: Sequence[Slot], book: SlotBook, limit: int) -> bool:
+    """Whether some prefill candidate has room and so does a decode of its revision."""
+    decode_room: dict[str, bool] = {}
+    for prefill in prefills:
+        if not has_room(Role.PREFILL, prefill, book, limit):
+            continue
+        revision = prefill.revision
+        room = decode_room.get(revision)
+        if room is None:
+            room = decode_room[revision] = any(
+                has_room(Role.DECODE, d, book, limit) for d in slots.decode_for(revision)
+            )
+        if room:
+            return True
+    return False
 
 
 async def _close_streams(replies: Iterable[Reply]) -> None:

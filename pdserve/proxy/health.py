@@ -16,8 +16,12 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from pdserve.routing import Role
+
+if TYPE_CHECKING:
+    from pdserve.proxy.shared import SharedDeadlines, SharedInFlight
 
 
 @dataclass
@@ -33,9 +37,17 @@ class SlotState:
 class SlotBook:
     """Counters per (role, slot key); keys survive table reloads so counts stay comparable."""
 
-    def __init__(self, eject_seconds: float, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        eject_seconds: float,
+        clock: Callable[[], float] = time.monotonic,
+        shared: SharedDeadlines | None = None,
+        shared_in_flight: SharedInFlight | None = None,
+    ) -> None:
         self.eject_seconds = eject_seconds
         self._clock = clock
+        self._shared = shared  # worker processes: cool-downs are the router's, not one worker's
+        self._shared_in_flight = shared_in_flight  # ... and so are the legs in flight per slot
         self._states: dict[tuple[Role, str], SlotState] = {}
         self._last_cool_down_end = 0.0  # no slot is ejected once the clock has passed it
 
@@ -46,25 +58,39 @@ class SlotBook:
         return entry
 
     def in_flight(self, role: Role, key: str) -> int:
+        """Legs in flight on the slot, router-wide (every worker's); ``state().in_flight`` is this
+        process's own."""
+        if self._shared_in_flight is not None:
+            return self._shared_in_flight.total(f"{role.value}/{key}")
         return self.state(role, key).in_flight
 
+    def _until(self, role: Role, key: str) -> float:
+        if self._shared is not None:
+            return self._shared.until(f"{role.value}/{key}")
+        return self.state(role, key).ejected_until
+
     def ejected(self, role: Role, key: str) -> bool:
-        return self.state(role, key).ejected_until > self._clock()
+        return self._until(role, key) > self._clock()
 
     def any_ejected(self) -> bool:
         """False when no slot of any role is cooling down: one clock read, not one per slot."""
+        if self._shared is not None:
+            return self._shared.latest() > self._clock()
         return self._last_cool_down_end > self._clock()
 
     def ejected_for(self, role: Role, key: str) -> float:
         """Seconds of cool-down left (0 when the slot is healthy)."""
-        return max(0.0, self.state(role, key).ejected_until - self._clock())
+        return max(0.0, self._until(role, key) - self._clock())
 
     def eject(self, role: Role, key: str) -> bool:
-        """Start (or extend) the cool-down; True when the slot was healthy until now."""
+        """Start (or extend) the cool-down; True when the slot was healthy until now (with
+        workers: in every worker; exactly one of them counts the ejection)."""
         entry = self.state(role, key)
         now = self._clock()
         newly = entry.ejected_until <= now
         entry.ejected_until = now + self.eject_seconds
+        if self._shared is not None:
+            newly = self._shared.extend(f"{role.value}/{key}", entry.ejected_until, now)
         self._last_cool_down_end = max(self._last_cool_down_end, entry.ejected_until)
         if newly:
             entry.ejections += 1
@@ -74,10 +100,14 @@ class SlotBook:
         entry = self.state(role, key)
         entry.requests += 1
         entry.in_flight += 1
+        if self._shared_in_flight is not None:
+            self._shared_in_flight.add(f"{role.value}/{key}", 1)
 
     def finished(self, role: Role, key: str, ok: bool) -> None:
         entry = self.state(role, key)
         entry.in_flight -= 1
+        if self._shared_in_flight is not None:
+            self._shared_in_flight.add(f"{role.value}/{key}", -1)
         if not ok:
             entry.errors += 1
 

@@ -9,20 +9,29 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
 import time
-import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from pdserve.proxy import codec
-from pdserve.proxy.attempts import TRANSPORT_OUTCOMES, UNREACHABLE_OUTCOME, Handoff, LegFailure, Unreachable
+from pdserve.proxy.admission import AdmissionGate
+from pdserve.proxy.attempts import (
+    BUSY_OUTCOME,
+    TRANSPORT_OUTCOMES,
+    UNREACHABLE_OUTCOME,
+    Handoff,
+    LegFailure,
+    Unreachable,
+)
 from pdserve.proxy.connectors import Connector, LegPlan
 from pdserve.proxy.health import SlotBook
 from pdserve.proxy.metrics import ProxyMetrics
 from pdserve.proxy.relay import RelayStream
 from pdserve.proxy.reply import JSON, Reply
 from pdserve.proxy.served import RoutingState
+from pdserve.proxy.shared import SharedState
 from pdserve.proxy.upstream import Answer, BackendRefusal, LegError, Upstream
 from pdserve.routing import Role, Slot
 from pdserve.wire.headers import AUTHORIZATION, DP_RANK, REQUEST_ID
@@ -69,13 +78,18 @@ class LegRunner:
         metrics: ProxyMetrics,
         deadlines: Deadlines,
         backend_api_key: str | None,
+        admission: AdmissionGate | None = None,
+        shared: SharedState | None = None,
     ) -> None:
         self.book = book
+        self.admission = admission or AdmissionGate(0, 0, 0.0, metrics)
         self.upstream = upstream
         self.metrics = metrics
         self.deadlines = deadlines
         self.backend_api_key = backend_api_key
-        self.unreachable = Unreachable(book.eject_seconds)
+        self.unreachable = Unreachable(
+            book.eject_seconds, shared=shared.unreachable if shared is not None else None
+        )
 
     def _close(self, trace: Trace, status: int, outcome: str) -> None:
         """The end of a request (the dispatcher counts and logs it)."""
@@ -94,9 +108,7 @@ class LegRunner:
         connector = state.connector
         handoff = trace.handoff
         next_prefill = trace.prefill_legs + (0 if handoff is not None else 1)
-        ids = connector.ids(
-            trace.engine_base, next_prefill, trace.decode_legs + 1, prefill, decode, uuid.uuid4().hex
-        )
+        ids = connector.ids(trace.engine_base, next_prefill, trace.decode_legs + 1, prefill, decode, _uid())
         if not connector.concurrent:
             if handoff is None:
                 trace.prefill_legs += 1
@@ -242,13 +254,17 @@ class LegRunner:
         self.metrics.child(self.metrics.slot_in_flight, role.value, slot.key).inc()
 
     def _leg_finished(self, role: Role, slot: Slot, outcome: str) -> None:
-        ok = outcome in ("ok", "cancelled") or outcome.startswith("http_4")
+        ok = outcome in ("ok", "cancelled", BUSY_OUTCOME) or outcome.startswith("http_4")
         self.book.finished(role, slot.key, ok)
+        self.admission.release()
         self.metrics.child(self.metrics.slot_in_flight, role.value, slot.key).dec()
         self.metrics.child(self.metrics.upstream, role.value, slot.key, outcome).inc()
 
     def _eject(self, role: Role, slot: Slot, outcome: str = "") -> None:
-        """A connection failure ejects every slot of the instance; any other failure, the slot."""
+        """A connection failure ejects every slot of the instance; a busy engine nothing; any other
+        failure, the slot."""
+        if outcome == BUSY_OUTCOME:
+            return
         if outcome not in TRANSPORT_OUTCOMES:
             if self.book.eject(role, slot.key):
                 self.metrics.ejections.labels(role.value, slot.key).inc()
@@ -278,6 +294,11 @@ class LegRunner:
                 "no" if outcome == UNREACHABLE_OUTCOME else "last-resort",
                 self.book.eject_seconds,
             )
+
+
+def _uid() -> str:
+    """A transfer id (MoRIIO): 128 random bits as uuid4's hex, without a system call per attempt."""
+    return f"{random.getrandbits(128):032x}"
 
 
 def _kv_transfer_params(answer: Answer) -> Mapping[str, Any] | None:

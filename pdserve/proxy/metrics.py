@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.multiprocess import MultiProcessCollector
+
+#: Set by pdserve.proxy.workers before prometheus_client is imported: values go to files there.
+MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
 M = TypeVar("M", Counter, Gauge, Histogram)
 
@@ -14,9 +19,23 @@ M = TypeVar("M", Counter, Gauge, Histogram)
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 
 
+class _Silent:
+    """A counter that counts nothing: a table source's events are counted by one worker only."""
+
+    def labels(self, *_: str) -> _Silent:
+        return self
+
+    def inc(self, amount: float = 1) -> None:
+        pass
+
+
 class ProxyMetrics:
-    def __init__(self) -> None:
+    def __init__(self, primary: bool = True) -> None:
+        """``primary``: this process counts the table source's events (loads, rejections, watch
+        restarts and errors); with worker processes only the first does, since every worker
+        reads the same source and the router loaded each table once."""
         self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
+        self._unpaired_labels: set[tuple[str, str]] = set()
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.requests = Counter(
@@ -46,23 +65,61 @@ class ProxyMetrics:
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
-        self.in_flight = Gauge("pdserve_proxy_in_flight", "Client requests being served", registry=r)
+        # multiprocess_mode says how worker processes' values combine (pdserve.proxy.workers);
+        # a single process ignores it.
+        self.in_flight = Gauge(
+            "pdserve_proxy_in_flight", "Client requests being served", registry=r, multiprocess_mode="livesum"
+        )
         self.slot_in_flight = Gauge(
-            "pdserve_proxy_slot_in_flight", "Upstream legs in flight per slot", ["role", "slot"], registry=r
+            "pdserve_proxy_slot_in_flight",
+            "Upstream legs in flight per slot",
+            ["role", "slot"],
+            registry=r,
+            multiprocess_mode="livesum",
         )
         self.generation = Gauge(
-            "pdserve_proxy_routing_generation", "Generation of the routing table being served", registry=r
+            "pdserve_proxy_routing_generation",
+            "Generation of the routing table being served (with workers: the oldest any worker serves)",
+            registry=r,
+            multiprocess_mode="livemin",
         )
-        self.slots = Gauge("pdserve_proxy_routing_slots", "Routable slots per role", ["role"], registry=r)
+        self.slots = Gauge(
+            "pdserve_proxy_routing_slots",
+            "Routable slots per role",
+            ["role"],
+            registry=r,
+            multiprocess_mode="livemostrecent",
+        )
         self.loaded_at = Gauge(
             "pdserve_proxy_routing_loaded_timestamp_seconds",
-            "Unix time the served routing table was loaded",
+            "Unix time the served routing table was loaded (with workers: the earliest of theirs)",
             registry=r,
+            multiprocess_mode="livemin",
         )
         self.unpaired = Gauge(
             "pdserve_proxy_routing_unpaired_slots",
             "Ready slots of a revision that the other role lacks: they take no traffic",
             ["role", "revision"],
+            registry=r,
+            multiprocess_mode="livemostrecent",
+        )
+        self.queue_depth = Gauge(
+            "pdserve_proxy_admission_queue_depth",
+            "Requests waiting for a slot with room (per-slot limit reached)",
+            registry=r,
+            multiprocess_mode="livesum",
+        )
+        self.queue_wait = Histogram(
+            "pdserve_proxy_admission_wait_seconds",
+            "Time requests waited in the admission queue (admitted or shed)",
+            buckets=(0.001, 0.005, 0.025, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120),
+            registry=r,
+        )
+        self.shed = Counter(
+            "pdserve_proxy_shed_requests",
+            "Requests answered 429 because the admission queue was full (queue_full) or their wait "
+            "passed the deadline (queue_timeout)",
+            ["reason"],
             registry=r,
         )
         self.reloads = Counter(
@@ -78,6 +135,7 @@ class ProxyMetrics:
             "1 while the table source is read and holds a table, 0 while it cannot be read or the "
             "ConfigMap is missing",
             registry=r,
+            multiprocess_mode="livemin",
         )
         self.watch_restarts = Counter(
             "pdserve_proxy_routing_watch_restarts",
@@ -129,11 +187,18 @@ class ProxyMetrics:
             registry=r,
         )
 
+        if not primary:
+            silent = cast(Counter, _Silent())
+            self.reloads = self.reload_errors = self.watch_restarts = self.watch_errors = silent
+
     def set_unpaired(self, unpaired: Iterable[tuple[str, str, int]]) -> None:
         """(role, revision, slots) of the table now served; revisions no longer unpaired drop out."""
-        self.unpaired.clear()
-        for role, revision, slots in unpaired:
-            self.unpaired.labels(role, revision).set(slots)
+        now = {(role, revision): slots for role, revision, slots in unpaired}
+        for labels in self._unpaired_labels - now.keys():
+            self.unpaired.labels(*labels).set(0)  # clear() is not offered in multiprocess mode
+        for labels, slots in now.items():
+            self.unpaired.labels(*labels).set(slots)
+        self._unpaired_labels = set(now)
 
     def child(self, metric: M, *labels: str) -> M:
         """``metric.labels(*labels)``, cached: the hot path touches a few children per request."""
@@ -144,4 +209,21 @@ class ProxyMetrics:
         return found  # type: ignore[no-any-return]
 
     def render(self) -> tuple[bytes, str]:
-        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+        """This registry's metrics; with worker processes every worker's, combined (Prometheus
+        multiprocess mode: each worker writes its values to files in PROMETHEUS_MULTIPROC_DIR)."""
+        directory = os.environ.get(MULTIPROC_ENV)
+        if not directory:
+            return generate_latest(self.registry), CONTENT_TYPE_LATEST
+        registry = CollectorRegistry()
+        MultiProcessCollector(registry, directory)  # type: ignore[no-untyped-call]
+        body = generate_latest(registry)
+        # Families no worker has a sample of yet are absent from the files: list them as a
+        # single process does (HELP and TYPE), so the exposition does not depend on the traffic.
+        present = {family.name for family in registry.collect()}
+        missing = []
+        for family in self.registry.collect():
+            if family.name not in present:
+                name = f"{family.name}_total" if family.type == "counter" else family.name
+                doc = family.documentation.replace("\\", "\\\\").replace("\n", "\\n")
+                missing.append(f"# HELP {name} {doc}\n# TYPE {name} {family.type}\n")
+        return body + "".join(missing).encode(), CONTENT_TYPE_LATEST

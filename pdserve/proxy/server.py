@@ -1,4 +1,4 @@
-"""Serving: Hypercorn (default) or uvicorn on uvloop, sized for bursts and multi-minute streams,
+"""Serving: uvicorn (default) or Hypercorn on uvloop, sized for bursts and multi-minute streams,
 graceful on SIGTERM.
 
 Quart's debug server listens with a backlog of 100 and reset about 16% of a 512-connection
@@ -16,7 +16,7 @@ import logging
 import math
 import signal
 import socket
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 
 import uvicorn
 from hypercorn.asyncio import serve as hypercorn_serve
@@ -25,13 +25,14 @@ from hypercorn.config import Config as HypercornConfig
 from pdserve.proxy.app import Lifecycle, create_app
 from pdserve.proxy.generation import GenerationApp
 from pdserve.proxy.settings import ProxySettings
+from pdserve.proxy.shared import SharedState
 
 log = logging.getLogger("pdserve.proxy")
 
 
 def hypercorn_config(settings: ProxySettings) -> HypercornConfig:
     config = HypercornConfig()
-    config.bind = [f"[{host}]:{port}" if ":" in host else f"{host}:{port}" for host, port in _binds(settings)]
+    config.bind = [f"[{host}]:{port}" if ":" in host else f"{host}:{port}" for host, port in binds(settings)]
     config.backlog = settings.backlog
     config.keep_alive_timeout = settings.keep_alive_seconds  # idle client connections between requests
     config.graceful_timeout = settings.grace_seconds
@@ -42,8 +43,13 @@ def hypercorn_config(settings: ProxySettings) -> HypercornConfig:
     return config
 
 
-async def _serve_hypercorn(app: GenerationApp, settings: ProxySettings, stop: asyncio.Event) -> None:
-    await hypercorn_serve(app, hypercorn_config(settings), shutdown_trigger=stop.wait)  # type: ignore[arg-type]
+async def _serve_hypercorn(
+    app: GenerationApp, settings: ProxySettings, stop: asyncio.Event, sockets: Sequence[socket.socket]
+) -> None:
+    config = hypercorn_config(settings)
+    if sockets:  # a worker's own SO_REUSEPORT sockets (pdserve.proxy.workers)
+        config.bind = [f"fd://{sock.fileno()}" for sock in sockets]
+    await hypercorn_serve(app, config, shutdown_trigger=stop.wait)  # type: ignore[arg-type]
 
 
 def uvicorn_config(app: GenerationApp, settings: ProxySettings) -> uvicorn.Config:
@@ -76,7 +82,7 @@ class _UvicornServer(uvicorn.Server):
         yield
 
 
-def _binds(settings: ProxySettings) -> list[tuple[str, int]]:
+def binds(settings: ProxySettings) -> list[tuple[str, int]]:
     """The client address and port, then the admin ones when there is an admin port (ports.py
     decides what each serves)."""
     binds = [(settings.host, settings.port)]
@@ -85,18 +91,25 @@ def _binds(settings: ProxySettings) -> list[tuple[str, int]]:
     return binds
 
 
-def _listen(host: str, port: int, backlog: int) -> socket.socket:
+def listen(host: str, port: int, backlog: int, reuse_port: bool = False) -> socket.socket:
+    """A listening socket; with ``reuse_port`` one of several on the same address, among which
+    the kernel spreads new connections (SO_REUSEPORT: one per worker)."""
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if reuse_port:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     sock.bind((host, port))
     sock.listen(backlog)
     return sock
 
 
-async def _serve_uvicorn(app: GenerationApp, settings: ProxySettings, stop: asyncio.Event) -> None:
+async def _serve_uvicorn(
+    app: GenerationApp, settings: ProxySettings, stop: asyncio.Event, given: Sequence[socket.socket]
+) -> None:
     server = _UvicornServer(uvicorn_config(app, settings))
     # One server on every port (one lifespan, one app); uvicorn binds a single host:port itself.
-    sockets = [_listen(host, port, settings.backlog) for host, port in _binds(settings)]
+    sockets = list(given) or [listen(host, port, settings.backlog) for host, port in binds(settings)]
 
     async def relay_stop() -> None:
         await stop.wait()
@@ -111,19 +124,23 @@ async def _serve_uvicorn(app: GenerationApp, settings: ProxySettings, stop: asyn
             sock.close()
 
 
-SERVERS: dict[str, Callable[[GenerationApp, ProxySettings, asyncio.Event], Awaitable[None]]] = {
+SERVERS: dict[
+    str, Callable[[GenerationApp, ProxySettings, asyncio.Event, Sequence[socket.socket]], Awaitable[None]]
+] = {
     "hypercorn": _serve_hypercorn,
     "uvicorn": _serve_uvicorn,
 }
 
 
-async def serve_until_signalled(settings: ProxySettings) -> None:
+async def serve_until_signalled(
+    settings: ProxySettings, shared: SharedState | None = None, sockets: Sequence[socket.socket] = ()
+) -> None:
     """Serve until SIGTERM/SIGINT; then /ready turns 503 at once, connections are still accepted
     for ``shutdown_delay_seconds``, then the server stops accepting and in-flight requests get
     ``grace_seconds`` to finish. A second signal skips what is left of the delay."""
     serve = SERVERS[settings.http_server]
     lifecycle = Lifecycle()
-    app = create_app(settings, lifecycle)
+    app = create_app(settings, lifecycle, shared)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     delayed: list[asyncio.TimerHandle] = []
@@ -160,17 +177,19 @@ async def serve_until_signalled(settings: ProxySettings) -> None:
         settings.source,
     )
     try:
-        await serve(app, settings, stop)
+        await serve(app, settings, stop, sockets)
     finally:
         for handle in delayed:
             handle.cancel()
     log.info("pdserve proxy stopped")
 
 
-def run_server(settings: ProxySettings) -> None:
+def run_server(
+    settings: ProxySettings, shared: SharedState | None = None, sockets: Sequence[socket.socket] = ()
+) -> None:
     try:
         import uvloop
     except ImportError:  # pragma: no cover - uvloop is a dependency on every supported platform
-        asyncio.run(serve_until_signalled(settings))
+        asyncio.run(serve_until_signalled(settings, shared, sockets))
         return
-    uvloop.run(serve_until_signalled(settings))
+    uvloop.run(serve_until_signalled(settings, shared, sockets))

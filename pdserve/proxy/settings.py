@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from pdserve.proxy.fanin import WorkerInfo
 from pdserve.proxy.policies import DEFAULT_POLICY
 from pdserve.routing.sidecar import LocalDecode
 
@@ -23,8 +24,18 @@ DEFAULT_KV_LEASE_S = 30.0
 # Sequences one request may ask for (prompts x n): OpenAI's own limit for n.
 DEFAULT_MAX_FAN_OUT = 128
 # The ASGI servers the proxy can run on (pdserve.proxy.server has one function per name).
+# uvicorn (httptools) by default: Hypercorn's h11 protocol stack cost about a third more CPU per
+# request and per streamed chunk, and no Hypercorn setting removes it (bench/results/latest.md).
 HTTP_SERVERS = ("hypercorn", "uvicorn")
-DEFAULT_HTTP_SERVER = "hypercorn"
+DEFAULT_HTTP_SERVER = "uvicorn"
+# Legs in flight per slot (one engine rank). vLLM runs up to ``max_num_seqs`` (256 by
+# default) at once per rank and queues the rest itself; twice that leaves the engine its own
+# queue while a flood of clients cannot open thousands of connections to one rank.
+DEFAULT_MAX_PER_SLOT = 512
+# Requests that may wait for room; more are shed at once.
+DEFAULT_QUEUE_SIZE = 8192
+# Seconds a request may wait for room before it is shed.
+DEFAULT_QUEUE_TIMEOUT_S = 60.0
 # On SIGTERM in-flight streams get this long to finish: a long generation runs for minutes.
 DEFAULT_SHUTDOWN_GRACE_S = 120.0
 
@@ -64,6 +75,15 @@ class ProxySettings:
     admin_host: str | None = None
     #: Decode-sidecar mode: every decode leg goes to this local engine (pdserve.proxy.sidecar).
     local_decode: LocalDecode | None = None
+    #: Legs in flight per slot, router-wide (the workers count them in shared memory); 0: no limit.
+    max_per_slot: int = DEFAULT_MAX_PER_SLOT
+    #: Requests that may wait for a slot with room (per worker), and for how long.
+    admission_queue: int = DEFAULT_QUEUE_SIZE
+    admission_timeout: float = DEFAULT_QUEUE_TIMEOUT_S
+    #: Worker processes (pdserve.proxy.workers); 1 serves in this process.
+    workers: int = 1
+    #: Set in each worker process by pdserve.proxy.workers (None: the only process).
+    worker: WorkerInfo | None = None
 
     @property
     def source(self) -> str:

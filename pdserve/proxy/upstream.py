@@ -11,16 +11,20 @@ import asyncio
 from dataclasses import dataclass
 
 import aiohttp
+from yarl import URL
 
 # Idle pooled connections are kept this long; vLLM's server keeps them for 5 s by default,
 # but a closed pooled connection only costs a retry inside aiohttp, never a failed request.
 POOL_KEEPALIVE_SECONDS = 30.0
+#: Parsed upstream URLs kept (slots x endpoints; cleared past this, e.g. after many table changes).
+MAX_CACHED_URLS = 4096
 
 
 class LegError(Exception):
     """A leg that failed in a way another slot may not: retry elsewhere, eject this slot.
 
-    ``outcome`` is the metrics label: connect_error, http_5xx, dropped, timeout or bad_handoff.
+    ``outcome`` is the metrics label: connect_error, http_5xx, dropped, timeout, bad_handoff, or
+    busy (the engine answered 503 or 429: saturated, not broken; retried elsewhere, not ejected).
     """
 
     def __init__(self, outcome: str, detail: str, problems: tuple[str, ...] = ()) -> None:
@@ -58,6 +62,7 @@ class Upstream:
     def __init__(self, connect_timeout: float) -> None:
         self.connect_timeout = connect_timeout
         self._session: aiohttp.ClientSession | None = None
+        self._urls: dict[str, URL] = {}
 
     async def start(self) -> None:
         connector = aiohttp.TCPConnector(
@@ -87,11 +92,20 @@ class Upstream:
             raise RuntimeError("Upstream.start() was not awaited")
         return self._session
 
+    def url(self, text: str) -> URL:
+        """``text`` parsed once: a slot's URL plus an endpoint is the same string for every leg."""
+        found = self._urls.get(text)
+        if found is None:
+            if len(self._urls) > MAX_CACHED_URLS:
+                self._urls.clear()
+            found = self._urls[text] = URL(text)
+        return found
+
     async def post(self, url: str, payload: bytes, headers: dict[str, str], deadline: float) -> Answer:
         """One buffered request; the deadline covers the whole answer."""
         try:
             async with asyncio.timeout(deadline):
-                async with self.session.post(url, data=payload, headers=headers) as resp:
+                async with self.session.post(self.url(url), data=payload, headers=headers) as resp:
                     body = await resp.read()
                     return _checked(Answer(resp.status, body, resp.content_type))
         except aiohttp.ClientError as exc:  # first: aiohttp's connect timeout is a TimeoutError too
@@ -106,7 +120,7 @@ class Upstream:
         resp: aiohttp.ClientResponse | None = None
         try:
             async with asyncio.timeout(deadline):
-                resp = await self.session.post(url, data=payload, headers=headers)
+                resp = await self.session.post(self.url(url), data=payload, headers=headers)
                 if resp.status >= 400:
                     body = await resp.read()
                     _checked(Answer(resp.status, body, resp.content_type))
@@ -124,7 +138,13 @@ class Upstream:
             raise
 
 
+#: What a saturated engine answers (vLLM: 503 while it cannot take more, 429 from a rate limiter).
+BUSY_STATUSES = frozenset({429, 503})
+
+
 def _checked(answer: Answer) -> Answer:
+    if answer.status in BUSY_STATUSES:
+        raise LegError("busy", f"HTTP {answer.status} (busy): {_snippet(answer.body)}")
     if answer.status >= 500:
         raise LegError("http_5xx", f"HTTP {answer.status}: {_snippet(answer.body)}")
     if answer.status >= 400:

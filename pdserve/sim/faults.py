@@ -10,7 +10,9 @@ Syntax of one spec (``--fault`` and ``POST /sim/faults``)::
 ``RATE`` is the probability in [0, 1] that the fault fires on a request it applies to (default
 1). Kinds without an argument also accept ``KIND:RATE`` (``http-500:0.5``). Only
 ``slow-first-byte`` and ``slow-end`` take an argument, a delay in milliseconds
-(``slow-first-byte:2000@0.5``). ``slow-end`` is not a misbehaviour but real vLLM's timing: its
+(``slow-first-byte:2000@0.5``). ``busy`` (503) and ``busy-429`` (429) answer as a saturated
+engine does, with ``Retry-After``: a router must try another slot, not eject this one.
+``slow-end`` is not a misbehaviour but real vLLM's timing: its
 stream ends (the last chunk of the body) in a write of its own, some time after ``[DONE]``.
 Everything here is pure; the server applies the chosen fault.
 """
@@ -34,7 +36,12 @@ class FaultKind(StrEnum):
     DROP_MID_STREAM = "drop-mid-stream"
     RESET = "reset"
     SLOW_END = "slow-end"
+    BUSY = "busy"
+    BUSY_429 = "busy-429"
 
+
+#: Kinds that answer as a saturated engine, and their status.
+BUSY_STATUS = {FaultKind.BUSY: 503, FaultKind.BUSY_429: 429}
 
 #: Kinds whose argument is a delay in milliseconds.
 DELAYED = (FaultKind.SLOW_FIRST_BYTE, FaultKind.SLOW_END)

@@ -26,6 +26,7 @@ from aiohttp import web
 
 from pdserve.sim import payloads, validation
 from pdserve.sim.faults import (
+    BUSY_STATUS,
     Fault,
     FaultKind,
     FaultSpecError,
@@ -382,6 +383,12 @@ class Simulator:
             await asyncio.Future()  # until the client disconnects (the handler is cancelled)
         if kind is FaultKind.SLOW_FIRST_BYTE and fault is not None and fault.delay_ms:
             await asyncio.sleep(fault.delay_ms / 1000)
+        busy = BUSY_STATUS.get(kind) if kind is not None else None
+        if busy is not None:
+            status = busy
+            job.record["outcome"] = str(kind)
+            body = error_body(status, f"simulated saturated engine (fault {kind})")
+            return web.json_response(body, status=status, headers={"Retry-After": "1"})
         if kind is FaultKind.HTTP_500:
             job.record["outcome"] = "http-500"
             body = error_body(500, "simulated internal server error (fault http-500)")

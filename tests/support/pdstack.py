@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pdserve.proxy.settings import DEFAULT_HTTP_SERVER
 from pdserve.wire.headers import ERROR_REASON
 from pdserve.wire.openai import VALIDATION_ERROR_TYPE, error_type
 from tests.support.procs import Proc, ProcessGroup, wait_http
@@ -24,19 +25,33 @@ from tests.support.procs import Proc, ProcessGroup, wait_http
 # Tiny simulated timings: the proxy's logic is under test, not the model.
 FAST_SIM = ["--ttft-ms", "2", "--itl-ms", "1", "--tokens", "4"]
 
-# The proxy suite runs against either HTTP server: PDSERVE_TEST_HTTP_SERVER=uvicorn pytest ...
-TEST_HTTP_SERVER = os.environ.get("PDSERVE_TEST_HTTP_SERVER", "hypercorn")
+# The proxy suite runs against either HTTP server (default: the proxy's own default):
+# PDSERVE_TEST_HTTP_SERVER=hypercorn pytest ...
+TEST_HTTP_SERVER = os.environ.get("PDSERVE_TEST_HTTP_SERVER", DEFAULT_HTTP_SERVER)
+# ... and with one or several worker processes: PDSERVE_TEST_PROXY_WORKERS=2 pytest ... (make test-workers)
+TEST_WORKERS = os.environ.get("PDSERVE_TEST_PROXY_WORKERS", "1")
 
 
 def proxy_args(routing_file: Path, *extra: str) -> list[str]:
-    """``pdserve proxy`` arguments for a test proxy, on the HTTP server the suite was asked for."""
-    return ["proxy", "--routing-file", str(routing_file), "--http-server", TEST_HTTP_SERVER, *extra]
+    """``pdserve proxy`` arguments for a test proxy, on the HTTP server and with the workers the
+    suite was asked for."""
+    return [
+        "proxy",
+        "--routing-file",
+        str(routing_file),
+        "--http-server",
+        TEST_HTTP_SERVER,
+        "--workers",
+        TEST_WORKERS,
+        *extra,
+    ]
 
 
 def configmap_proxy_args(configmap: str, kubeconfig: Path, *extra: str) -> list[str]:
     """The same for a proxy that watches ``NAMESPACE/NAME`` through the API server."""
     source = ["--routing-configmap", configmap, "--kubeconfig", str(kubeconfig)]
-    return ["proxy", *source, "--host", "127.0.0.1", "--http-server", TEST_HTTP_SERVER, *extra]
+    server = ["--http-server", TEST_HTTP_SERVER, "--workers", TEST_WORKERS]
+    return ["proxy", *source, "--host", "127.0.0.1", *server, *extra]
 
 
 @dataclass

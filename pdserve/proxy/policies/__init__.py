@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pdserve.proxy.counters import Counters
 from pdserve.proxy.policies.base import Policy
 from pdserve.proxy.policies.flat_interleaved import FlatInterleaved
 from pdserve.proxy.policies.least_outstanding import LeastOutstanding
@@ -13,9 +14,10 @@ POLICIES: dict[str, type[Policy]] = {
 DEFAULT_POLICY = FlatInterleaved.name
 
 
-def make_policy(name: str) -> Policy:
+def make_policy(name: str, counters: Counters | None = None) -> Policy:
+    """The policy ``name``; ``counters`` shared by every worker (default: this process's own)."""
     try:
-        return POLICIES[name]()
+        return POLICIES[name](counters)  # type: ignore[call-arg]
     except KeyError:
         raise ValueError(f"unknown policy {name!r}; choose one of {', '.join(POLICIES)}") from None
 

@@ -1,8 +1,9 @@
 """Default policy: one counter per role walks the flat interleaved slot list.
 
 Over k·S consecutive requests each of the S slots gets exactly k (the routing-table
-property), because every slot appears once per cycle of the list. The proxy runs one
-process with one event loop, so this counter is the process's only counter.
+property), because every slot appears once per cycle of the list. With several worker
+processes the counter lives in shared memory (pdserve.proxy.counters), so it is still the
+router's only counter and the property holds for the router as a whole.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import ClassVar
 
+from pdserve.proxy.counters import Counters, LocalCounters
 from pdserve.proxy.health import SlotBook
 from pdserve.proxy.policies.base import healthy_first, rotation
 from pdserve.routing import Role, Slot
@@ -18,10 +20,9 @@ from pdserve.routing import Role, Slot
 class FlatInterleaved:
     name: ClassVar[str] = "flat-interleaved"
 
-    def __init__(self) -> None:
-        self._counters: dict[tuple[Role, str], int] = {}
+    def __init__(self, counters: Counters | None = None) -> None:
+        self._counters = counters or LocalCounters()
 
     def candidates(self, role: Role, slots: Sequence[Slot], book: SlotBook, group: str = "") -> list[Slot]:
-        start = self._counters.get((role, group), 0)
-        self._counters[(role, group)] = start + 1
+        start = self._counters.take(role.value, group)
         return healthy_first(role, rotation(slots, start), book)

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import ClassVar
 
+from pdserve.proxy.counters import Counters, LocalCounters
 from pdserve.proxy.health import SlotBook
 from pdserve.proxy.policies.base import healthy_first, rotation
 from pdserve.routing import Role, Slot
@@ -18,12 +19,11 @@ from pdserve.routing import Role, Slot
 class LeastOutstanding:
     name: ClassVar[str] = "least-outstanding"
 
-    def __init__(self) -> None:
-        self._counters: dict[tuple[Role, str], int] = {}
+    def __init__(self, counters: Counters | None = None) -> None:
+        self._counters = counters or LocalCounters()
 
     def candidates(self, role: Role, slots: Sequence[Slot], book: SlotBook, group: str = "") -> list[Slot]:
-        start = self._counters.get((role, group), 0)
-        self._counters[(role, group)] = start + 1
+        start = self._counters.take(role.value, group)
         ordered = rotation(slots, start)
         # sorted() is stable, so equal in-flight counts keep the interleaved rotation order.
         by_load = sorted(ordered, key=lambda s: book.in_flight(role, s.key))

@@ -1,0 +1,255 @@
+"""State the worker processes share (pdserve.proxy.workers): small hash tables in one shared
+anonymous memory mapping, each operation atomic under one process-shared lock.
+
+Python has no atomic operations on shared memory, so every read-modify-write takes a
+``multiprocessing`` lock of the fork context (a POSIX semaphore: no system call when
+uncontended, well under a microsecond); it is held for a probe of a few entries and two struct
+operations, never across an ``await``. Created by the supervisor before it forks, inherited by
+every worker.
+
+A table is ``entries`` pairs of a non-zero 64-bit key (a hash of a string; 0 marks a free entry)
+and an 8-byte value (an integer or a float), placed by linear probing; :meth:`SharedTable.add`
+removes an entry whose value falls to 0 (backward-shift deletion, no tombstones), so a table of
+request ids in flight never fills up with finished ones.
+
+What is shared (and why a per-worker copy would not do):
+
+* the policies' counters (:class:`SharedCounters`): flat-interleaved is exact only with ONE
+  counter per role;
+* cool-downs (:class:`SharedDeadlines`): a slot ejected or an instance found unreachable by one
+  worker is so for all, at once, and is counted once;
+* the client request ids in flight (``claims``): two requests with one ``X-Request-Id`` on two
+  workers must still get different engine ids;
+* legs in flight per slot (:class:`SharedInFlight`): the per-slot limit is the router's.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import mmap
+import struct
+from typing import Any
+
+_KEY = struct.Struct("<Q")
+_INT = struct.Struct("<q")
+_FLOAT = struct.Struct("<d")
+ENTRY_BYTES = 16
+
+
+def key_hash(*parts: str) -> int:
+    digest = hashlib.blake2b("\0".join(parts).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") or 1  # 0 marks a free entry
+
+
+def probe(keys: list[int], key: int) -> int:
+    """Index of ``key`` among ``keys`` (0 = free), or of the free entry it would take; -1 when
+    the table is full and ``key`` is not in it. Pure (the unit tests use it)."""
+    n = len(keys)
+    start = key % n
+    for step in range(n):
+        i = (start + step) % n
+        if keys[i] in (0, key):
+            return i
+    return -1
+
+
+class SharedTable:
+    """One table in a region of a shared mapping; every method takes the lock."""
+
+    def __init__(self, buf: mmap.mmap, offset: int, entries: int, lock: Any, value: struct.Struct) -> None:
+        self._buf = buf
+        self._base = offset
+        self._n = entries
+        self._lock = lock
+        self._value = value
+
+    def _key_at(self, i: int) -> int:
+        return int(_KEY.unpack_from(self._buf, self._base + i * ENTRY_BYTES)[0])
+
+    def _find(self, key: int) -> int:
+        start = key % self._n
+        for step in range(self._n):
+            i = (start + step) % self._n
+            found = self._key_at(i)
+            if found in (0, key):
+                return i
+        return -1
+
+    def _get(self, i: int) -> Any:
+        return self._value.unpack_from(self._buf, self._base + i * ENTRY_BYTES + 8)[0]
+
+    def _put(self, i: int, key: int, value: Any) -> None:
+        _KEY.pack_into(self._buf, self._base + i * ENTRY_BYTES, key)
+        self._value.pack_into(self._buf, self._base + i * ENTRY_BYTES + 8, value)
+
+    def get(self, key: int, default: Any = 0) -> Any:
+        with self._lock:
+            i = self._find(key)
+            if i < 0 or self._key_at(i) == 0:
+                return default
+            return self._get(i)
+
+    def add(self, key: int, delta: int) -> int:
+        """Add ``delta``; the value before. An entry that reaches 0 is removed. A full table
+        answers 0 and keeps nothing (the callers then behave as one process would)."""
+        with self._lock:
+            i = self._find(key)
+            if i < 0:
+                return 0
+            old = int(self._get(i)) if self._key_at(i) == key else 0
+            new = old + delta
+            if new == 0:
+                if self._key_at(i) == key:
+                    self._delete(i)
+            else:
+                self._put(i, key, new)
+            return old
+
+    def raise_to(self, key: int, value: float) -> float:
+        """Set the value to ``max(old, value)``; the value before (0.0 if absent)."""
+        with self._lock:
+            i = self._find(key)
+            if i < 0:
+                return 0.0
+            old = float(self._get(i)) if self._key_at(i) == key else 0.0
+            if value > old:
+                self._put(i, key, value)
+            return old
+
+    def clear(self) -> None:
+        with self._lock:
+            self._buf[self._base : self._base + self._n * ENTRY_BYTES] = bytes(self._n * ENTRY_BYTES)
+
+    def _delete(self, i: int) -> None:
+        """Backward-shift deletion: later entries of the same probe run move up into the hole."""
+        n = self._n
+        j = i
+        while True:
+            j = (j + 1) % n
+            key = self._key_at(j)
+            if key == 0:
+                break
+            home = key % n
+            # Move the entry at j into the hole at i unless its home lies cyclically in (i, j].
+            if (i < j and (home <= i or home > j)) or (i > j and home <= i and home > j):
+                self._put(i, key, self._get(j))
+                i = j
+        self._put(i, 0, self._value.unpack(bytes(self._value.size))[0])
+
+
+class SharedCounters:
+    """The policies' counters (pdserve.proxy.counters.Counters) in a shared table."""
+
+    def __init__(self, table: SharedTable) -> None:
+        self._table = table
+
+    def take(self, role: str, group: str) -> int:
+        return self._table.add(key_hash("counter", role, group), 1)
+
+
+class SharedDeadlines:
+    """Cool-downs shared by the workers: ``until`` per key on the monotonic clock (system-wide
+    on Linux, so comparable between processes), and the latest of all for a one-read check."""
+
+    def __init__(self, table: SharedTable, kind: str) -> None:
+        self._table = table
+        self._kind = kind
+        self._latest = key_hash("latest", kind)  # the entry that holds the latest deadline
+
+    def extend(self, key: str, until: float, now: float) -> bool:
+        """Push the key's deadline to ``until``; True when it had passed (newly cooling down)."""
+        old = self._table.raise_to(key_hash(self._kind, key), until)
+        self._table.raise_to(self._latest, until)
+        return old <= now
+
+    def until(self, key: str) -> float:
+        return float(self._table.get(key_hash(self._kind, key), 0.0))
+
+    def latest(self) -> float:
+        return float(self._table.get(self._latest, 0.0))
+
+
+class SharedClaims:
+    """How many requests with a client request id are in flight, router-wide."""
+
+    def __init__(self, table: SharedTable, renames: SharedTable) -> None:
+        self._table = table
+        self._renames = renames
+
+    def claim(self, request_id: str) -> int:
+        """Requests with ``request_id`` in flight before this one."""
+        return self._table.add(key_hash("claim", request_id), 1)
+
+    def release(self, request_id: str) -> None:
+        self._table.add(key_hash("claim", request_id), -1)
+
+    def rename(self) -> int:
+        """A router-wide serial number for a renamed request id (1, 2, ...)."""
+        return self._renames.add(1, 1) + 1
+
+
+class SharedInFlight:
+    """Legs in flight per slot, router-wide: each worker counts its own in a region of its own
+    (cleared when the worker starts, so a worker that died leaves no stale count behind), and a
+    read sums the regions. The per-slot limit of the back-pressure reads it."""
+
+    def __init__(self, tables: list[SharedTable]) -> None:
+        self._tables = tables
+        self._own: SharedTable | None = None
+
+    def bind(self, worker: int) -> None:
+        """This process is worker ``worker``: its region starts empty."""
+        self._own = self._tables[worker]
+        self._own.clear()
+
+    def add(self, key: str, delta: int) -> None:
+        if self._own is not None:
+            self._own.add(key_hash("in-flight", key), delta)
+
+    def total(self, key: str) -> int:
+        hashed = key_hash("in-flight", key)
+        return sum(int(table.get(hashed, 0)) for table in self._tables)
+
+
+class SharedState:
+    """Everything the workers share, in one mapping; build before forking."""
+
+    COUNTER_ENTRIES = 1024
+    DEADLINE_ENTRIES = 8192  # slots and instances ever ejected (a few per GPU group)
+    CLAIM_ENTRIES = 1 << 17  # client request ids in flight at once
+    IN_FLIGHT_ENTRIES = 4096  # slots in use at once, per worker
+
+    def __init__(self, lock: Any, workers: int = 1) -> None:
+        sizes = (
+            self.COUNTER_ENTRIES,
+            self.DEADLINE_ENTRIES,
+            self.CLAIM_ENTRIES,
+            1,
+            4,
+            *([self.IN_FLIGHT_ENTRIES] * workers),
+        )
+        self._buf = mmap.mmap(-1, sum(sizes) * ENTRY_BYTES)  # MAP_SHARED | MAP_ANONYMOUS
+        offsets = [sum(sizes[:k]) * ENTRY_BYTES for k in range(len(sizes))]
+        self.counters = SharedCounters(SharedTable(self._buf, offsets[0], sizes[0], lock, _INT))
+        deadlines = SharedTable(self._buf, offsets[1], sizes[1], lock, _FLOAT)
+        self.ejections = SharedDeadlines(deadlines, "ejected")  # slots cooling down
+        self.unreachable = SharedDeadlines(deadlines, "unreachable")  # instances that refused
+        self.claims = SharedClaims(
+            SharedTable(self._buf, offsets[2], sizes[2], lock, _INT),
+            SharedTable(self._buf, offsets[3], sizes[3], lock, _INT),
+        )
+        self._flags = SharedTable(self._buf, offsets[4], sizes[4], lock, _INT)
+        self.in_flight = SharedInFlight(
+            [SharedTable(self._buf, offsets[5 + w], sizes[5 + w], lock, _INT) for w in range(workers)]
+        )
+
+    _STOPPING = 1
+
+    def set_stopping(self) -> None:
+        """The supervisor got SIGTERM: every worker's /ready says so at once, before the signal
+        it forwards reaches the worker."""
+        if not self.stopping():
+            self._flags.add(self._STOPPING, 1)
+
+    def stopping(self) -> bool:
+        return bool(self._flags.get(self._STOPPING, 0))

@@ -1,0 +1,153 @@
+"""``pdserve proxy --workers N``: N worker processes serve one router.
+
+One event loop uses one core; the router's CPU per request is what bounds its throughput, so
+the proxy runs one worker process per CPU available to it (pdserve.proxy.cpus). What keeps N
+processes one router:
+
+* **One port.** Each worker accepts on a listening socket of its own, all bound to the same
+  address with SO_REUSEPORT: the kernel spreads new connections over them (a shared socket
+  would wake every worker per connection and favour whichever is fastest to accept). The
+  supervisor binds them before forking, so a port in use fails the start once, with status 2.
+* **One counter per role.** The policy's counters live in shared memory
+  (pdserve.proxy.shared): flat-interleaved stays exact for the router as a whole. So do the
+  cool-downs (a slot ejected, an instance unreachable: for every worker at once, counted once)
+  and the client request ids in flight (engine ids stay unique router-wide).
+* **One table.** Every worker watches the same source (the file, or the ConfigMap through the
+  API server) and swaps on its own; the window between the first and the last worker's swap
+  is one reload at most (file: one poll interval, 0.2 s by default; ConfigMap: the watch event
+  reaches every worker at once). ``/routing/served`` lists each worker's generation and
+  ``loaded_at`` under ``workers`` and reports the oldest generation, so nobody acts on a table
+  before every worker serves it.
+* **One view.** Metrics use Prometheus's multiprocess mode (files in a private run directory);
+  ``/routing/served`` and ``/debug/routing`` are merged from every worker's view (fanin.py).
+* **One life.** The supervisor forwards SIGTERM/SIGINT to the workers (each drains its own
+  requests for the grace period) and exits when they have; a worker that dies otherwise is
+  started again on the same socket, so its share of the connections is served again.
+
+The per-slot limit of the back-pressure (``--max-per-slot``) is the router's: the legs in flight
+per slot are counted in shared memory too (each worker in a region of its own, summed on read).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import multiprocessing
+import multiprocessing.connection
+import os
+import shutil
+import signal
+import socket
+import tempfile
+import time
+from dataclasses import replace
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+from pdserve.proxy.fanin import WorkerInfo
+from pdserve.proxy.settings import ProxySettings
+from pdserve.proxy.shared import SharedState
+
+log = logging.getLogger("pdserve.proxy.workers")
+
+MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"  # pdserve.proxy.metrics reads it (not imported here)
+RESTART_DELAY_S = 1.0
+
+
+def _worker_main(
+    settings: ProxySettings, shared: SharedState, sockets: list[list[socket.socket]], index: int
+) -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the server installs its own on its loop
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    for i, own in enumerate(sockets):
+        if i != index:
+            for sock in own:
+                sock.close()  # a sibling's socket: a dead sibling's must not stay open here
+    shared.in_flight.bind(index)  # a restarted worker's region starts from 0
+    from pdserve.proxy.server import run_server
+
+    run_server(settings, shared, sockets[index])
+
+
+def run_workers(settings: ProxySettings) -> int:
+    """Serve with ``settings.workers`` processes until SIGTERM/SIGINT; the exit status."""
+    count = settings.workers
+    rundir = Path(tempfile.mkdtemp(prefix="pdserve-proxy-"))
+    metrics_dir = rundir / "metrics"
+    metrics_dir.mkdir()
+    os.environ[MULTIPROC_ENV] = str(metrics_dir)  # before prometheus_client is imported
+    from prometheus_client import multiprocess
+
+    from pdserve.proxy.server import binds, listen
+
+    context = multiprocessing.get_context("fork")
+    shared = SharedState(context.Lock(), count)
+    try:
+        sockets = [
+            [listen(h, p, settings.backlog, reuse_port=True) for h, p in binds(settings)]
+            for _ in range(count)
+        ]
+    except OSError as exc:
+        shutil.rmtree(rundir, ignore_errors=True)
+        log.error("cannot listen: %s", exc)
+        return 2
+    procs: dict[int, Any] = {}
+    stopping = {"signals": 0}
+
+    def start(index: int) -> None:
+        worker_settings = replace(settings, worker=WorkerInfo(index, count, rundir))
+        proc = context.Process(
+            target=_worker_main,
+            args=(worker_settings, shared, sockets, index),
+            name=f"pdserve-proxy-worker-{index}",
+            daemon=False,
+        )
+        proc.start()
+        procs[index] = proc
+
+    def forward(signum: int, _frame: FrameType | None) -> None:
+        stopping["signals"] += 1
+        shared.set_stopping()
+        if stopping["signals"] == 1:
+            log.info("%s: stopping %d workers", signal.Signals(signum).name, count)
+            # The workers stop accepting on their copies; these must not keep queueing connections.
+            for own in sockets:
+                for sock in own:
+                    sock.close()
+        for proc in procs.values():
+            if proc.pid is not None and proc.is_alive():
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(proc.pid, signum)
+
+    signal.signal(signal.SIGTERM, forward)
+    signal.signal(signal.SIGINT, forward)
+    log.info("pdserve proxy: %d workers on %s:%d (SO_REUSEPORT)", count, settings.host, settings.port)
+    for index in range(count):
+        start(index)
+    status = 0
+    try:
+        while procs:
+            sentinels = {proc.sentinel: index for index, proc in procs.items()}
+            ready = multiprocessing.connection.wait(list(sentinels), timeout=1.0)
+            for sentinel in ready:
+                index = sentinels[sentinel]  # type: ignore[index]
+                proc = procs.pop(index)
+                proc.join()
+                multiprocess.mark_process_dead(proc.pid, str(metrics_dir))  # type: ignore[no-untyped-call]
+                if stopping["signals"]:
+                    continue
+                log.error(
+                    "worker %d (pid %s) exited with %s; starting it again", index, proc.pid, proc.exitcode
+                )
+                status = 1
+                time.sleep(RESTART_DELAY_S)
+                if not stopping["signals"]:
+                    start(index)
+    finally:
+        for own in sockets:
+            for sock in own:
+                sock.close()
+        shutil.rmtree(rundir, ignore_errors=True)
+    log.info("pdserve proxy stopped (%d workers)", count)
+    return 0 if stopping["signals"] else status

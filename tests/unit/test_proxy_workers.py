@@ -1,0 +1,139 @@
+"""Worker processes as one router (issue 13, item 2): the shared counter, the merged admin views."""
+
+from __future__ import annotations
+
+import multiprocessing
+from collections import Counter
+
+from pdserve.proxy.counters import LocalCounters
+from pdserve.proxy.health import SlotBook
+from pdserve.proxy.merge import merge_debug, merge_served
+from pdserve.proxy.policies import make_policy
+from pdserve.proxy.shared import SharedCounters, SharedState, key_hash, probe
+from pdserve.routing import Instance, Role, interleaved_slots
+
+
+def _take_many(counters: SharedCounters, n: int, out: multiprocessing.Queue) -> None:  # type: ignore[type-arg]
+    out.put([counters.take("prefill", "") for _ in range(n)])
+
+
+def test_shared_counter_hands_out_every_turn_once_across_processes() -> None:
+    context = multiprocessing.get_context("fork")
+    counters = SharedState(context.Lock()).counters
+    out: multiprocessing.Queue = context.Queue()  # type: ignore[type-arg]
+    procs = [context.Process(target=_take_many, args=(counters, 2000, out)) for _ in range(3)]
+    for proc in procs:
+        proc.start()
+    taken = [value for _ in procs for value in out.get(timeout=30)]
+    for proc in procs:
+        proc.join(10)
+    assert sorted(taken) == list(range(6000))  # no turn lost, none given twice
+    assert counters.take("prefill", "") == 6000
+    assert counters.take("decode", "rev-a") == 0  # one counter per (role, group)
+
+
+def test_flat_interleaved_on_shared_counters_is_exact_whoever_asks() -> None:
+    context = multiprocessing.get_context("fork")
+    shared = SharedState(context.Lock()).counters
+    slots = interleaved_slots(
+        [Instance("a", "http://a", dp_size=3, ready=True), Instance("b", "http://b", ready=True)]
+    )
+    workers = [make_policy("flat-interleaved", shared) for _ in range(2)]  # two workers' policies
+    book = SlotBook(10)
+    firsts = Counter(workers[i % 3 % 2].candidates(Role.PREFILL, slots, book)[0].key for i in range(40))
+    assert firsts == {s.key: 10 for s in slots}
+
+
+def test_probe_and_local_counters() -> None:
+    assert probe([0, 0, 0, 0], 6) == 2
+    assert probe([0, 0, 5, 0], 6) == 3  # linear probing past another key
+    assert probe([0, 0, 6, 0], 6) == 2  # found
+    assert probe([1, 2, 3, 5], 6) == -1  # full
+    assert key_hash("counter", "prefill", "") != key_hash("counter", "decode", "")
+    local = LocalCounters()
+    assert [local.take("prefill", ""), local.take("prefill", ""), local.take("decode", "")] == [0, 1, 0]
+
+
+def _served(worker: int, generation: int | None, in_flight: int, routable: bool) -> dict:  # type: ignore[type-arg]
+    return {
+        "worker": worker,
+        "deployment": "d",
+        "generation": generation,
+        "source": "file x",
+        "loaded_at": 100.0 + worker,
+        "routable": {"prefill": 1, "decode": 1},
+        "instances": {
+            "p0": {"role": "prefill", "in_table": routable, "routable": routable, "in_flight": in_flight}
+        },
+        "slots": [{"role": "prefill", "instance": "p0", "dp_rank": 0, "in_flight": in_flight}],
+        "error": None,
+    }
+
+
+def test_merged_served_view_sums_in_flight_and_reports_the_oldest_generation() -> None:
+    merged = merge_served([_served(1, 8, 2, False), _served(0, 7, 3, True)])
+    assert merged["generation"] == 7  # worker 0 still serves 7: the router is not past it
+    assert merged["instances"]["p0"] == {
+        "role": "prefill",
+        "in_table": True,
+        "routable": True,
+        "in_flight": 5,
+    }
+    assert merged["slots"] == [{"role": "prefill", "instance": "p0", "dp_rank": 0, "in_flight": 5}]
+    assert [w["generation"] for w in merged["workers"]] == [7, 8]
+    assert "worker" not in merged
+    assert merge_served([_served(0, None, 0, False), _served(1, 3, 0, True)])["generation"] is None
+
+
+def test_merged_debug_view_sums_counts_and_keeps_the_longest_cool_down() -> None:
+    def view(worker: int, requests: int, ejected: float) -> dict:  # type: ignore[type-arg]
+        row = {"slot": "p0/0", "requests": requests, "in_flight": 1, "pinned": 0, "errors": 1, "ejections": 1}
+        return {
+            "worker": worker,
+            "generation": 4,
+            "loaded_at": 1.0,
+            "unreachable": {"decode": {"d1": ejected}},
+            "slots": {"prefill": [{**row, "ejected_for_seconds": ejected}], "decode": []},
+        }
+
+    merged = merge_debug([view(0, 3, 1.5), view(1, 4, 7.0)])
+    row = merged["slots"]["prefill"][0]
+    assert (row["requests"], row["in_flight"], row["errors"], row["ejections"]) == (7, 2, 2, 2)
+    assert row["ejected_for_seconds"] == 7.0
+    assert merged["unreachable"] == {"decode": {"d1": 7.0}}
+    assert len(merged["workers"]) == 2
+
+
+def test_shared_claims_and_deadlines() -> None:
+    state = SharedState(multiprocessing.get_context("fork").Lock())
+    claims = state.claims
+    assert [claims.claim("x"), claims.claim("x"), claims.claim("y")] == [0, 1, 0]
+    claims.release("x")
+    claims.release("x")
+    assert claims.claim("x") == 0  # released entries are removed, not left as tombstones
+    assert [claims.rename(), claims.rename()] == [1, 2]
+    for i in range(5000):  # far more ids than ever at once: deletions keep the table usable
+        assert claims.claim(f"id-{i}") == 0
+        claims.release(f"id-{i}")
+    assert claims.claim("y") == 1
+    deadlines = state.ejections
+    assert deadlines.extend("prefill/a/0", until=110.0, now=100.0)  # newly ejected
+    assert not deadlines.extend("prefill/a/0", until=111.0, now=101.0)  # extended, not new
+    assert deadlines.until("prefill/a/0") == 111.0 and deadlines.latest() == 111.0
+    assert state.unreachable.latest() == 0.0  # another kind, its own latest
+
+
+def test_backward_shift_deletion_keeps_every_probe_run_reachable() -> None:
+    import mmap
+
+    from pdserve.proxy.shared import _INT, SharedTable
+
+    table = SharedTable(mmap.mmap(-1, 8 * 16), 0, 8, multiprocessing.get_context("fork").Lock(), _INT)
+    keys = [8, 16, 24, 3, 11, 7]  # 8, 16, 24 share home 0; 3 and 11 home 3; 7 wraps around
+    for key in keys:
+        table.add(key, 1)
+    table.add(16, -1)
+    table.add(3, -1)
+    for key in (8, 24, 11, 7):
+        assert table.get(key) == 1, key
+    assert table.get(16) == 0 and table.get(3) == 0
