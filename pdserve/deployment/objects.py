@@ -449,6 +449,8 @@ def _router_deployment(pdd: PDDeployment) -> dict[str, Any]:
             router.policy,
             "--backlog",
             str(router.backlog),
+            "--workers",
+            str(router.workers),
         ],
         "ports": [{"name": "http", "containerPort": router.port, "protocol": "TCP"}],
         "env": [{"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}}],

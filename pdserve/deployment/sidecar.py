@@ -57,6 +57,8 @@ def sidecar_container(pdd: PDDeployment, configmap: str, revision: str) -> dict[
             router.policy,
             "--backlog",
             str(router.backlog),
+            "--workers",
+            str(router.workers),
             "--local-decode",
             # The pod's own IP, not localhost: same pod either way, and it also holds where
             # containers share the node's network but bind their pod IP (the test cluster's runner).

@@ -76,6 +76,9 @@ DEFAULT_CONNECTOR = "NixlConnector"
 DEFAULT_ROUTER_REPLICAS = 1
 DEFAULT_POLICY = "flat-interleaved"
 DEFAULT_BACKLOG = 4096
+#: Router worker processes; 0 asks the proxy for the CPUs available to its container.
+DEFAULT_ROUTER_WORKERS = 2
+MAX_ROUTER_WORKERS = 64
 DEFAULT_ROUTER_PORT = 8000
 DEFAULT_ADMIN_PORT = 9000
 DEFAULT_SERVICE_TYPE = "ClusterIP"
@@ -175,6 +178,7 @@ class RouterSpec:
     image: str = ""  # "" means the pdserve image of this version
     policy: str = DEFAULT_POLICY
     backlog: int = DEFAULT_BACKLOG
+    workers: int = DEFAULT_ROUTER_WORKERS
     port: int = DEFAULT_ROUTER_PORT
     service_type: str = DEFAULT_SERVICE_TYPE
     template: PodTemplate = field(default_factory=PodTemplate)
@@ -483,7 +487,7 @@ def _quantity(doc: Mapping[str, Any], key: str, path: str, default: str) -> str:
 
 def _parse_router(value: object, path: str) -> RouterSpec:
     doc = _object(value, path)
-    known = ("replicas", "image", "policy", "backlog", "port", "serviceType", "template")
+    known = ("replicas", "image", "policy", "backlog", "workers", "port", "serviceType", "template")
     _no_unknown(doc, path, (*known, "adminPort", "apiKeySecretRef", "placement"))
     port = _integer(doc, "port", path, DEFAULT_ROUTER_PORT, 1, 65535)
     admin_port = _integer(doc, "adminPort", path, DEFAULT_ADMIN_PORT, 1, 65535)
@@ -494,6 +498,7 @@ def _parse_router(value: object, path: str) -> RouterSpec:
         image=_string(doc, "image", path, default=""),
         policy=_choice(doc, "policy", path, POLICIES, DEFAULT_POLICY),
         backlog=_integer(doc, "backlog", path, DEFAULT_BACKLOG, 1, MAX_BACKLOG),
+        workers=_integer(doc, "workers", path, DEFAULT_ROUTER_WORKERS, 0, MAX_ROUTER_WORKERS),
         port=port,
         service_type=_choice(doc, "serviceType", path, SERVICE_TYPES, DEFAULT_SERVICE_TYPE),
         template=parse_template(doc.get("template"), f"{path}.template"),

@@ -218,6 +218,7 @@ def test_sim_engine_needs_no_image() -> None:
             'expected one of "ClusterIP"',
         ),
         ({"router": {"backlog": 0}}, "spec.router.backlog", "expected an integer >= 1"),
+        ({"router": {"workers": 65}}, "spec.router.workers", "expected an integer <= 64"),
         (
             {"rollout": {"maxUnavailable": -1}},
             "spec.rollout.maxUnavailable",
