@@ -94,9 +94,11 @@ def test_valid_manifest_is_accepted_and_defaulted_like_the_parser(
         "image": "",
         "policy": "flat-interleaved",
         "backlog": 4096,
+        "workers": 2,
         "port": 8000,
         "serviceType": "ClusterIP",
         "adminPort": 9000,
+        "placement": "deployment",
     }
     assert spec["rollout"] == {"maxUnavailable": 1, "maxSurge": 1, "drainSeconds": 30, "nodeLossSeconds": 300}
     # The operator's view of the stored object equals the file's view without an API server.

@@ -158,7 +158,13 @@ def test_a_dead_worker_is_started_again(stack: PDStack) -> None:
     assert len(pids) == WORKERS
     os.kill(pids[0], signal.SIGKILL)
     eventually(lambda: len(set(_worker_pids(stack.proxy)) - set(pids)) == 1, timeout=15)  # type: ignore[arg-type]
-    eventually(lambda: len(served(stack.url)["workers"]) == WORKERS, timeout=15)
+
+    # Until the new worker listens, the whole-router view is 503 (never a partial count): poll.
+    def whole() -> bool:
+        answer = http("GET", stack.url + "/routing/served")
+        return answer.status == 200 and len(answer.json()["workers"]) == WORKERS
+
+    eventually(whole, timeout=15)
     assert asyncio.run(_many(stack.url, 20)) == [200] * 20
 
 
