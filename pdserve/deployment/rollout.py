@@ -184,10 +184,7 @@ def plan_role(
     for index, group in by_index.items():
         current = [p for p in group if p.template_hash == template_hash and index < instances]
         if current:
-            keepers[index] = min(
-                current,
-                key=lambda p: (not p.ready or p.node_down_since is not None, p.draining, p.created, p.name),
-            )
+            keepers[index] = min(current, key=_keeper_order)
 
     def keeper(pod: ObservedPod) -> bool:
         return keepers.get(pod.index) is pod
