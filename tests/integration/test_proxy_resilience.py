@@ -264,7 +264,12 @@ def test_sigterm_turns_ready_503_at_once_then_stops_accepting(stack: PDStack) ->
     eventually(lambda: dlong.stats()["in_flight"] == 1)
     signalled = time.monotonic()
     proxy.popen.send_signal(signal.SIGTERM)
+    # With --workers the supervisor takes the signal and passes it on, so the first probe may
+    # still reach a worker that has not had it: poll, each probe on a new connection.
     answer = http("GET", proxy.url + "/ready")
+    while answer.status == 200 and time.monotonic() - signalled < 0.5:
+        time.sleep(0.02)
+        answer = http("GET", proxy.url + "/ready")
     assert answer.status == 503 and answer.json()["reason"].startswith("shutting down (SIGTERM)")
     assert time.monotonic() - signalled < 1.0  # answered during the delay, on a new connection
     eventually(lambda: refused(proxy.port), timeout=5)
@@ -283,6 +288,7 @@ def test_routing_served_counts_a_stream_on_an_instance_that_left_the_table(stack
     stack.route([s["p0"]], [dlong])
     assert stack.proxy is not None
     url = stack.proxy.url
+    eventually(lambda: dlong.stats()["in_flight"] == 0)  # no stream of an earlier test left on it
     client, result = stream_in_background(url, 30)
     eventually(lambda: dlong.stats()["in_flight"] == 1)
     view = http("GET", url + "/routing/served").json()
