@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pdserve.deployment.kvconfig import kv_address
 from pdserve.deployment.revision import pairing_revision
 from pdserve.deployment.spec import ENGINE_PORT, PDDeployment
-from pdserve.routing import Instance, Role, RoutingTable
+from pdserve.routing import Endpoint, Instance, Role, RoutingTable
 
 
 @dataclass(frozen=True)
@@ -36,6 +36,9 @@ class ObservedInstance:
     tp_size: int | None = None
     #: The pairing revision the instance runs (a pod's ``pdserve.io/revision``); None: the spec's.
     revision: str | None = None
+    #: A multi-node instance whose nodes each serve their own ranks (vLLM hybrid load
+    #: balancing): (ip, first rank, ranks) per node. Empty: the instance's address serves all.
+    endpoints: tuple[tuple[str, int, int], ...] = ()
 
 
 def build_routing_table(
@@ -59,6 +62,10 @@ def build_routing_table(
                 draining=obs.draining,
                 kv_address=kv_address(kv, obs.pod_ip),
                 revision=obs.revision or current[obs.role],
+                endpoints=tuple(
+                    Endpoint(f"http://{_host(ip)}:{obs.port}", first, ranks, kv_address(kv, ip))
+                    for ip, first, ranks in obs.endpoints
+                ),
             )
         )
     table = RoutingTable(

@@ -24,7 +24,10 @@ Conditions:
 Per role, like a Deployment's rollout status: ``instances`` (pods that exist, surge included),
 ``readyInstances`` (routable pods), ``updatedInstances`` (on the current template),
 ``availableInstances`` (wanted indices served by a routable pod, old template or new) and
-``unreachableInstances`` (pods on NotReady nodes).
+``unreachableInstances`` (pods on NotReady nodes). An instance that spans nodes is one group of
+pods and counts once; such roles also show ``pods`` and ``readyPods``, and
+``lastGroupReplacement`` says when and why a group was last deleted whole (a member failed or
+went away, or the gang timeout passed).
 """
 
 from __future__ import annotations
@@ -47,7 +50,9 @@ class RoleObservation:
     data_parallel: int  # slots per instance, from the spec (a pod's own dp_size wins for readySlots)
     template_hash: str
     selector: str  # label selector of the role's pods, for the scale subresource / HPA
-    pods: Sequence[ObservedPod]
+    pods: Sequence[ObservedPod]  # one per instance: a multi-node group is one unit
+    #: Multi-node roles: (pods, Ready pods) of every group, counted per pod; None: one pod each.
+    group_pods: tuple[int, int] | None = None
 
 
 @dataclass(frozen=True)
@@ -64,6 +69,7 @@ class RoleStatus:
     surplus: int  # pods past the wanted count still around
     selector: str
     template_hash: str
+    group_pods: tuple[int, int] | None = None
 
     @property
     def converged(self) -> bool:
@@ -86,7 +92,7 @@ class RoleStatus:
             "summary": f"{self.ready_instances}/{self.wanted}",
             "selector": self.selector,
             "templateHash": self.template_hash,
-        }
+        } | ({"pods": self.group_pods[0], "readyPods": self.group_pods[1]} if self.group_pods else {})
 
 
 def role_status(obs: RoleObservation) -> RoleStatus:
@@ -109,6 +115,7 @@ def role_status(obs: RoleObservation) -> RoleStatus:
         surplus=sum(1 for p in live if p.index >= obs.instances),
         selector=obs.selector,
         template_hash=obs.template_hash,
+        group_pods=obs.group_pods,
     )
 
 
@@ -127,6 +134,8 @@ class Observation:
     unreachable: Sequence[str] = ()  # pods on NotReady nodes, since when, and when they are replaced
     unpaired: Sequence[str] = ()  # revisions routable on one side only: their slots take no traffic
     routers: RoutersSummary | None = None  # what the Ready routers serve; None: not asked yet
+    #: Multi-node groups deleted whole in this pass, and why (kept as ``lastGroupReplacement``).
+    replaced_groups: Sequence[str] = ()
 
 
 def compute_status(obs: Observation, previous: Mapping[str, Any] | None, now: str) -> dict[str, Any]:
@@ -145,6 +154,10 @@ def compute_status(obs: Observation, previous: Mapping[str, Any] | None, now: st
         status.update({k: previous[k] for k in ("servedGeneration", "routers") if k in previous})
     for r in roles:
         status[r.role.value] = r.to_dict()
+    if obs.replaced_groups:
+        status["lastGroupReplacement"] = {"time": now, "message": "; ".join(obs.replaced_groups)}
+    elif previous and "lastGroupReplacement" in previous:
+        status["lastGroupReplacement"] = previous["lastGroupReplacement"]
     old = {c.get("type"): c for c in (previous or {}).get("conditions", []) if isinstance(c, Mapping)}
     status["conditions"] = [
         _condition(kind, state, reason, message, obs.generation, old.get(kind), now)

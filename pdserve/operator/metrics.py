@@ -51,6 +51,10 @@ NODE_LOSS_REPLACEMENTS = Counter(
     "pdserve_operator_node_loss_replacements_total",
     "Instance pods deleted and replaced because their node was NotReady past rollout.nodeLossSeconds.",
 )
+GROUP_REPLACEMENTS = Counter(
+    "pdserve_operator_group_replacements_total",
+    "Multi-node instances deleted whole and replaced: a member failed or left, or the gang timed out.",
+)
 LEADER = Gauge(
     "pdserve_operator_leader",
     "1 while this replica holds the leader lease (and reconciles), 0 while it follows.",

@@ -35,6 +35,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Any
 
+from pdserve.deployment.multinode import with_node_default
 from pdserve.deployment.objects import (
     DEPLOYMENT_LABEL,
     ROLE_LABEL,
@@ -47,7 +48,6 @@ from pdserve.deployment.objects import (
 from pdserve.deployment.revision import pairing_revision
 from pdserve.deployment.rollout import (
     ActionKind,
-    ObservedPod,
     plan_role,
     replacement_allowance,
     revisions_to_keep,
@@ -76,7 +76,14 @@ from pdserve.operator.steps import (
     owned_object_names,
     with_applied_hash,
 )
-from pdserve.operator.views import PodView, pod_placements, pod_view, rfc3339, unreachable_messages
+from pdserve.operator.views import (
+    PodView,
+    gang_pass,
+    pod_placements,
+    pod_view,
+    rfc3339,
+    unreachable_messages,
+)
 from pdserve.routing import build_slot_table
 from pdserve.routing.table import Role, RoutingTableError
 
@@ -247,16 +254,21 @@ class Reconciler:
             self._write_status(body, Observation(generation, None, (), 0, 0, problems=[str(exc)]), outcome)
             return
 
-        pods = self._observe_pods(pdd, raw_pods)
-        found = spec_problems(pdd, self._nodes.allocatable(pdd.spec.gpu_resource))
+        now = self._clock()
+        allocatable = self._nodes.allocatable(pdd.spec.gpu_resource)
+        pdd = with_node_default(pdd, allocatable)
+        # Multi-node instances are the planner's units: one view per group (deployment/gangs.py).
+        each_pod = self._observe_pods(pdd, raw_pods)
+        gangs = gang_pass(each_pod, now, pdd.spec.multi_node.gang_timeout_seconds)
+        pods = gangs.units
+        found = spec_problems(pdd, allocatable)
         if found:
             # Nothing is rendered for a spec that cannot be served; existing objects stay as they are.
             outcome.result = "invalid"
-            roles = [self._role_observation(pdd, r, [p.observed for p in pods if p.role is r]) for r in ROLES]
+            roles = [self._role_observation(pdd, r, [p for p in pods if p.role is r]) for r in ROLES]
             self._write_status(body, Observation(generation, None, roles, 0, 0, problems=found), outcome)
             return
 
-        now = self._clock()
         # Draining pods whose routers all let go of them (or have none) go before drainSeconds.
         draining = [
             Draining(p.observed.name, p.observed.draining_since)
@@ -299,6 +311,7 @@ class Reconciler:
                 role: replace(plan, actions=plan.actions_except(ActionKind.CREATE))
                 for role, plan in plans.items()
             }
+            gangs = replace(gangs, forming=[])
         live = self._read_unverified(pdd, verified, prefetched)
         pods = self._steps.drain(pdd, pods, plans, now, outcome)
         # The routing table first: it is what users wait for; then everything else at once.
@@ -310,23 +323,26 @@ class Reconciler:
             outcome.routing_written,
         )
         # Each step sends its calls now and returns a function that waits for the answers.
-        placements = pod_placements(pdd, raw_pods, pods)  # largest pods first (deployment/scheduling.py)
+        placements = pod_placements(pdd, raw_pods, each_pod)  # largest pods first (deployment/scheduling.py)
         # Deletes are answered before creates go out, so no more than instances + maxSurge pods
         # of a role ever exist undeleted, even for an instant (a pass may replace one pod by another).
         statics = self._steps.apply_static(pdd, verified, live, outcome)
         self._steps.retire_router(pdd, outcome)
-        pods = self._steps.delete(pdd, pods, plans, outcome)()
+        pods = self._steps.delete(pdd, pods, plans, gangs.broken, outcome)()
         pods += self._steps.create(pdd, plans, outcome, placements)()
+        self._steps.create_workers(pdd, gangs.forming, outcome)
         statics()
         self._steps.ungate(pdd, raw_pods, placements, outcome)
 
         rechecks = [p.recheck_after for p in plans.values() if p.recheck_after is not None]
+        if gangs.recheck_after is not None:  # a group's gang timeout ends
+            rechecks.append(gangs.recheck_after)
         if poll or rechecks:  # drains waiting for the routers, or a router catching up
             rechecks.append(POLL_SECONDS)
         outcome.recheck_after = min(rechecks) if rechecks else None
         outcome.events += drained_events(pdd, plans, verdicts, self._routers.left_generation)
         routers = self._routers.summary(pdd, table.generation)
-        roles = [self._role_observation(pdd, r, [p.observed for p in pods if p.role is r]) for r in ROLES]
+        roles = [self._role_observation(pdd, r, [p for p in pods if p.role is r]) for r in ROLES]
         obs = Observation(
             generation,
             table.generation,
@@ -337,6 +353,7 @@ class Reconciler:
             unreachable=unreachable_messages(pods, pdd.spec.rollout.node_loss_seconds),
             unpaired=[u.describe() for u in build_slot_table(table).unpaired],
             routers=routers,
+            replaced_groups=[f"group {u.observed.name}: {why}" for u, why in gangs.broken],
         )
         self._write_status(body, obs, outcome)
 
@@ -384,17 +401,17 @@ class Reconciler:
         live.update(zip(missing, bodies, strict=True))
         return live
 
-    def _role_observation(
-        self, pdd: PDDeployment, role: Role, pods: Sequence[ObservedPod]
-    ) -> RoleObservation:
+    def _role_observation(self, pdd: PDDeployment, role: Role, units: Sequence[PodView]) -> RoleObservation:
         rs = pdd.spec.role(role)
+        groups = [u for u in units if u.members and not u.observed.terminating]
         return RoleObservation(
             role,
             rs.instances,
             rs.data_parallel,
             template_hash(pdd, role),
             selector_string(role_selector(pdd, role)),
-            pods,
+            [u.observed for u in units],
+            (sum(len(u.members) for u in groups), sum(u.ready_members for u in groups)) if groups else None,
         )
 
     # --- status and errors ---------------------------------------------------------------------

@@ -16,10 +16,11 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from pdserve.deployment.drain import DrainVerdict
+from pdserve.deployment.gangs import GROUP_FORMED_ANNOTATION
+from pdserve.deployment.groups import group_pods, group_shape_of
 from pdserve.deployment.objects import (
     DEPLOYMENT_LABEL,
     desired_static_objects,
-    instance_pod,
     router_name,
     routing_configmap,
     routing_configmap_name,
@@ -141,6 +142,7 @@ class Steps:
                 dp_size=p.observed.dp_size,
                 tp_size=p.tp_size,
                 revision=p.revision,
+                endpoints=p.endpoints,
             )
             for p in pods
         ]
@@ -231,22 +233,34 @@ class Steps:
         return self._kube.apply(stamped), verb
 
     def delete(
-        self, pdd: PDDeployment, pods: list[PodView], plans: Mapping[Role, RolePlan], outcome: Outcome
+        self,
+        pdd: PDDeployment,
+        pods: list[PodView],
+        plans: Mapping[Role, RolePlan],
+        broken: Sequence[tuple[PodView, str]],
+        outcome: Outcome,
     ) -> Callable[[], list[PodView]]:
-        """Deletes the pods whose drain is over; the views come back marked terminating."""
+        """Deletes the pods whose drain is over (every pod of a group) and the broken groups;
+        the views come back marked terminating, the broken groups' not at all."""
         by_name = {p.observed.name: p for p in pods}
         actions = [a for plan in plans.values() for a in plan.of(ActionKind.DELETE)]
+        targets = [(name, uid) for a in actions for name, uid in _pods_of(by_name[a.pod])]
+        targets += [(name, uid) for unit, _ in broken for name, uid in _pods_of(unit)]
 
-        def delete(action: Action) -> dict[str, Any] | None:
-            return self._kube.delete("Pod", pdd.namespace, action.pod, uid=by_name[action.pod].uid)
+        def delete(target: tuple[str, str]) -> dict[str, Any] | None:
+            return self._kube.delete("Pod", pdd.namespace, target[0], uid=target[1])
 
-        answers = self._io.map(delete, actions)
+        answers = dict(zip(targets, self._io.map(delete, targets), strict=True))
 
         def finish() -> list[PodView]:
-            for action, answer in zip(actions, answers, strict=True):
-                view = by_name[action.pod]
+            for (_, _), answer in answers.items():
                 if answer is not None:
                     metrics.OBJECT_CHANGES.labels("Pod", "delete").inc()
+                    if answer.get("kind") == "Pod":
+                        self._cache.pod_event("MODIFIED", answer)
+            for action in actions:
+                view = by_name[action.pod]
+                if any(answers.get(t) is not None for t in _pods_of(view)):
                     if action.node_lost:
                         metrics.NODE_LOSS_REPLACEMENTS.inc()
                         message = (
@@ -256,11 +270,13 @@ class Steps:
                         )
                         outcome.events.append(Event("Warning", "NodeLost", message))
                     else:
-                        message = f"Deleted pod {action.pod} ({action.reason})"
+                        message = f"Deleted {_what(view)} ({action.reason})"
                         outcome.events.append(Event("Normal", "Deleted", message))
-                    if answer.get("kind") == "Pod":
-                        self._cache.pod_event("MODIFIED", answer)
                 by_name[action.pod] = replace(view, observed=replace(view.observed, terminating=True))
+            for unit, reason in broken:
+                metrics.GROUP_REPLACEMENTS.inc()
+                message = f"Replacing the group of {unit.observed.name} ({reason}): deleted {_what(unit)}"
+                outcome.events.append(Event("Warning", "GroupReplaced", message))
             return list(by_name.values())
 
         return finish
@@ -274,7 +290,8 @@ class Steps:
     ) -> Callable[[], list[PodView]]:
         """Creates the missing pods, smaller ones gated while larger ones wait; the new views come back."""
         todo = [(role, a) for role, plan in plans.items() for a in plan.of(ActionKind.CREATE)]
-        manifests = [instance_pod(pdd, role, a.index, pod_suffix()) for role, a in todo]
+        # A multi-node instance starts as its leader; the workers follow once it has an address.
+        manifests = [group_pods(pdd, role, a.index, pod_suffix(), None)[0] for role, a in todo]
         gated = gate_new([placement_of(m, pdd.spec.gpu_resource) for m in manifests], placements)
         manifests = [with_gate(m) if m["metadata"]["name"] in gated else m for m in manifests]
         answers = self._io.map(self._kube.create, manifests)
@@ -288,6 +305,8 @@ class Steps:
                 metrics.OBJECT_CHANGES.labels("Pod", "create").inc()
                 outcome.events.append(Event("Normal", "Created", f"Created pod {name} ({action.reason})"))
                 rs = pdd.spec.role(role)
+                if group_shape_of(pdd, role).nodes > 1:
+                    continue  # a group's first pod: the next pass sees it as a forming group
                 observed = ObservedPod(
                     action.index,
                     name,
@@ -301,6 +320,38 @@ class Steps:
             return out
 
         return finish
+
+    def create_workers(
+        self, pdd: PDDeployment, forming: Sequence[tuple[PodView, tuple[int, ...]]], outcome: Outcome
+    ) -> None:
+        """The worker pods of groups whose leader has an address, then the leader's ``formed``
+        mark (from then on a missing worker means the group is broken, not forming)."""
+        todo = [
+            (unit, ranks)
+            for unit, ranks in forming
+            if unit.observed.template_hash == template_hash(pdd, unit.role) and unit.ip
+        ]  # a group of an older template is replaced, not completed
+        per_unit = []
+        for unit, ranks in todo:
+            suffix = unit.observed.name.rsplit("-", 1)[1]
+            rendered = group_pods(pdd, unit.role, unit.observed.index, suffix, unit.ip)
+            per_unit.append([rendered[r] for r in ranks])
+        manifests = [m for ms in per_unit for m in ms]
+        for created in self._io.map(self._kube.create, manifests):
+            self._cache.pod_event("ADDED", created)
+            metrics.OBJECT_CHANGES.labels("Pod", "create").inc()
+
+        def mark(unit: PodView) -> dict[str, Any]:
+            stamp = {GROUP_FORMED_ANNOTATION: rfc3339(self._clock())}
+            patch = {"metadata": {"annotations": stamp}}
+            return self._kube.merge_patch("Pod", pdd.namespace, unit.observed.name, patch)
+
+        units = [unit for unit, _ in todo]
+        for unit, workers, patched in zip(units, per_unit, self._io.map(mark, units), strict=True):
+            self._cache.pod_event("MODIFIED", patched)
+            names = ", ".join(m["metadata"]["name"] for m in workers)
+            message = f"Created pods {names} (workers of {unit.observed.name}, leader at {unit.ip})"
+            outcome.events.append(Event("Normal", "Created", message))
 
     def ungate(
         self, pdd: PDDeployment, raw_pods: Sequence[Body], placements: Sequence[Placement], outcome: Outcome
@@ -322,6 +373,16 @@ class Steps:
 
 
 # --- pure helpers --------------------------------------------------------------------------------
+
+
+def _pods_of(view: PodView) -> list[tuple[str, str]]:
+    """(name, uid) of the pods a unit stands for: its group's members, or the pod itself."""
+    return list(view.members) or [(view.observed.name, view.uid)]
+
+
+def _what(view: PodView) -> str:
+    names = [name for name, _ in _pods_of(view)]
+    return f"pod {names[0]}" if len(names) == 1 else f"pods {', '.join(names)}"
 
 
 def pod_suffix() -> str:

@@ -4,10 +4,20 @@ and messages the status needs. Pure: dicts in, dataclasses and strings out."""
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from typing import Any
 
+from pdserve.deployment.gangs import (
+    GROUP_FORMED_ANNOTATION,
+    GROUP_LABEL,
+    GROUP_NODE_LABEL,
+    GROUP_SIZE_ANNOTATION,
+    Group,
+    Member,
+    Verdict,
+    judge,
+)
 from pdserve.deployment.objects import (
     INSTANCE_LABEL,
     ROLE_LABEL,
@@ -37,6 +47,25 @@ class PodView:
     tp_size: int | None = None  # what the pod runs (dp_size is on ``observed``, status needs it)
     revision: str | None = None  # the pairing revision the pod runs (None: created before revisions)
     node: str | None = None  # spec.nodeName, once scheduled
+    #: Multi-node instances: the group (leader's name) and this pod's rank in it; None: one pod.
+    group: str | None = None
+    member: Member | None = None
+    group_size: int = 1  # the leader's ``pdserve.io/group-size``
+    formed: bool = False  # the leader's ``pdserve.io/group-formed``
+    #: A group as the planner's unit: (name, uid) of every pod to delete with it, and the
+    #: addresses of its members by node rank (the routing table's per-node endpoints).
+    members: tuple[tuple[str, str], ...] = ()
+    member_ips: tuple[str | None, ...] = field(default=())
+    #: The DP ranks this pod's own API server takes (first, count); None: it serves no API
+    #: (a headless worker) or all of its instance's ranks (single pod, leader-mode leader).
+    api_ranks: tuple[int, int] | None = None
+    #: A unit's per-node API servers: (ip, first rank, ranks), when each node serves its own.
+    endpoints: tuple[tuple[str, int, int], ...] = ()
+    ready_members: int = 0  # a unit's Ready pods
+
+    @property
+    def pod_names(self) -> tuple[str, ...]:
+        return tuple(n for n, _ in self.members) or (self.observed.name,)
 
 
 def pod_view(
@@ -50,8 +79,10 @@ def pod_view(
     except ValueError:
         return None
     name = meta.get("name", "")
-    if not is_instance_name(pdd, role, index, name):
-        return None
+    group = labels.get(GROUP_LABEL) or None
+    leader = group if group and (name == group or name.startswith(group + "-")) else name
+    if not is_instance_name(pdd, role, index, leader):
+        return None  # a group's workers are named after their leader: <leader>-<node rank>
     status = pod.get("status") or {}
     conditions = [c for c in status.get("conditions") or [] if isinstance(c, Mapping)]
     ready = any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions)
@@ -77,7 +108,129 @@ def pod_view(
     )
     ip = status.get("podIP") or None
     revision = instance_pod_revision(pod)
-    return PodView(role, observed, str(meta.get("uid", "")), ip, tp_size, revision, node)
+    view = PodView(role, observed, str(meta.get("uid", "")), ip, tp_size, revision, node)
+    if not group:
+        return view
+    try:
+        node_rank = int(labels.get(GROUP_NODE_LABEL, "0"))
+        size = int(annotations.get(GROUP_SIZE_ANNOTATION, "1"))
+    except ValueError:
+        return None
+    member = Member(
+        name=name,
+        node_rank=node_rank,
+        ready=ready,
+        terminating=observed.terminating,
+        failed=_failed(status),
+        unready_since=None if ready else _unready_since(conditions, observed.created),
+        unschedulable=unschedulable,
+        ip=ip,
+    )
+    formed = bool(annotations.get(GROUP_FORMED_ANNOTATION))
+    return replace(
+        view, group=group, member=member, group_size=size, formed=formed, api_ranks=_api_ranks(pod)
+    )
+
+
+def _api_ranks(pod: Mapping[str, Any]) -> tuple[int, int] | None:
+    """(first, count) of the local ranks a per-node API server takes (vLLM's hybrid load
+    balancing, read from the engine's own flags, so a pod says what it was started with)."""
+    containers = (pod.get("spec") or {}).get("containers") or []
+    engine: Mapping[str, Any] = next((c for c in containers if c.get("name") == "engine"), {})
+    argv = [str(a) for a in engine.get("args") or []]
+    if "--data-parallel-hybrid-lb" not in argv:
+        return None
+
+    def flag(name: str, default: int) -> int:
+        values = [argv[i + 1] for i, a in enumerate(argv[:-1]) if a == name]
+        try:
+            return int(values[-1]) if values else default
+        except ValueError:
+            return default
+
+    return flag("--data-parallel-start-rank", 0), flag("--data-parallel-size-local", 1)
+
+
+def _failed(status: Mapping[str, Any]) -> bool:
+    """The pod failed, or a container of it restarted (the rank it ran left its group)."""
+    if status.get("phase") == "Failed":
+        return True
+    containers = list(status.get("containerStatuses") or []) + list(status.get("initContainerStatuses") or [])
+    return any(int(c.get("restartCount") or 0) > 0 for c in containers if isinstance(c, Mapping))
+
+
+def _unready_since(conditions: Sequence[Mapping[str, Any]], created: float) -> float:
+    ready = next((c for c in conditions if c.get("type") == "Ready"), None)
+    since = parse_time(ready.get("lastTransitionTime")) if ready else None
+    return max(since or created, created)
+
+
+@dataclass(frozen=True)
+class GangPass:
+    """Multi-node instances seen as the planner's units, and what their groups need first."""
+
+    units: list[PodView]  # one per single-pod instance or group still standing
+    broken: list[tuple[PodView, str]]  # groups to delete whole now (the unit, why)
+    forming: list[tuple[PodView, tuple[int, ...]]]  # leaders whose workers to create (ranks)
+    recheck_after: float | None = None
+
+
+def gang_pass(views: Sequence[PodView], now: float, gang_timeout: float) -> GangPass:
+    """Gathers group members into units (:mod:`pdserve.deployment.gangs`) and judges them."""
+    units = [v for v in views if v.group is None]
+    by_group: dict[str, list[PodView]] = {}
+    for v in views:
+        if v.group is not None:
+            by_group.setdefault(v.group, []).append(v)
+    broken: list[tuple[PodView, str]] = []
+    forming: list[tuple[PodView, tuple[int, ...]]] = []
+    rechecks: list[float] = []
+    for name, members in sorted(by_group.items()):
+        members.sort(key=lambda v: (v.member.node_rank if v.member else 0, v.observed.name))
+        leader = next((v for v in members if v.observed.name == name), None)
+        size = leader.group_size if leader else max(v.group_size for v in members)
+        group = Group(
+            name, size, tuple(v.member for v in members if v.member), leader.formed if leader else False
+        )
+        verdict = judge(group, now, gang_timeout)
+        unit = _unit(leader or members[0], members, group)
+        if verdict.recheck_after is not None:
+            rechecks.append(verdict.recheck_after)
+        if verdict.verdict is Verdict.BROKEN:
+            broken.append((unit, verdict.reason))
+            continue
+        if verdict.create:
+            forming.append((unit, verdict.create))
+        units.append(unit)
+    return GangPass(units, broken, forming, min(rechecks) if rechecks else None)
+
+
+def _unit(head: PodView, members: Sequence[PodView], group: Group) -> PodView:
+    """A group as one instance: Ready only when whole, on a lost node when any member is."""
+    downs = [v.observed.node_down_since for v in members if v.observed.node_down_since is not None]
+    ips: list[str | None] = [None] * group.size
+    for v in members:
+        if v.member is not None and v.member.node_rank < group.size:
+            ips[v.member.node_rank] = v.ip
+    observed = replace(
+        head.observed,
+        ready=group.ready,
+        node_down_since=min(downs) if downs else None,
+        unschedulable=any(v.observed.unschedulable for v in members),
+    )
+    endpoints: list[tuple[str, int, int]] = []
+    if all(v.api_ranks is not None for v in members) and len(members) == group.size:
+        endpoints = [(v.ip, *v.api_ranks) for v in members if v.ip and v.api_ranks]
+        if len(endpoints) != group.size:
+            endpoints = []  # an address still missing: the group is not routable yet anyway
+    return replace(
+        head,
+        observed=observed,
+        members=tuple((v.observed.name, v.uid) for v in members),
+        member_ips=tuple(ips),
+        ready_members=sum(1 for v in members if v.member and v.member.ready and not v.member.terminating),
+        endpoints=tuple(sorted(endpoints, key=lambda e: e[1])),
+    )
 
 
 def pod_placements(pdd: PDDeployment, raw_pods: Sequence[Body], views: Sequence[PodView]) -> list[Placement]:
