@@ -1,0 +1,111 @@
+"""Multi-node instances on the real API server (pods backend): a group forms leader first, routes
+only when whole, is replaced whole when a member goes, and a group that cannot be placed is
+removed after the gang timeout. ``engine: vllm`` pods land on kwok's four 8-GPU nodes (Ready,
+nothing runs), so the groups are real pods scheduled by the real scheduler."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pdserve.routing.table import RoutingTable
+from tests.support.kube import eventually
+from tests.support.operator import (
+    WAIT,
+    Cluster,
+    Operator,
+    Recorder,
+    events,
+    pdd_manifest,
+    pod_ready,
+    ready,
+    tables,
+)
+
+GROUP = "pdserve.io/group"
+NODE_RANK = "pdserve.io/group-node"
+
+
+def group_manifest(name: str, *, prefill_instances: int = 1, gang_timeout: int = 600) -> dict[str, Any]:
+    """Prefill DP16 on 8-GPU nodes: two pods per instance (ranks 0-7 and 8-15); decode DP8: one."""
+    doc = pdd_manifest(name, prefill_instances=prefill_instances, prefill_dp=16, decode_instances=1)
+    doc["spec"]["decode"]["dataParallel"] = 8
+    doc["spec"]["multiNode"] = {"gangTimeoutSeconds": gang_timeout}
+    return doc
+
+
+def groups(cluster: Cluster, name: str, role: str = "prefill") -> dict[str, list[dict[str, Any]]]:
+    """Live pods of the role, by group (the leader's name)."""
+    out: dict[str, list[dict[str, Any]]] = {}
+    for pod in cluster.pods(name):
+        meta = pod["metadata"]
+        if meta["labels"].get("pdserve.io/role") == role and not meta.get("deletionTimestamp"):
+            out.setdefault(meta["labels"].get(GROUP, meta["name"]), []).append(pod)
+    return out
+
+
+def whole_groups(cluster: Cluster, name: str) -> dict[str, list[dict[str, Any]]]:
+    return {g: ps for g, ps in groups(cluster, name).items() if len(ps) == 2 and all(map(pod_ready, ps))}
+
+
+def prefill(table: RoutingTable | None) -> list[Any]:
+    return list(table.prefill) if table else []
+
+
+def test_a_group_forms_leader_first_and_routes_per_node(operator: Operator, cluster: Cluster) -> None:
+    cluster.apply(group_manifest("mn"))
+    eventually(lambda: ready(cluster, "mn"), timeout=WAIT)
+    (leader, members), *_ = whole_groups(cluster, "mn").items()
+    by_rank = {int(p["metadata"]["labels"][NODE_RANK]): p for p in members}
+    assert by_rank[0]["metadata"]["name"] == leader and by_rank[1]["metadata"]["name"] == f"{leader}-1"
+    assert by_rank[0]["spec"]["nodeName"] != by_rank[1]["spec"]["nodeName"]  # one node each
+    worker_args = by_rank[1]["spec"]["containers"][0]["args"]
+    assert by_rank[0]["status"]["podIP"] in worker_args  # the leader's address
+    (instance,) = prefill(cluster.table("mn"))
+    assert instance.name == leader and instance.dp_size == 16 and instance.routable
+    ips = [by_rank[r]["status"]["podIP"] for r in (0, 1)]
+    assert [(e.url, e.first_rank, e.ranks) for e in instance.endpoints] == [
+        (f"http://{ips[0]}:8000", 0, 8),
+        (f"http://{ips[1]}:8000", 8, 8),
+    ]
+    status = cluster.status("mn")["prefill"]
+    assert (status["readyInstances"], status["pods"], status["readyPods"]) == (1, 2, 2)
+
+
+def test_a_deleted_worker_takes_its_group_out_of_the_table_and_the_group_is_replaced(
+    operator: Operator, cluster: Cluster, recorder: Recorder
+) -> None:
+    cluster.apply(group_manifest("mnr"))
+    eventually(lambda: ready(cluster, "mnr"), timeout=WAIT)
+    (old, _), *_ = whole_groups(cluster, "mnr").items()
+    recorder.start()
+    cluster.kubectl("delete", "pod", f"{old}-1", "--wait=false")
+    eventually(lambda: old not in groups(cluster, "mnr"), timeout=WAIT)  # the leader went with it
+    eventually(lambda: ready(cluster, "mnr") and old not in whole_groups(cluster, "mnr"), timeout=WAIT)
+    (new, _), *_ = whole_groups(cluster, "mnr").items()
+    assert new != old
+    records = recorder.stop()
+    # The old group left the table before its leader was deleted, and never came back.
+    written = tables(records)
+    left = next(seq for seq, t in written if all(i.name != old or not i.routable for i in prefill(t)))
+    leader_deleted = min(
+        r.seq
+        for r in records
+        if r.kind == "pod" and r.name == old and r.obj["metadata"].get("deletionTimestamp")
+    )
+    assert left <= leader_deleted
+    assert all(not any(i.name == old and i.routable for i in prefill(t)) for seq, t in written if seq > left)
+    assert any(f"{old}-1 is being deleted" in e for e in events(cluster, "mnr", "GroupReplaced"))
+    assert old in cluster.status("mnr")["lastGroupReplacement"]["message"]
+
+
+def test_a_group_that_cannot_be_placed_is_removed_after_the_gang_timeout(
+    operator: Operator, cluster: Cluster
+) -> None:
+    # Decode takes one node, the first prefill group two: the second group's worker has no node left.
+    cluster.apply(group_manifest("mng", prefill_instances=2, gang_timeout=10))
+    eventually(lambda: "lastGroupReplacement" in cluster.status("mng"), timeout=WAIT)
+    message = cluster.status("mng")["lastGroupReplacement"]["message"]
+    assert "gang timeout" in message
+    assert events(cluster, "mng", "GroupReplaced")
+    assert len(whole_groups(cluster, "mng")) == 1  # the placed group keeps serving
+    assert len(prefill(cluster.table("mng"))) >= 1
