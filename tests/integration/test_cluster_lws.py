@@ -150,6 +150,41 @@ def test_leaderworkerset_crd_is_served(kube_cluster: KubeCluster) -> None:
     assert "leaderworkersets/scale" in resources, sorted(resources)
 
 
+def test_leaderworkerset_webhooks_default_and_validate(
+    kube_cluster: KubeCluster, kube_namespace: str
+) -> None:
+    """The controller's webhooks answer through kube-apiserver (by URL on 127.0.0.1 locally)."""
+    require_lws(kube_cluster)
+    bare = {
+        "apiVersion": "leaderworkerset.x-k8s.io/v1",
+        "kind": "LeaderWorkerSet",
+        "metadata": {"name": "bare"},
+        "spec": {"leaderWorkerTemplate": {"size": 2, "workerTemplate": pod_template("worker")}},
+    }
+    out = kube_cluster.kubectl(
+        "create", "--dry-run=server", "-n", kube_namespace, "-o", "json", "-f", "-", input=json.dumps(bare)
+    )
+    spec = json.loads(out.stdout)["spec"]
+    # Set by the mutating webhook only (the CRD's schema defaults replicas and startupPolicy).
+    assert spec["leaderWorkerTemplate"]["restartPolicy"] == "RecreateGroupOnPodRestart", spec
+    assert spec["networkConfig"] == {"subdomainPolicy": "Shared"}, spec
+    assert spec["rolloutStrategy"]["type"] == "RollingUpdate", spec
+    assert spec["rolloutStrategy"]["rollingUpdateConfiguration"]["maxUnavailable"] == 1, spec
+
+    # Refused by the validating webhook (the schema allows it): a rollout that can never progress.
+    stuck = json.loads(json.dumps(bare))
+    stuck["spec"]["rolloutStrategy"] = {
+        "type": "RollingUpdate",
+        "rollingUpdateConfiguration": {"maxUnavailable": 0, "maxSurge": 0},
+    }
+    refused = kube_cluster.kubectl(
+        "create", "--dry-run=server", "-n", kube_namespace, "-f", "-", input=json.dumps(stuck), check=False
+    )
+    assert refused.returncode != 0
+    assert "vleaderworkerset.kb.io" in refused.stderr, refused.stderr
+    assert "must not be 0 when `maxSurge` is 0" in refused.stderr, refused.stderr
+
+
 def test_leaderworkerset_groups_run_labelled_and_recreate_as_a_group(
     kube_cluster: KubeCluster, kube_namespace: str
 ) -> None:
