@@ -181,6 +181,7 @@ class _Connection(asyncio.Protocol):
         self._header_name = b""
         self._framed = False  # Content-Length or chunked: the end is in the message, not the close
         self._message_done = False
+        self._keep_alive = False  # read with the headers: the parser forgets it once the message ends
 
     # asyncio.Protocol
 
@@ -220,6 +221,7 @@ class _Connection(asyncio.Protocol):
             self._framed = True
 
     def on_headers_complete(self) -> None:
+        self._keep_alive = self.parser.should_keep_alive()
         if self.response is not None:
             self.response._got_headers(self.parser.get_status_code(), self._content_type)
 
@@ -235,15 +237,14 @@ class _Connection(asyncio.Protocol):
     # the pool's side
 
     def send(self, head: bytes, payload: bytes) -> Response:
-        self.parser = httptools.HttpResponseParser(self)
         self._content_type = None
-        self._framed = self._message_done = False
+        self._framed = self._message_done = self._keep_alive = False
         self.response = Response(self)
         self.transport.write(head + payload)
         return self.response
 
     def done(self, reusable: bool) -> None:
-        keep = reusable and self._message_done and not self.lost and self.parser.should_keep_alive()
+        keep = reusable and self._message_done and self._keep_alive and not self.lost
         self.response = None
         if keep:
             self.pool._idle_again(self)
