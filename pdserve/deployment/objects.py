@@ -46,8 +46,18 @@ from pdserve.deployment.defaults import (
     startup_failure_threshold,
     with_default_requests,
 )
+from pdserve.deployment.groups import (
+    LEADER_ADDRESS_ENV,
+    LWS_LEADER_ADDRESS_ENV,
+    LWS_WORKER_INDEX_ENV,
+    GroupMember,
+    group_flags,
+    lws_object,
+    shell_command,
+)
 from pdserve.deployment.kvconfig import MORIIO, NIXL, kv_transfer_config_json
 from pdserve.deployment.kvpod import kv_pod_settings
+from pdserve.deployment.multinode import BACKEND_LWS, GroupShape
 from pdserve.deployment.owned import ENGINE_ENV_OWNED
 from pdserve.deployment.podtemplate import merge_metadata, merge_pod_spec
 from pdserve.deployment.revision import pairing_revision
@@ -76,6 +86,11 @@ DP_SIZE_ANNOTATION = "pdserve.io/dp-size"
 TP_SIZE_ANNOTATION = "pdserve.io/tp-size"
 # Likewise the pairing revision (pdserve.deployment.revision): old pods keep theirs until replaced.
 REVISION_ANNOTATION = "pdserve.io/revision"
+# Pods of a multi-node instance (a group; only on those): the leader's pod name (pods backend) or
+# the LeaderWorkerSet's name, the pod's node index in the group (0 = leader), and the group's size.
+GROUP_LABEL = "pdserve.io/group"
+GROUP_NODE_LABEL = "pdserve.io/group-node"
+GROUP_SIZE_ANNOTATION = "pdserve.io/group-size"
 MANAGER = "pdserve-operator"
 
 # Probes. The startup probe allows startupTimeoutSeconds of model loading (defaults.py) before
@@ -165,7 +180,17 @@ def _metadata(pdd: PDDeployment, name: str, component: str) -> dict[str, Any]:
 
 
 def instance_pod(pdd: PDDeployment, role: Role, index: int, suffix: str = "") -> dict[str, Any]:
+    """The one pod of a single-node instance (a multi-node role's are :func:`group_pods`)."""
     name = instance_name(pdd, role, index, suffix)
+    meta = _pod_metadata(pdd, role, index, name)
+    spec = _pod_spec(pdd, role, name, instance_hostname(role, index, suffix))
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": spec}
+
+
+def _pod_metadata(
+    pdd: PDDeployment, role: Role, index: int, name: str, group: tuple[str, int | None, int] | None = None
+) -> dict[str, Any]:
+    """An engine pod's metadata; ``group`` is (group name, node index or None, group size)."""
     meta = _metadata(pdd, name, role.value)
     meta["labels"].update(
         {
@@ -181,9 +206,102 @@ def instance_pod(pdd: PDDeployment, role: Role, index: int, suffix: str = "") ->
         TP_SIZE_ANNOTATION: str(rs.tensor_parallel),
         REVISION_ANNOTATION: pairing_revision(pdd, role),
     }
-    meta = merge_metadata(meta, rs.template)
-    spec = _pod_spec(pdd, role, name, instance_hostname(role, index, suffix))
-    return {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": spec}
+    if group is not None:
+        group_name, node, size = group
+        meta["labels"][GROUP_LABEL] = group_name
+        if node is not None:
+            meta["labels"][GROUP_NODE_LABEL] = str(node)
+        meta["annotations"][GROUP_SIZE_ANNOTATION] = str(size)
+    return merge_metadata(meta, rs.template)
+
+
+def group_member_name(pdd: PDDeployment, role: Role, index: int, suffix: str, node: int) -> str:
+    """The leader (node 0) has :func:`instance_name`; node k >= 1 adds ``-<k>``."""
+    return instance_name(pdd, role, index, suffix) + (f"-{node}" if node else "")
+
+
+def group_pods(
+    pdd: PDDeployment, role: Role, index: int, suffix: str, leader_address: str | None
+) -> list[dict[str, Any]]:
+    """The pods of one instance, leader first (backend ``pods``); one pod for a single-node role.
+
+    Workers reach the leader at ``leader_address`` (the leader pod's IP, known once it runs),
+    given in their ``PDSERVE_LEADER_ADDRESS`` env; None renders the leader's DNS name in the
+    engines' headless Service instead, which resolves once the leader pod exists.
+    """
+    shape = pdd.spec.group_shape(role)
+    if not shape.multi_node:
+        return [instance_pod(pdd, role, index, suffix)]
+    leader = instance_name(pdd, role, index, suffix)
+    rpc = pdd.spec.multi_node.rpc_port
+    address = leader_address or (
+        f"{instance_hostname(role, index, suffix)}.{engine_service_name(pdd)}.{pdd.namespace}.svc"
+    )
+    pods = []
+    for node in range(shape.nodes):
+        name = group_member_name(pdd, role, index, suffix, node)
+        hostname = instance_hostname(role, index, suffix) + (f"-{node}" if node else "")
+        if node == 0:
+            member = GroupMember(shape, 0, rpc, "$(POD_IP)")
+        else:
+            member = GroupMember(shape, node, rpc, f"$({LEADER_ADDRESS_ENV})")
+        spec = _pod_spec(pdd, role, leader, hostname, member)  # the simulator's engine ids: the group's
+        if node > 0:
+            engine = next(c for c in spec["containers"] if c["name"] == "engine")
+            engine["env"] = [{"name": LEADER_ADDRESS_ENV, "value": address}, *engine["env"]]
+        meta = _pod_metadata(pdd, role, index, name, (leader, node, shape.nodes))
+        pods.append({"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": spec})
+    return pods
+
+
+def instance_lws(pdd: PDDeployment, role: Role, index: int, suffix: str) -> dict[str, Any]:
+    """One instance as a LeaderWorkerSet (backend ``lws``; a multi-node role only).
+
+    Named like the pods backend's leader, one replica, ``size`` = the group's pods, and
+    ``RecreateGroupOnPodRestart``: the LWS controller schedules and restarts the group as a unit,
+    the operator still drains and deletes per instance. The leader's address comes from the
+    controller's ``LWS_LEADER_ADDRESS``; the shared worker template computes its node's start
+    rank (or node rank) from ``LWS_WORKER_INDEX``. hostname/subdomain are the controller's.
+    """
+    shape = pdd.spec.group_shape(role)
+    if not shape.multi_node:
+        raise ValueError(f"spec.{role.value}: one pod per instance; instance_lws renders multi-node roles")
+    name = instance_name(pdd, role, index, suffix)
+    rpc = pdd.spec.multi_node.rpc_port
+    worker_index = f"$({LWS_WORKER_INDEX_ENV})"
+    if shape.spans_rank or shape.dp_local == 1:
+        start = worker_index
+    else:
+        start = f"$$(({LWS_WORKER_INDEX_ENV} * {shape.dp_local}))"
+    members = (
+        GroupMember(shape, 0, rpc, "$(POD_IP)"),
+        GroupMember(shape, 1, rpc, f"$({LWS_LEADER_ADDRESS_ENV})", start_rank=start, node_rank=worker_index),
+    )
+    templates = []
+    for member in members:
+        spec = _pod_spec(pdd, role, name, "", member)
+        for key in ("hostname", "subdomain"):
+            spec.pop(key, None)
+        if member.node > 0 and start.startswith("$$"):
+            engine = next(c for c in spec["containers"] if c["name"] == "engine")
+            engine["command"], engine["args"] = shell_command(engine["command"], engine["args"])
+        node = 0 if member.node == 0 else None
+        meta = _pod_metadata(pdd, role, index, name, (name, node, shape.nodes))
+        for key in ("name", "namespace", "ownerReferences"):
+            meta.pop(key, None)
+        templates.append({"metadata": meta, "spec": spec})
+    meta = _metadata(pdd, name, role.value)
+    meta["labels"].update({ROLE_LABEL: role.value, INSTANCE_LABEL: str(index), GROUP_LABEL: name})
+    meta["labels"][TEMPLATE_HASH_LABEL] = template_hash(pdd, role)
+    meta["annotations"] = {GROUP_SIZE_ANNOTATION: str(shape.nodes)}
+    return lws_object(meta, shape.nodes, templates[0], templates[1])
+
+
+def instance_objects(pdd: PDDeployment, role: Role, index: int, suffix: str = "") -> list[dict[str, Any]]:
+    """What one instance is made of: its pod, its group's pods, or its LeaderWorkerSet."""
+    if pdd.spec.group_shape(role).multi_node and pdd.spec.multi_node.backend == BACKEND_LWS:
+        return [instance_lws(pdd, role, index, suffix)]
+    return group_pods(pdd, role, index, suffix, None)
 
 
 def pod_parallel_sizes(pod: Mapping[str, Any]) -> tuple[int | None, int | None]:
@@ -230,6 +348,12 @@ def template_hash(pdd: PDDeployment, role: Role) -> str:
     connector, and pdserve's own rendering. The instance count is not part of a pod.
     """
     spec: dict[str, Any] = _pod_spec(pdd, role, "{instance}", "{instance}")
+    shape = pdd.spec.group_shape(role)
+    if shape.multi_node:  # a group: its leader's and a worker's pod, and how they are created
+        rpc = pdd.spec.multi_node.rpc_port
+        worker = _pod_spec(pdd, role, "{instance}", "{instance}", GroupMember(shape, 1, rpc, "{leader}"))
+        leader = _pod_spec(pdd, role, "{instance}", "{instance}", GroupMember(shape, 0, rpc, "{leader}"))
+        spec = {"leader": leader, "worker": worker, "backend": pdd.spec.multi_node.backend}
     template_metadata = pdd.spec.role(role).template.metadata
     if template_metadata:  # labels and annotations of a template are part of the pod too
         spec = {"spec": spec, "metadata": template_metadata}
@@ -237,18 +361,25 @@ def template_hash(pdd: PDDeployment, role: Role) -> str:
     return digest[:10]
 
 
-def _pod_spec(pdd: PDDeployment, role: Role, pod_name: str, hostname: str) -> dict[str, Any]:
+def _pod_spec(
+    pdd: PDDeployment, role: Role, pod_name: str, hostname: str, member: GroupMember | None = None
+) -> dict[str, Any]:
+    """An engine pod's spec; ``member`` is its place in a multi-node group (None: the whole instance)."""
     spec = pdd.spec
     rs = spec.role(role)
     sim = spec.engine == "sim"
+    flags = group_flags(member) if member is not None else []
+    shape = member.shape if member is not None else None
+    gpus = shape.gpus_per_pod if shape is not None else rs.gpus_per_instance
     container: dict[str, Any] = {
         "name": "engine",
         "image": spec.engine_image,
         "command": ["pdserve", "sim"] if sim else ["vllm", "serve"],
-        "args": (_sim_args(pdd, role, pod_name) if sim else _vllm_args(pdd, role)) + list(rs.args),
+        "args": (_sim_args(pdd, role, pod_name, flags) if sim else _vllm_args(pdd, role, flags))
+        + list(rs.args),
         "ports": [{"name": "http", "containerPort": ENGINE_PORT, "protocol": "TCP"}],
         "env": _engine_env(pdd) + [_plain(v) for v in rs.env],
-        "resources": _engine_resources(spec.gpu_resource, rs, gpus=not sim),
+        "resources": _engine_resources(spec.gpu_resource, rs, gpus if not sim else None),
         "volumeMounts": [{"name": "dshm", "mountPath": SHM_MOUNT}],
         "startupProbe": {
             "httpGet": _health(),
@@ -270,6 +401,10 @@ def _pod_spec(pdd: PDDeployment, role: Role, pod_name: str, hostname: str) -> di
         # Out of every router's table before SIGTERM (defaults.ENGINE_PRESTOP_SECONDS).
         "lifecycle": {"preStop": {"sleep": {"seconds": ENGINE_PRESTOP_SECONDS}}},
     }
+    if member is not None and member.headless:  # vLLM --headless serves no HTTP: nothing to probe
+        container["ports"] = []
+        for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+            del container[probe]
     pod: dict[str, Any] = {
         "hostname": hostname,
         "subdomain": engine_service_name(pdd),
@@ -289,7 +424,7 @@ def _pod_spec(pdd: PDDeployment, role: Role, pod_name: str, hostname: str) -> di
     if not sim:  # the model's storage and the KV connector's needs; the simulator has neither
         container["volumeMounts"] += storage_mounts(spec.model, spec.model_cache)
         pod["volumes"] += storage_volumes(spec.model, spec.model_cache)
-        kv = kv_pod_settings(spec.kv_transfer, rs.data_parallel, rs.tensor_parallel)
+        kv = _kv_settings(pdd, role, member)
         container["ports"] += kv.ports
         container["env"] = _last_wins(kv.env + container["env"])  # the role's env overrides defaults
         if kv.capabilities:
@@ -305,8 +440,20 @@ def _pod_spec(pdd: PDDeployment, role: Role, pod_name: str, hostname: str) -> di
         add_sidecar(pod, pdd, routing_configmap_name(pdd), router_account_name(pdd), revision)
     merged = merge_pod_spec(pod, rs.template.spec)
     engine = next(c for c in merged["containers"] if c["name"] == "engine")
-    with_default_requests(engine, default_requests(rs.gpus_per_instance, sim))
+    with_default_requests(engine, default_requests(gpus, sim))
+    if not engine["ports"]:
+        del engine["ports"]
     return merged
+
+
+def _kv_settings(pdd: PDDeployment, role: Role, member: GroupMember | None) -> Any:
+    """The connector's pod settings for the ranks this pod runs (NIXL ports by global DP rank)."""
+    rs = pdd.spec.role(role)
+    if member is None:
+        return kv_pod_settings(pdd.spec.kv_transfer, rs.data_parallel, rs.tensor_parallel)
+    shape: GroupShape = member.shape
+    first = 0 if shape.spans_rank else shape.first_rank(member.node)
+    return kv_pod_settings(pdd.spec.kv_transfer, shape.dp_local, rs.tensor_parallel, first)
 
 
 def _vllm_startup(rs: RoleSpec) -> dict[str, Any]:
@@ -330,7 +477,7 @@ def _health() -> dict[str, Any]:
     return {"path": "/health", "port": "http"}
 
 
-def _vllm_args(pdd: PDDeployment, role: Role) -> list[str]:
+def _vllm_args(pdd: PDDeployment, role: Role, group: list[str]) -> list[str]:
     spec = pdd.spec
     rs = spec.role(role)
     args = [
@@ -344,12 +491,15 @@ def _vllm_args(pdd: PDDeployment, role: Role) -> list[str]:
         "--tensor-parallel-size",
         str(rs.tensor_parallel),
     ]
+    if rs.pipeline_parallel > 1:
+        args += ["--pipeline-parallel-size", str(rs.pipeline_parallel)]
+    args += group
     if rs.expert_parallel:
         args.append("--enable-expert-parallel")
     return [*args, "--kv-transfer-config", kv_transfer_config_json(spec.kv_transfer, role)]
 
 
-def _sim_args(pdd: PDDeployment, role: Role, pod_name: str) -> list[str]:
+def _sim_args(pdd: PDDeployment, role: Role, pod_name: str, group: list[str]) -> list[str]:
     rs = pdd.spec.role(role)
     return [
         "--role",
@@ -358,6 +508,8 @@ def _sim_args(pdd: PDDeployment, role: Role, pod_name: str) -> list[str]:
         str(rs.data_parallel),
         "--tp-size",
         str(rs.tensor_parallel),
+        *(["--pp-size", str(rs.pipeline_parallel)] if rs.pipeline_parallel > 1 else []),
+        *group,
         "--host",
         "0.0.0.0",
         "--port",
@@ -392,10 +544,11 @@ def _engine_env(pdd: PDDeployment) -> list[dict[str, Any]]:
 OWNED_ENV = ENGINE_ENV_OWNED.names
 
 
-def _engine_resources(gpu_resource: str, rs: RoleSpec, gpus: bool) -> dict[str, Any]:
+def _engine_resources(gpu_resource: str, rs: RoleSpec, gpus: int | None) -> dict[str, Any]:
+    """The role's resources plus ``gpus`` of ``gpu_resource`` (None: the simulator, no GPUs)."""
     resources = _plain(rs.resources)
-    if gpus:
-        count = str(rs.gpus_per_instance)
+    if gpus is not None:
+        count = str(gpus)
         for section in ("requests", "limits"):
             resources.setdefault(section, {})[gpu_resource] = count
     return dict(resources)
@@ -583,14 +736,20 @@ def disruption_budget(pdd: PDDeployment, role: Role) -> dict[str, Any]:
     counted against the pods that exist. ``AlwaysAllow`` lets a drain evict a pod that is
     running but not Ready (crashlooping, or still loading its model), which serves nothing, even
     when the budget is spent, so one broken pod cannot block a node's drain.
+
+    A multi-node role's budget counts pods, not groups: minAvailable is its pods minus the
+    allowed instances. Evicting one pod takes its whole group down (vLLM cannot lose a member),
+    so each allowed eviction may cost one instance, and maxUnavailable stays a bound on
+    instances; two evictions from one group cost one instance but spend two.
     """
     rs = pdd.spec.role(role)
+    pods = rs.instances * pdd.spec.group_shape(role).nodes
     return {
         "apiVersion": "policy/v1",
         "kind": "PodDisruptionBudget",
         "metadata": _metadata(pdd, disruption_budget_name(pdd, role), role.value),
         "spec": {
-            "minAvailable": rs.instances - rs.disruption_budget.allowed(rs.instances),
+            "minAvailable": pods - rs.disruption_budget.allowed(rs.instances),
             "selector": {"matchLabels": role_selector(pdd, role)},
             "unhealthyPodEvictionPolicy": "AlwaysAllow",
         },
@@ -631,9 +790,10 @@ def render_all(pdd: PDDeployment, table: RoutingTable | None = None) -> list[dic
     if table is None:
         table = build_routing_table(pdd, (), None)
     pods = [
-        instance_pod(pdd, role, index)
+        obj
         for role in (Role.PREFILL, Role.DECODE)
         for index in range(pdd.spec.role(role).instances)
+        for obj in instance_objects(pdd, role, index)
     ]
     return [*desired_static_objects(pdd), routing_configmap(pdd, table), *pods]
 
