@@ -508,7 +508,6 @@ def _sim_args(pdd: PDDeployment, role: Role, pod_name: str, group: list[str]) ->
         str(rs.data_parallel),
         "--tp-size",
         str(rs.tensor_parallel),
-        *(["--pp-size", str(rs.pipeline_parallel)] if rs.pipeline_parallel > 1 else []),
         *group,
         "--host",
         "0.0.0.0",

@@ -47,7 +47,6 @@ SIM_OWNED_FLAGS = {
     "--role": "set by the role",
     "--dp-size": "set dataParallel",
     "--tp-size": "set tensorParallel",
-    "--pp-size": "set pipelineParallel",
     **{
         flag: "set by pdserve for the pods of a multi-node instance (gpusPerNode, spec.multiNode)"
         for flag in GROUP_FLAGS
