@@ -193,8 +193,8 @@ def _fits_nodes(spec: PDDeploymentSpec, role: Role, path: str, allocatable: Sequ
     if shape.gpus_per_pod <= counts[-1]:
         return []
     return [
-        f"{path}: a pod of an instance needs {shape.gpus_per_pod} {spec.gpu_resource}, but the largest "
-        f"node has {counts[-1]}; set gpusPerNode to {counts[-1]} or less"
+        f"{path}: a pod of an instance needs {shape.gpus_per_pod} {spec.gpu_resource}, "
+        f"but the largest node has {counts[-1]}; set gpusPerNode to {counts[-1]} or less"
     ]
 
 
