@@ -108,7 +108,8 @@ def group_flags(member: GroupMember) -> list[str]:
     start = member.start_rank or str(shape.first_rank(node))
     if shape.api_servers == API_PER_NODE or node > 0:
         flags += ["--data-parallel-start-rank", start]
-    flags += ["--data-parallel-address", member.leader_address, "--data-parallel-rpc-port", str(member.rpc_port)]
+    flags += ["--data-parallel-address", member.leader_address]
+    flags += ["--data-parallel-rpc-port", str(member.rpc_port)]
     if shape.api_servers == API_PER_NODE:
         flags.append("--data-parallel-hybrid-lb")
     elif node > 0:

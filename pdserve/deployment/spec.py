@@ -236,7 +236,7 @@ class PDDeploymentSpec:
     engine_api_key_secret_ref: SecretKeyRef | None = None
     #: GPUs of one node; None: unknown here (the operator reads the nodes; render: one pod per instance).
     gpus_per_node: int | None = None
-    multi_node: MultiNodeSpec = MultiNodeSpec()
+    multi_node: MultiNodeSpec = field(default_factory=MultiNodeSpec)
 
     @property
     def engine_image(self) -> str:

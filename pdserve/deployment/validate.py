@@ -179,9 +179,8 @@ def _fits_nodes(spec: PDDeploymentSpec, role: Role, path: str, allocatable: Sequ
     need = rs.gpus_per_instance
     counts = sorted({n for n in allocatable if n > 0})
     if not counts:
-        return [
-            f"{path}: an instance needs {need} {spec.gpu_resource}, but no node has allocatable {spec.gpu_resource}"
-        ]
+        resource = spec.gpu_resource
+        return [f"{path}: an instance needs {need} {resource}, but no node has allocatable {resource}"]
     gpn = default_gpus_per_node(spec, role, allocatable)
     if gpn is None and need > counts[-1]:
         shown = " and ".join(str(n) for n in counts) if len(counts) <= 4 else f"{counts[0]} to {counts[-1]}"
@@ -207,10 +206,11 @@ def default_gpus_per_node(spec: PDDeploymentSpec, role: Role, allocatable: Seque
 
 def _sidecar_group(spec: PDDeploymentSpec) -> list[str]:
     """A decode sidecar router serves one engine on its pod; a multi-node decode has several."""
-    if not spec.router.decode_sidecar or not spec.group_shape(Role.DECODE).multi_node:
+    shape = spec.group_shape(Role.DECODE)
+    if not spec.router.decode_sidecar or not shape.multi_node:
         return []
+    gpn = spec.gpus_per_node_of(Role.DECODE)
     return [
         "spec.router.placement: decode-sidecar is not supported with multi-node decode instances "
-        f"({spec.group_shape(Role.DECODE).nodes} pods each with gpusPerNode {spec.gpus_per_node_of(Role.DECODE)}); "
-        "use placement deployment"
+        f"({shape.nodes} pods each with gpusPerNode {gpn}); use placement deployment"
     ]
