@@ -7,7 +7,9 @@ prints them, and the tests compare them with golden files. Names:
   operator, so a replacement can start while the pod it replaces still exists (surge, a pod
   stuck Terminating on a lost node); the index is the ``pdserve.io/instance`` label.
   ``hostname`` ``<role>-<index>-<suffix>`` + ``subdomain`` give it a DNS name. Rendered without
-  a cluster (``pdserve render``, local mode) the suffix is left out.
+  a cluster (``pdserve render``, local mode) the suffix is left out. An instance larger than
+  ``gpusPerNode`` is a group of such pods, or a LeaderWorkerSet (groups.py, which also renders
+  the whole set, :func:`~pdserve.deployment.groups.render_all`); :func:`pod_spec` renders each.
 * headless Service ``<name>-engines`` (that subdomain; not-ready pods included)
 * Deployment ``<name>-router`` running ``pdserve proxy``, Service ``<name>`` on the router port;
   with ``spec.router.placement: decode-sidecar`` no Deployment: a ``router`` container in every
@@ -46,22 +48,16 @@ from pdserve.deployment.defaults import (
     startup_failure_threshold,
     with_default_requests,
 )
-from pdserve.deployment.groups import (
-    LEADER_ADDRESS_ENV,
-    LWS_LEADER_ADDRESS_ENV,
-    LWS_WORKER_INDEX_ENV,
+from pdserve.deployment.groupflags import (
     GroupMember,
     group_flags,
-    lws_object,
-    shell_command,
 )
 from pdserve.deployment.kvconfig import MORIIO, NIXL, kv_transfer_config_json
 from pdserve.deployment.kvpod import kv_pod_settings
-from pdserve.deployment.multinode import BACKEND_LWS, GroupShape
+from pdserve.deployment.multinode import GroupShape
 from pdserve.deployment.owned import ENGINE_ENV_OWNED
 from pdserve.deployment.podtemplate import merge_metadata, merge_pod_spec
 from pdserve.deployment.revision import pairing_revision
-from pdserve.deployment.routing import build_routing_table
 from pdserve.deployment.security import engine_key_env, router_admin_args, router_admin_port, router_key_env
 from pdserve.deployment.sidecar import SIDECAR_PORT_NAME, add_sidecar
 from pdserve.deployment.spec import API_VERSION, DEFAULT_IMAGE, ENGINE_PORT, KIND, PDDeployment, RoleSpec
@@ -169,7 +165,7 @@ def owner_reference(pdd: PDDeployment) -> dict[str, Any]:
     }
 
 
-def _metadata(pdd: PDDeployment, name: str, component: str) -> dict[str, Any]:
+def object_metadata(pdd: PDDeployment, name: str, component: str) -> dict[str, Any]:
     meta: dict[str, Any] = {"name": name, "namespace": pdd.namespace, "labels": labels(pdd, component)}
     if pdd.uid:
         meta["ownerReferences"] = [owner_reference(pdd)]
@@ -180,18 +176,18 @@ def _metadata(pdd: PDDeployment, name: str, component: str) -> dict[str, Any]:
 
 
 def instance_pod(pdd: PDDeployment, role: Role, index: int, suffix: str = "") -> dict[str, Any]:
-    """The one pod of a single-node instance (a multi-node role's are :func:`group_pods`)."""
+    """The one pod of a single-node instance (a multi-node role's are groups.group_pods)."""
     name = instance_name(pdd, role, index, suffix)
-    meta = _pod_metadata(pdd, role, index, name)
-    spec = _pod_spec(pdd, role, name, instance_hostname(role, index, suffix))
+    meta = pod_metadata(pdd, role, index, name)
+    spec = pod_spec(pdd, role, name, instance_hostname(role, index, suffix))
     return {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": spec}
 
 
-def _pod_metadata(
+def pod_metadata(
     pdd: PDDeployment, role: Role, index: int, name: str, group: tuple[str, int | None, int] | None = None
 ) -> dict[str, Any]:
     """An engine pod's metadata; ``group`` is (group name, node index or None, group size)."""
-    meta = _metadata(pdd, name, role.value)
+    meta = object_metadata(pdd, name, role.value)
     meta["labels"].update(
         {
             ROLE_LABEL: role.value,
@@ -213,95 +209,6 @@ def _pod_metadata(
             meta["labels"][GROUP_NODE_LABEL] = str(node)
         meta["annotations"][GROUP_SIZE_ANNOTATION] = str(size)
     return merge_metadata(meta, rs.template)
-
-
-def group_member_name(pdd: PDDeployment, role: Role, index: int, suffix: str, node: int) -> str:
-    """The leader (node 0) has :func:`instance_name`; node k >= 1 adds ``-<k>``."""
-    return instance_name(pdd, role, index, suffix) + (f"-{node}" if node else "")
-
-
-def group_pods(
-    pdd: PDDeployment, role: Role, index: int, suffix: str, leader_address: str | None
-) -> list[dict[str, Any]]:
-    """The pods of one instance, leader first (backend ``pods``); one pod for a single-node role.
-
-    Workers reach the leader at ``leader_address`` (the leader pod's IP, known once it runs),
-    given in their ``PDSERVE_LEADER_ADDRESS`` env; None renders the leader's DNS name in the
-    engines' headless Service instead, which resolves once the leader pod exists.
-    """
-    shape = pdd.spec.group_shape(role)
-    if not shape.multi_node:
-        return [instance_pod(pdd, role, index, suffix)]
-    leader = instance_name(pdd, role, index, suffix)
-    rpc = pdd.spec.multi_node.rpc_port
-    address = leader_address or (
-        f"{instance_hostname(role, index, suffix)}.{engine_service_name(pdd)}.{pdd.namespace}.svc"
-    )
-    pods = []
-    for node in range(shape.nodes):
-        name = group_member_name(pdd, role, index, suffix, node)
-        hostname = instance_hostname(role, index, suffix) + (f"-{node}" if node else "")
-        if node == 0:
-            member = GroupMember(shape, 0, rpc, "$(POD_IP)")
-        else:
-            member = GroupMember(shape, node, rpc, f"$({LEADER_ADDRESS_ENV})")
-        spec = _pod_spec(pdd, role, leader, hostname, member)  # the simulator's engine ids: the group's
-        if node > 0:
-            engine = next(c for c in spec["containers"] if c["name"] == "engine")
-            engine["env"] = [{"name": LEADER_ADDRESS_ENV, "value": address}, *engine["env"]]
-        meta = _pod_metadata(pdd, role, index, name, (leader, node, shape.nodes))
-        pods.append({"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": spec})
-    return pods
-
-
-def instance_lws(pdd: PDDeployment, role: Role, index: int, suffix: str) -> dict[str, Any]:
-    """One instance as a LeaderWorkerSet (backend ``lws``; a multi-node role only).
-
-    Named like the pods backend's leader, one replica, ``size`` = the group's pods, and
-    ``RecreateGroupOnPodRestart``: the LWS controller schedules and restarts the group as a unit,
-    the operator still drains and deletes per instance. The leader's address comes from the
-    controller's ``LWS_LEADER_ADDRESS``; the shared worker template computes its node's start
-    rank (or node rank) from ``LWS_WORKER_INDEX``. hostname/subdomain are the controller's.
-    """
-    shape = pdd.spec.group_shape(role)
-    if not shape.multi_node:
-        raise ValueError(f"spec.{role.value}: one pod per instance; instance_lws renders multi-node roles")
-    name = instance_name(pdd, role, index, suffix)
-    rpc = pdd.spec.multi_node.rpc_port
-    worker_index = f"$({LWS_WORKER_INDEX_ENV})"
-    if shape.spans_rank or shape.dp_local == 1:
-        start = worker_index
-    else:
-        start = f"$$(({LWS_WORKER_INDEX_ENV} * {shape.dp_local}))"
-    members = (
-        GroupMember(shape, 0, rpc, "$(POD_IP)"),
-        GroupMember(shape, 1, rpc, f"$({LWS_LEADER_ADDRESS_ENV})", start_rank=start, node_rank=worker_index),
-    )
-    templates = []
-    for member in members:
-        spec = _pod_spec(pdd, role, name, "", member)
-        for key in ("hostname", "subdomain"):
-            spec.pop(key, None)
-        if member.node > 0 and start.startswith("$$"):
-            engine = next(c for c in spec["containers"] if c["name"] == "engine")
-            engine["command"], engine["args"] = shell_command(engine["command"], engine["args"])
-        node = 0 if member.node == 0 else None
-        meta = _pod_metadata(pdd, role, index, name, (name, node, shape.nodes))
-        for key in ("name", "namespace", "ownerReferences"):
-            meta.pop(key, None)
-        templates.append({"metadata": meta, "spec": spec})
-    meta = _metadata(pdd, name, role.value)
-    meta["labels"].update({ROLE_LABEL: role.value, INSTANCE_LABEL: str(index), GROUP_LABEL: name})
-    meta["labels"][TEMPLATE_HASH_LABEL] = template_hash(pdd, role)
-    meta["annotations"] = {GROUP_SIZE_ANNOTATION: str(shape.nodes)}
-    return lws_object(meta, shape.nodes, templates[0], templates[1])
-
-
-def instance_objects(pdd: PDDeployment, role: Role, index: int, suffix: str = "") -> list[dict[str, Any]]:
-    """What one instance is made of: its pod, its group's pods, or its LeaderWorkerSet."""
-    if pdd.spec.group_shape(role).multi_node and pdd.spec.multi_node.backend == BACKEND_LWS:
-        return [instance_lws(pdd, role, index, suffix)]
-    return group_pods(pdd, role, index, suffix, None)
 
 
 def pod_parallel_sizes(pod: Mapping[str, Any]) -> tuple[int | None, int | None]:
@@ -347,12 +254,12 @@ def template_hash(pdd: PDDeployment, role: Role) -> str:
     changes exactly when a pod would come out different: image, args, env, resources, DP/TP,
     connector, and pdserve's own rendering. The instance count is not part of a pod.
     """
-    spec: dict[str, Any] = _pod_spec(pdd, role, "{instance}", "{instance}")
+    spec: dict[str, Any] = pod_spec(pdd, role, "{instance}", "{instance}")
     shape = pdd.spec.group_shape(role)
     if shape.multi_node:  # a group: its leader's and a worker's pod, and how they are created
         rpc = pdd.spec.multi_node.rpc_port
-        worker = _pod_spec(pdd, role, "{instance}", "{instance}", GroupMember(shape, 1, rpc, "{leader}"))
-        leader = _pod_spec(pdd, role, "{instance}", "{instance}", GroupMember(shape, 0, rpc, "{leader}"))
+        worker = pod_spec(pdd, role, "{instance}", "{instance}", GroupMember(shape, 1, rpc, "{leader}"))
+        leader = pod_spec(pdd, role, "{instance}", "{instance}", GroupMember(shape, 0, rpc, "{leader}"))
         spec = {"leader": leader, "worker": worker, "backend": pdd.spec.multi_node.backend}
     template_metadata = pdd.spec.role(role).template.metadata
     if template_metadata:  # labels and annotations of a template are part of the pod too
@@ -361,7 +268,7 @@ def template_hash(pdd: PDDeployment, role: Role) -> str:
     return digest[:10]
 
 
-def _pod_spec(
+def pod_spec(
     pdd: PDDeployment, role: Role, pod_name: str, hostname: str, member: GroupMember | None = None
 ) -> dict[str, Any]:
     """An engine pod's spec; ``member`` is its place in a multi-node group (None: the whole instance)."""
@@ -625,7 +532,7 @@ def _router_deployment(pdd: PDDeployment) -> dict[str, Any]:
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
-        "metadata": _metadata(pdd, router_name(pdd), "router"),
+        "metadata": object_metadata(pdd, router_name(pdd), "router"),
         "spec": {
             "replicas": router.replicas,
             "selector": {"matchLabels": selector},
@@ -650,7 +557,7 @@ def router_service_account(pdd: PDDeployment) -> dict[str, Any]:
     return {
         "apiVersion": "v1",
         "kind": "ServiceAccount",
-        "metadata": _metadata(pdd, router_account_name(pdd), "router"),
+        "metadata": object_metadata(pdd, router_account_name(pdd), "router"),
     }
 
 
@@ -659,7 +566,7 @@ def router_role(pdd: PDDeployment) -> dict[str, Any]:
     return {
         "apiVersion": "rbac.authorization.k8s.io/v1",
         "kind": "Role",
-        "metadata": _metadata(pdd, router_account_name(pdd), "router"),
+        "metadata": object_metadata(pdd, router_account_name(pdd), "router"),
         "rules": [
             {
                 "apiGroups": [""],
@@ -676,7 +583,7 @@ def router_role_binding(pdd: PDDeployment) -> dict[str, Any]:
     return {
         "apiVersion": "rbac.authorization.k8s.io/v1",
         "kind": "RoleBinding",
-        "metadata": _metadata(pdd, name, "router"),
+        "metadata": object_metadata(pdd, name, "router"),
         "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
         "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": pdd.namespace}],
     }
@@ -693,7 +600,7 @@ def router_service(pdd: PDDeployment) -> dict[str, Any]:
     return {
         "apiVersion": "v1",
         "kind": "Service",
-        "metadata": _metadata(pdd, pdd.name, "router"),
+        "metadata": object_metadata(pdd, pdd.name, "router"),
         "spec": {
             "type": router.service_type,
             "selector": selector,
@@ -711,7 +618,7 @@ def router_pod_selector(pdd: PDDeployment) -> str:
 
 def engine_service(pdd: PDDeployment) -> dict[str, Any]:
     """Headless: gives each engine pod a stable DNS name; the router itself routes by pod IP."""
-    meta = _metadata(pdd, engine_service_name(pdd), "engine")
+    meta = object_metadata(pdd, engine_service_name(pdd), "engine")
     return {
         "apiVersion": "v1",
         "kind": "Service",
@@ -746,7 +653,7 @@ def disruption_budget(pdd: PDDeployment, role: Role) -> dict[str, Any]:
     return {
         "apiVersion": "policy/v1",
         "kind": "PodDisruptionBudget",
-        "metadata": _metadata(pdd, disruption_budget_name(pdd, role), role.value),
+        "metadata": object_metadata(pdd, disruption_budget_name(pdd, role), role.value),
         "spec": {
             "minAvailable": pods - rs.disruption_budget.allowed(rs.instances),
             "selector": {"matchLabels": role_selector(pdd, role)},
@@ -759,7 +666,7 @@ def routing_configmap(pdd: PDDeployment, table: RoutingTable) -> dict[str, Any]:
     return {
         "apiVersion": "v1",
         "kind": "ConfigMap",
-        "metadata": _metadata(pdd, routing_configmap_name(pdd), "routing"),
+        "metadata": object_metadata(pdd, routing_configmap_name(pdd), "routing"),
         "data": {CONFIGMAP_KEY: table.to_json()},
     }
 
@@ -782,19 +689,6 @@ def desired_static_objects(pdd: PDDeployment) -> list[dict[str, Any]]:
         disruption_budget(pdd, Role.PREFILL),
         disruption_budget(pdd, Role.DECODE),
     ]
-
-
-def render_all(pdd: PDDeployment, table: RoutingTable | None = None) -> list[dict[str, Any]]:
-    """Every object of the deployment; without ``table``, the routing table with no instances yet."""
-    if table is None:
-        table = build_routing_table(pdd, (), None)
-    pods = [
-        obj
-        for role in (Role.PREFILL, Role.DECODE)
-        for index in range(pdd.spec.role(role).instances)
-        for obj in instance_objects(pdd, role, index)
-    ]
-    return [*desired_static_objects(pdd), routing_configmap(pdd, table), *pods]
 
 
 def _plain(value: Any) -> Any:

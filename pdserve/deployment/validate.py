@@ -11,7 +11,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from pdserve.deployment.admission import problems as vllm_problems
-from pdserve.deployment.groups import GROUP_FLAGS
+from pdserve.deployment.groupflags import GROUP_FLAGS
 from pdserve.deployment.kvconfig import moriio_ports
 from pdserve.deployment.kvpod import NIXL_SIDE_CHANNEL_PORT
 from pdserve.deployment.multinode import group_shape, uniform_gpus_per_node

@@ -31,9 +31,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from pdserve.deployment.groups import group_pods
 from pdserve.deployment.kvconfig import MORIIO, NIXL
 from pdserve.deployment.kvpod import UCX_DEFAULTS
-from pdserve.deployment.objects import group_pods, router_deployment
+from pdserve.deployment.objects import router_deployment
 from pdserve.deployment.owned import ROUTER_CONTAINER
 from pdserve.deployment.spec import PDDeployment, RoleSpec
 from pdserve.local.cpus import Cores, assign_cores

@@ -14,7 +14,7 @@ import pytest
 
 from pdserve.deployment import admission
 from pdserve.deployment import owned as pt
-from pdserve.deployment.objects import render_all
+from pdserve.deployment.groups import render_all
 from pdserve.deployment.routing import build_routing_table
 from pdserve.deployment.spec import SpecError, parse_pddeployment
 from pdserve.deployment.validate import problems

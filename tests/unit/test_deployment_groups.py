@@ -18,6 +18,7 @@ import pytest
 import yaml
 
 from pdserve.deployment.cli import to_yaml
+from pdserve.deployment.groups import group_pods, instance_lws, render_all
 from pdserve.deployment.objects import (
     GROUP_LABEL,
     GROUP_NODE_LABEL,
@@ -26,10 +27,7 @@ from pdserve.deployment.objects import (
     ROLE_LABEL,
     TEMPLATE_HASH_LABEL,
     disruption_budget,
-    group_pods,
-    instance_lws,
     instance_pod,
-    render_all,
     template_hash,
 )
 from pdserve.deployment.spec import PDDeployment, parse_pddeployment

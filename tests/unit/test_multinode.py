@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pdserve.deployment.groups import GroupMember, group_flags
+from pdserve.deployment.groupflags import GroupMember, group_flags
 from pdserve.deployment.multinode import (
     API_LEADER,
     API_PER_NODE,
