@@ -96,6 +96,8 @@ def instance_lws(pdd: PDDeployment, role: Role, index: int, suffix: str) -> dict
     the operator still drains and deletes per instance. The leader's address comes from the
     controller's ``LWS_LEADER_ADDRESS``; the shared worker template computes its node's start
     rank (or node rank) from ``LWS_WORKER_INDEX``. hostname/subdomain are the controller's.
+    The worker template's declared NIXL ports are the first worker's (declarations only: each
+    vLLM engine binds the base plus its global rank).
     """
     shape = pdd.spec.group_shape(role)
     if not shape.multi_node:
