@@ -19,6 +19,10 @@ etcd_peer_port="${PDSERVE_CLUSTER_ETCD_PEER_PORT:-23800}"
 apiserver_port="${PDSERVE_CLUSTER_APISERVER_PORT:-26443}"
 kcm_port="${PDSERVE_CLUSTER_CONTROLLER_MANAGER_PORT:-26257}"
 scheduler_port="${PDSERVE_CLUSTER_SCHEDULER_PORT:-26259}"
+# The LeaderWorkerSet controller: its admission webhooks (HTTPS, called by kube-apiserver at
+# https://127.0.0.1:PORT) and its health probes (/readyz, /healthz).
+lws_webhook_port="${PDSERVE_CLUSTER_LWS_WEBHOOK_PORT:-26260}"
+lws_health_port="${PDSERVE_CLUSTER_LWS_HEALTH_PORT:-26261}"
 node_count="${PDSERVE_CLUSTER_NODES:-4}"
 gpus_per_node="${PDSERVE_CLUSTER_GPUS_PER_NODE:-8}"
 # 127.128.0.0/16 split in two: kwok's fake pods take the lower half, the pod runner's the upper.
@@ -30,13 +34,15 @@ runner_dir="$cluster_dir/runner"
 runner_python="${PDSERVE_CLUSTER_PYTHON:-$repo_root/.venv/bin/python}"
 
 # Start order; down stops them in reverse.
-components=(etcd kube-apiserver kube-controller-manager kube-scheduler kwok)
+components=(etcd kube-apiserver kube-controller-manager kube-scheduler kwok lws)
 
 declare -A component_port=(
   [etcd]="$etcd_port"
   [kube-apiserver]="$apiserver_port"
   [kube-controller-manager]="$kcm_port"
   [kube-scheduler]="$scheduler_port"
+  [lws]="$lws_webhook_port"
+  [lws-health]="$lws_health_port"
 )
 declare -A port_env=(
   [etcd]=PDSERVE_CLUSTER_ETCD_PORT
@@ -44,6 +50,8 @@ declare -A port_env=(
   [kube-apiserver]=PDSERVE_CLUSTER_APISERVER_PORT
   [kube-controller-manager]=PDSERVE_CLUSTER_CONTROLLER_MANAGER_PORT
   [kube-scheduler]=PDSERVE_CLUSTER_SCHEDULER_PORT
+  [lws]=PDSERVE_CLUSTER_LWS_WEBHOOK_PORT
+  [lws-health]=PDSERVE_CLUSTER_LWS_HEALTH_PORT
 )
 
 # Serialises up/down (several test sessions may share one cluster). Children must not inherit

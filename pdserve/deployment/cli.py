@@ -2,7 +2,9 @@
 
 The output is what the operator would create right after the PDDeployment is applied: the
 engine and router Services, the router Deployment, the routing ConfigMap (no instances yet) and
-one Pod per instance. Objects carry no ownerReference unless the file has metadata.uid.
+one Pod per instance; a role larger than the file's gpusPerNode gets a group of Pods per instance
+(their workers find the leader by its DNS name), or with spec.multiNode.backend lws one
+LeaderWorkerSet per instance. Objects carry no ownerReference unless the file has metadata.uid.
 Exit status 2 when the file is not a valid PDDeployment; the message names the field.
 
 `pdserve render sidecar FILE` prints instead what an application pod needs to run the router
@@ -28,7 +30,7 @@ from typing import Any
 import yaml
 
 from pdserve.deployment.client import client_pod_patch, client_rbac
-from pdserve.deployment.objects import render_all
+from pdserve.deployment.groups import render_all
 from pdserve.deployment.sidecar import SIDECAR_PORT
 from pdserve.deployment.spec import SpecError, load_manifest_file
 from pdserve.deployment.validate import problems

@@ -189,7 +189,30 @@ def render_reference(crd: Mapping[str, Any], source: str) -> str:
             out += [f"| {_code(where)} | {_code(rule)} | {_cell(msg)} |" for where, rule, msg in rules]
             out.append("")
     out += _vllm_rules()
+    out += _shape_rules()
     return "\n".join(out).rstrip() + "\n"
+
+
+def _shape_rules() -> list[str]:
+    """How an instance larger than a node is split, and the shapes refused (multinode.py)."""
+    from pdserve.deployment.multinode import SHAPE_RULES
+
+    out = [
+        "## Multi-node shapes",
+        "",
+        "With `gpusPerNode` (the spec's, the role's, or the operator's from uniform nodes) an instance of "
+        "dataParallel x tensorParallel x pipelineParallel GPUs larger than a node becomes a group of pods: "
+        "`gpusPerNode // (tensorParallel x pipelineParallel)` ranks per pod when a rank fits a node, else "
+        "`tensorParallel x pipelineParallel / gpusPerNode` pods for its one rank. Refused, by the parser "
+        "(`pdserve render`, `pdserve up`), by CEL when gpusPerNode is in the spec, and by the operator "
+        "with the nodes' count:",
+        "",
+        "| Rule | Constraint | Why |",
+        "|---|---|---|",
+    ]
+    out += [f"| `{rule_id}` | {_cell(rule)} | {_cell(why)} |" for rule_id, rule, why in SHAPE_RULES]
+    out.append("")
+    return out
 
 
 def _vllm_rules() -> list[str]:

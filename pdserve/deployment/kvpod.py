@@ -49,12 +49,21 @@ class KVPodSettings:
     capabilities: tuple[str, ...] = ()
 
 
-def kv_pod_settings(kv: KVTransferSpec, data_parallel: int, tensor_parallel: int) -> KVPodSettings:
-    """The env (beyond the pod-IP variables), container ports and capabilities of one engine pod."""
+def kv_pod_settings(
+    kv: KVTransferSpec, data_parallel: int, tensor_parallel: int, first_rank: int = 0
+) -> KVPodSettings:
+    """The env (beyond the pod-IP variables), container ports and capabilities of one engine pod.
+
+    ``data_parallel`` ranks run in the pod from global rank ``first_rank`` (a pod of a multi-node
+    group): NIXL's listener is ``base + data_parallel_index``, the global rank
+    (``nixl/base_scheduler.py``), while MoRIIO folds the rank to the node-local one
+    (``moriio_common.py`` ``fold_local_rank``), so its ports start at the base on every pod.
+    """
     if kv.connector == NIXL:
         env = [{"name": "VLLM_NIXL_SIDE_CHANNEL_PORT", "value": str(NIXL_SIDE_CHANNEL_PORT)}]
         env += [{"name": name, "value": value} for name, value in UCX_DEFAULTS]
-        ports = [_port(f"nixl-{rank}", NIXL_SIDE_CHANNEL_PORT + rank) for rank in range(data_parallel)]
+        ranks = range(first_rank, first_rank + data_parallel)
+        ports = [_port(f"nixl-{rank}", NIXL_SIDE_CHANNEL_PORT + rank) for rank in ranks]
         return KVPodSettings(env, ports, (IPC_LOCK,))
     if kv.connector == MORIIO:
         handshake, notify = moriio_ports(kv)

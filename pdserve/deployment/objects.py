@@ -7,7 +7,9 @@ prints them, and the tests compare them with golden files. Names:
   operator, so a replacement can start while the pod it replaces still exists (surge, a pod
   stuck Terminating on a lost node); the index is the ``pdserve.io/instance`` label.
   ``hostname`` ``<role>-<index>-<suffix>`` + ``subdomain`` give it a DNS name. Rendered without
-  a cluster (``pdserve render``, local mode) the suffix is left out.
+  a cluster (``pdserve render``, local mode) the suffix is left out. An instance larger than
+  ``gpusPerNode`` is a group of such pods, or a LeaderWorkerSet (groups.py, which also renders
+  the whole set, :func:`~pdserve.deployment.groups.render_all`); :func:`pod_spec` renders each.
 * headless Service ``<name>-engines`` (that subdomain; not-ready pods included)
 * Deployment ``<name>-router`` running ``pdserve proxy``, Service ``<name>`` on the router port;
   with ``spec.router.placement: decode-sidecar`` no Deployment: a ``router`` container in every
@@ -46,12 +48,16 @@ from pdserve.deployment.defaults import (
     startup_failure_threshold,
     with_default_requests,
 )
+from pdserve.deployment.groupflags import (
+    GroupMember,
+    group_flags,
+)
 from pdserve.deployment.kvconfig import MORIIO, NIXL, kv_transfer_config_json
 from pdserve.deployment.kvpod import kv_pod_settings
+from pdserve.deployment.multinode import GroupShape
 from pdserve.deployment.owned import ENGINE_ENV_OWNED
 from pdserve.deployment.podtemplate import merge_metadata, merge_pod_spec
 from pdserve.deployment.revision import pairing_revision
-from pdserve.deployment.routing import build_routing_table
 from pdserve.deployment.security import engine_key_env, router_admin_args, router_admin_port, router_key_env
 from pdserve.deployment.sidecar import SIDECAR_PORT_NAME, add_sidecar
 from pdserve.deployment.spec import API_VERSION, DEFAULT_IMAGE, ENGINE_PORT, KIND, PDDeployment, RoleSpec
@@ -76,6 +82,11 @@ DP_SIZE_ANNOTATION = "pdserve.io/dp-size"
 TP_SIZE_ANNOTATION = "pdserve.io/tp-size"
 # Likewise the pairing revision (pdserve.deployment.revision): old pods keep theirs until replaced.
 REVISION_ANNOTATION = "pdserve.io/revision"
+# Pods of a multi-node instance (a group; only on those): the leader's pod name (pods backend) or
+# the LeaderWorkerSet's name, the pod's node index in the group (0 = leader), and the group's size.
+GROUP_LABEL = "pdserve.io/group"
+GROUP_NODE_LABEL = "pdserve.io/group-node"
+GROUP_SIZE_ANNOTATION = "pdserve.io/group-size"
 MANAGER = "pdserve-operator"
 
 # Probes. The startup probe allows startupTimeoutSeconds of model loading (defaults.py) before
@@ -154,7 +165,7 @@ def owner_reference(pdd: PDDeployment) -> dict[str, Any]:
     }
 
 
-def _metadata(pdd: PDDeployment, name: str, component: str) -> dict[str, Any]:
+def object_metadata(pdd: PDDeployment, name: str, component: str) -> dict[str, Any]:
     meta: dict[str, Any] = {"name": name, "namespace": pdd.namespace, "labels": labels(pdd, component)}
     if pdd.uid:
         meta["ownerReferences"] = [owner_reference(pdd)]
@@ -165,8 +176,18 @@ def _metadata(pdd: PDDeployment, name: str, component: str) -> dict[str, Any]:
 
 
 def instance_pod(pdd: PDDeployment, role: Role, index: int, suffix: str = "") -> dict[str, Any]:
+    """The one pod of a single-node instance (a multi-node role's are groups.group_pods)."""
     name = instance_name(pdd, role, index, suffix)
-    meta = _metadata(pdd, name, role.value)
+    meta = pod_metadata(pdd, role, index, name)
+    spec = pod_spec(pdd, role, name, instance_hostname(role, index, suffix))
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": spec}
+
+
+def pod_metadata(
+    pdd: PDDeployment, role: Role, index: int, name: str, group: tuple[str, int | None, int] | None = None
+) -> dict[str, Any]:
+    """An engine pod's metadata; ``group`` is (group name, node index or None, group size)."""
+    meta = object_metadata(pdd, name, role.value)
     meta["labels"].update(
         {
             ROLE_LABEL: role.value,
@@ -181,9 +202,13 @@ def instance_pod(pdd: PDDeployment, role: Role, index: int, suffix: str = "") ->
         TP_SIZE_ANNOTATION: str(rs.tensor_parallel),
         REVISION_ANNOTATION: pairing_revision(pdd, role),
     }
-    meta = merge_metadata(meta, rs.template)
-    spec = _pod_spec(pdd, role, name, instance_hostname(role, index, suffix))
-    return {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": spec}
+    if group is not None:
+        group_name, node, size = group
+        meta["labels"][GROUP_LABEL] = group_name
+        if node is not None:
+            meta["labels"][GROUP_NODE_LABEL] = str(node)
+        meta["annotations"][GROUP_SIZE_ANNOTATION] = str(size)
+    return merge_metadata(meta, rs.template)
 
 
 def pod_parallel_sizes(pod: Mapping[str, Any]) -> tuple[int | None, int | None]:
@@ -229,7 +254,13 @@ def template_hash(pdd: PDDeployment, role: Role) -> str:
     changes exactly when a pod would come out different: image, args, env, resources, DP/TP,
     connector, and pdserve's own rendering. The instance count is not part of a pod.
     """
-    spec: dict[str, Any] = _pod_spec(pdd, role, "{instance}", "{instance}")
+    spec: dict[str, Any] = pod_spec(pdd, role, "{instance}", "{instance}")
+    shape = pdd.spec.group_shape(role)
+    if shape.multi_node:  # a group: its leader's and a worker's pod, and how they are created
+        rpc = pdd.spec.multi_node.rpc_port
+        worker = pod_spec(pdd, role, "{instance}", "{instance}", GroupMember(shape, 1, rpc, "{leader}"))
+        leader = pod_spec(pdd, role, "{instance}", "{instance}", GroupMember(shape, 0, rpc, "{leader}"))
+        spec = {"leader": leader, "worker": worker, "backend": pdd.spec.multi_node.backend}
     template_metadata = pdd.spec.role(role).template.metadata
     if template_metadata:  # labels and annotations of a template are part of the pod too
         spec = {"spec": spec, "metadata": template_metadata}
@@ -237,18 +268,25 @@ def template_hash(pdd: PDDeployment, role: Role) -> str:
     return digest[:10]
 
 
-def _pod_spec(pdd: PDDeployment, role: Role, pod_name: str, hostname: str) -> dict[str, Any]:
+def pod_spec(
+    pdd: PDDeployment, role: Role, pod_name: str, hostname: str, member: GroupMember | None = None
+) -> dict[str, Any]:
+    """An engine pod's spec; ``member`` is its place in a multi-node group (None: the whole instance)."""
     spec = pdd.spec
     rs = spec.role(role)
     sim = spec.engine == "sim"
+    flags = group_flags(member) if member is not None else []
+    shape = member.shape if member is not None else None
+    gpus = shape.gpus_per_pod if shape is not None else rs.gpus_per_instance
     container: dict[str, Any] = {
         "name": "engine",
         "image": spec.engine_image,
         "command": ["pdserve", "sim"] if sim else ["vllm", "serve"],
-        "args": (_sim_args(pdd, role, pod_name) if sim else _vllm_args(pdd, role)) + list(rs.args),
+        "args": (_sim_args(pdd, role, pod_name, flags) if sim else _vllm_args(pdd, role, flags))
+        + list(rs.args),
         "ports": [{"name": "http", "containerPort": ENGINE_PORT, "protocol": "TCP"}],
         "env": _engine_env(pdd) + [_plain(v) for v in rs.env],
-        "resources": _engine_resources(spec.gpu_resource, rs, gpus=not sim),
+        "resources": _engine_resources(spec.gpu_resource, rs, gpus if not sim else None),
         "volumeMounts": [{"name": "dshm", "mountPath": SHM_MOUNT}],
         "startupProbe": {
             "httpGet": _health(),
@@ -270,6 +308,10 @@ def _pod_spec(pdd: PDDeployment, role: Role, pod_name: str, hostname: str) -> di
         # Out of every router's table before SIGTERM (defaults.ENGINE_PRESTOP_SECONDS).
         "lifecycle": {"preStop": {"sleep": {"seconds": ENGINE_PRESTOP_SECONDS}}},
     }
+    if member is not None and member.headless:  # vLLM --headless serves no HTTP: nothing to probe
+        container["ports"] = []
+        for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+            del container[probe]
     pod: dict[str, Any] = {
         "hostname": hostname,
         "subdomain": engine_service_name(pdd),
@@ -289,7 +331,7 @@ def _pod_spec(pdd: PDDeployment, role: Role, pod_name: str, hostname: str) -> di
     if not sim:  # the model's storage and the KV connector's needs; the simulator has neither
         container["volumeMounts"] += storage_mounts(spec.model, spec.model_cache)
         pod["volumes"] += storage_volumes(spec.model, spec.model_cache)
-        kv = kv_pod_settings(spec.kv_transfer, rs.data_parallel, rs.tensor_parallel)
+        kv = _kv_settings(pdd, role, member)
         container["ports"] += kv.ports
         container["env"] = _last_wins(kv.env + container["env"])  # the role's env overrides defaults
         if kv.capabilities:
@@ -305,8 +347,20 @@ def _pod_spec(pdd: PDDeployment, role: Role, pod_name: str, hostname: str) -> di
         add_sidecar(pod, pdd, routing_configmap_name(pdd), router_account_name(pdd), revision)
     merged = merge_pod_spec(pod, rs.template.spec)
     engine = next(c for c in merged["containers"] if c["name"] == "engine")
-    with_default_requests(engine, default_requests(rs.gpus_per_instance, sim))
+    with_default_requests(engine, default_requests(gpus, sim))
+    if not engine["ports"]:
+        del engine["ports"]
     return merged
+
+
+def _kv_settings(pdd: PDDeployment, role: Role, member: GroupMember | None) -> Any:
+    """The connector's pod settings for the ranks this pod runs (NIXL ports by global DP rank)."""
+    rs = pdd.spec.role(role)
+    if member is None:
+        return kv_pod_settings(pdd.spec.kv_transfer, rs.data_parallel, rs.tensor_parallel)
+    shape: GroupShape = member.shape
+    first = 0 if shape.spans_rank else shape.first_rank(member.node)
+    return kv_pod_settings(pdd.spec.kv_transfer, shape.dp_local, rs.tensor_parallel, first)
 
 
 def _vllm_startup(rs: RoleSpec) -> dict[str, Any]:
@@ -330,7 +384,7 @@ def _health() -> dict[str, Any]:
     return {"path": "/health", "port": "http"}
 
 
-def _vllm_args(pdd: PDDeployment, role: Role) -> list[str]:
+def _vllm_args(pdd: PDDeployment, role: Role, group: list[str]) -> list[str]:
     spec = pdd.spec
     rs = spec.role(role)
     args = [
@@ -344,12 +398,15 @@ def _vllm_args(pdd: PDDeployment, role: Role) -> list[str]:
         "--tensor-parallel-size",
         str(rs.tensor_parallel),
     ]
+    if rs.pipeline_parallel > 1:
+        args += ["--pipeline-parallel-size", str(rs.pipeline_parallel)]
+    args += group
     if rs.expert_parallel:
         args.append("--enable-expert-parallel")
     return [*args, "--kv-transfer-config", kv_transfer_config_json(spec.kv_transfer, role)]
 
 
-def _sim_args(pdd: PDDeployment, role: Role, pod_name: str) -> list[str]:
+def _sim_args(pdd: PDDeployment, role: Role, pod_name: str, group: list[str]) -> list[str]:
     rs = pdd.spec.role(role)
     return [
         "--role",
@@ -358,6 +415,7 @@ def _sim_args(pdd: PDDeployment, role: Role, pod_name: str) -> list[str]:
         str(rs.data_parallel),
         "--tp-size",
         str(rs.tensor_parallel),
+        *group,
         "--host",
         "0.0.0.0",
         "--port",
@@ -392,10 +450,11 @@ def _engine_env(pdd: PDDeployment) -> list[dict[str, Any]]:
 OWNED_ENV = ENGINE_ENV_OWNED.names
 
 
-def _engine_resources(gpu_resource: str, rs: RoleSpec, gpus: bool) -> dict[str, Any]:
+def _engine_resources(gpu_resource: str, rs: RoleSpec, gpus: int | None) -> dict[str, Any]:
+    """The role's resources plus ``gpus`` of ``gpu_resource`` (None: the simulator, no GPUs)."""
     resources = _plain(rs.resources)
-    if gpus:
-        count = str(rs.gpus_per_instance)
+    if gpus is not None:
+        count = str(gpus)
         for section in ("requests", "limits"):
             resources.setdefault(section, {})[gpu_resource] = count
     return dict(resources)
@@ -473,7 +532,7 @@ def _router_deployment(pdd: PDDeployment) -> dict[str, Any]:
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
-        "metadata": _metadata(pdd, router_name(pdd), "router"),
+        "metadata": object_metadata(pdd, router_name(pdd), "router"),
         "spec": {
             "replicas": router.replicas,
             "selector": {"matchLabels": selector},
@@ -498,7 +557,7 @@ def router_service_account(pdd: PDDeployment) -> dict[str, Any]:
     return {
         "apiVersion": "v1",
         "kind": "ServiceAccount",
-        "metadata": _metadata(pdd, router_account_name(pdd), "router"),
+        "metadata": object_metadata(pdd, router_account_name(pdd), "router"),
     }
 
 
@@ -507,7 +566,7 @@ def router_role(pdd: PDDeployment) -> dict[str, Any]:
     return {
         "apiVersion": "rbac.authorization.k8s.io/v1",
         "kind": "Role",
-        "metadata": _metadata(pdd, router_account_name(pdd), "router"),
+        "metadata": object_metadata(pdd, router_account_name(pdd), "router"),
         "rules": [
             {
                 "apiGroups": [""],
@@ -524,7 +583,7 @@ def router_role_binding(pdd: PDDeployment) -> dict[str, Any]:
     return {
         "apiVersion": "rbac.authorization.k8s.io/v1",
         "kind": "RoleBinding",
-        "metadata": _metadata(pdd, name, "router"),
+        "metadata": object_metadata(pdd, name, "router"),
         "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
         "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": pdd.namespace}],
     }
@@ -541,7 +600,7 @@ def router_service(pdd: PDDeployment) -> dict[str, Any]:
     return {
         "apiVersion": "v1",
         "kind": "Service",
-        "metadata": _metadata(pdd, pdd.name, "router"),
+        "metadata": object_metadata(pdd, pdd.name, "router"),
         "spec": {
             "type": router.service_type,
             "selector": selector,
@@ -559,7 +618,7 @@ def router_pod_selector(pdd: PDDeployment) -> str:
 
 def engine_service(pdd: PDDeployment) -> dict[str, Any]:
     """Headless: gives each engine pod a stable DNS name; the router itself routes by pod IP."""
-    meta = _metadata(pdd, engine_service_name(pdd), "engine")
+    meta = object_metadata(pdd, engine_service_name(pdd), "engine")
     return {
         "apiVersion": "v1",
         "kind": "Service",
@@ -583,14 +642,20 @@ def disruption_budget(pdd: PDDeployment, role: Role) -> dict[str, Any]:
     counted against the pods that exist. ``AlwaysAllow`` lets a drain evict a pod that is
     running but not Ready (crashlooping, or still loading its model), which serves nothing, even
     when the budget is spent, so one broken pod cannot block a node's drain.
+
+    A multi-node role's budget counts pods, not groups: minAvailable is its pods minus the
+    allowed instances. Evicting one pod takes its whole group down (vLLM cannot lose a member),
+    so each allowed eviction may cost one instance, and maxUnavailable stays a bound on
+    instances; two evictions from one group cost one instance but spend two.
     """
     rs = pdd.spec.role(role)
+    pods = rs.instances * pdd.spec.group_shape(role).nodes
     return {
         "apiVersion": "policy/v1",
         "kind": "PodDisruptionBudget",
-        "metadata": _metadata(pdd, disruption_budget_name(pdd, role), role.value),
+        "metadata": object_metadata(pdd, disruption_budget_name(pdd, role), role.value),
         "spec": {
-            "minAvailable": rs.instances - rs.disruption_budget.allowed(rs.instances),
+            "minAvailable": pods - rs.disruption_budget.allowed(rs.instances),
             "selector": {"matchLabels": role_selector(pdd, role)},
             "unhealthyPodEvictionPolicy": "AlwaysAllow",
         },
@@ -601,7 +666,7 @@ def routing_configmap(pdd: PDDeployment, table: RoutingTable) -> dict[str, Any]:
     return {
         "apiVersion": "v1",
         "kind": "ConfigMap",
-        "metadata": _metadata(pdd, routing_configmap_name(pdd), "routing"),
+        "metadata": object_metadata(pdd, routing_configmap_name(pdd), "routing"),
         "data": {CONFIGMAP_KEY: table.to_json()},
     }
 
@@ -624,18 +689,6 @@ def desired_static_objects(pdd: PDDeployment) -> list[dict[str, Any]]:
         disruption_budget(pdd, Role.PREFILL),
         disruption_budget(pdd, Role.DECODE),
     ]
-
-
-def render_all(pdd: PDDeployment, table: RoutingTable | None = None) -> list[dict[str, Any]]:
-    """Every object of the deployment; without ``table``, the routing table with no instances yet."""
-    if table is None:
-        table = build_routing_table(pdd, (), None)
-    pods = [
-        instance_pod(pdd, role, index)
-        for role in (Role.PREFILL, Role.DECODE)
-        for index in range(pdd.spec.role(role).instances)
-    ]
-    return [*desired_static_objects(pdd), routing_configmap(pdd, table), *pods]
 
 
 def _plain(value: Any) -> Any:

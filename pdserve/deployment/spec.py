@@ -22,6 +22,20 @@ from typing import Any
 import yaml
 
 from pdserve import __version__
+from pdserve.deployment.multinode import (
+    API_SERVERS,
+    BACKENDS,
+    DEFAULT_API_SERVERS,
+    DEFAULT_BACKEND,
+    DEFAULT_GANG_TIMEOUT_SECONDS,
+    DEFAULT_RPC_PORT,
+    MAX_GANG_TIMEOUT_SECONDS,
+    MAX_GPUS_PER_NODE,
+    MIN_GANG_TIMEOUT_SECONDS,
+    GroupShape,
+    MultiNodeSpec,
+    group_shape,
+)
 from pdserve.deployment.podtemplate import PodTemplate, parse_template
 from pdserve.deployment.readers import SecretKeyRef, SpecError, read_secret_ref
 from pdserve.deployment.readers import no_unknown as _no_unknown
@@ -39,7 +53,7 @@ from pdserve.deployment.readers import show as _show
 from pdserve.deployment.storage import ModelCache, parse_model, parse_model_cache
 from pdserve.routing import Connector, Role
 
-__all__ = ["ModelCache", "SecretKeyRef", "SpecError"]
+__all__ = ["GroupShape", "ModelCache", "MultiNodeSpec", "SecretKeyRef", "SpecError"]
 
 GROUP = "pdserve.io"
 VERSION = "v1alpha1"
@@ -141,20 +155,22 @@ class DisruptionBudgetSpec:
 
 @dataclass(frozen=True)
 class RoleSpec:
-    """One role's instances; each instance is one pod running one ``vllm serve`` (DP x TP GPUs)."""
+    """One role's instances; each instance is one ``vllm serve`` of DP x TP x PP GPUs, one pod, or
+    a group of pods when it is larger than ``gpusPerNode`` (multinode.py)."""
 
     instances: int = 1
     data_parallel: int = 1
     tensor_parallel: int = 1
     expert_parallel: bool = False
+    pipeline_parallel: int = 1
+    #: Overrides ``spec.gpusPerNode`` for this role; None: the spec's.
+    gpus_per_node: int | None = None
     args: tuple[str, ...] = ()
     env: tuple[Mapping[str, Any], ...] = ()
     resources: Mapping[str, Any] = field(default_factory=dict)
     node_selector: Mapping[str, str] = field(default_factory=dict)
     tolerations: tuple[Mapping[str, Any], ...] = ()
     affinity: Mapping[str, Any] = field(default_factory=dict)
-    #: Reserved for instances spanning nodes (DP or TP across nodes); only 1 is accepted today.
-    nodes_per_instance: int = 1
     #: Merged onto the rendered pod last (podtemplate.py); fields pdserve owns are refused.
     template: PodTemplate = field(default_factory=PodTemplate)
     shm_size: str = DEFAULT_SHM_SIZE
@@ -164,7 +180,7 @@ class RoleSpec:
 
     @property
     def gpus_per_instance(self) -> int:
-        return self.data_parallel * self.tensor_parallel
+        return self.data_parallel * self.tensor_parallel * self.pipeline_parallel
 
     @property
     def slots(self) -> int:
@@ -218,6 +234,9 @@ class PDDeploymentSpec:
     hf_token_secret_ref: SecretKeyRef | None = None
     #: The engines' VLLM_API_KEY, which the router sends them.
     engine_api_key_secret_ref: SecretKeyRef | None = None
+    #: GPUs of one node; None: unknown here (the operator reads the nodes; render: one pod per instance).
+    gpus_per_node: int | None = None
+    multi_node: MultiNodeSpec = field(default_factory=MultiNodeSpec)
 
     @property
     def engine_image(self) -> str:
@@ -226,6 +245,17 @@ class PDDeploymentSpec:
 
     def role(self, role: Role) -> RoleSpec:
         return self.prefill if role is Role.PREFILL else self.decode
+
+    def gpus_per_node_of(self, role: Role) -> int | None:
+        """The role's ``gpusPerNode``, else the spec's, else None."""
+        own = self.role(role).gpus_per_node
+        return own if own is not None else self.gpus_per_node
+
+    def group_shape(self, role: Role) -> GroupShape:
+        """The pods one instance of ``role`` spans with this spec's gpusPerNode (multinode.py)."""
+        return group_shape(
+            self.role(role), self.gpus_per_node_of(role), self.multi_node, f"spec.{role.value}"
+        )
 
 
 @dataclass(frozen=True)
@@ -321,6 +351,8 @@ def parse_spec(spec: Mapping[str, Any] | object) -> PDDeploymentSpec:
             "modelCache",
             "hfTokenSecretRef",
             "engineApiKeySecretRef",
+            "gpusPerNode",
+            "multiNode",
         ),
     )
     model = parse_model(_string(doc, "model", path, required=True), f"{path}.model")
@@ -342,7 +374,9 @@ def parse_spec(spec: Mapping[str, Any] | object) -> PDDeploymentSpec:
     decode = _parse_role(doc.get("decode", {}), f"{path}.decode")
     router = _parse_router(doc.get("router", {}), f"{path}.router")
     rollout = _parse_rollout(doc.get("rollout", {}), f"{path}.rollout")
-    return PDDeploymentSpec(
+    gpus_per_node = _optional_integer(doc, "gpusPerNode", path, 1, MAX_GPUS_PER_NODE)
+    multi_node = _parse_multi_node(doc.get("multiNode", {}), f"{path}.multiNode")
+    parsed = PDDeploymentSpec(
         model,
         served,
         image,
@@ -358,7 +392,12 @@ def parse_spec(spec: Mapping[str, Any] | object) -> PDDeploymentSpec:
         engine_api_key_secret_ref=read_secret_ref(
             doc.get("engineApiKeySecretRef"), f"{path}.engineApiKeySecretRef"
         ),
+        gpus_per_node=gpus_per_node,
+        multi_node=multi_node,
     )
+    for role in (Role.PREFILL, Role.DECODE):  # shapes that cannot be split over nodes of gpusPerNode
+        parsed.group_shape(role)
+    return parsed
 
 
 # --- sections ----------------------------------------------------------------------------------
@@ -402,7 +441,8 @@ _ROLE_FIELDS = (
     "dataParallel",
     "tensorParallel",
     "expertParallel",
-    "nodesPerInstance",
+    "pipelineParallel",
+    "gpusPerNode",
     "args",
     "env",
     "resources",
@@ -428,11 +468,8 @@ def _parse_role(value: object, path: str) -> RoleSpec:
             f"{path}.expertParallel",
             "needs more than one GPU per instance (dataParallel x tensorParallel > 1)",
         )
-    nodes = _integer(doc, "nodesPerInstance", path, 1, 1, MAX_INSTANCES)
-    if nodes != 1:
-        raise SpecError(
-            f"{path}.nodesPerInstance", f"multi-node instances are not supported yet, got {nodes}"
-        )
+    pp = _integer(doc, "pipelineParallel", path, 1, 1, MAX_PARALLEL)
+    gpus_per_node = _optional_integer(doc, "gpusPerNode", path, 1, MAX_GPUS_PER_NODE)
     args = _string_list(doc, "args", path)
     env = _env_list(doc, "env", path)
     resources = _object(doc.get("resources", {}), f"{path}.resources")
@@ -444,13 +481,14 @@ def _parse_role(value: object, path: str) -> RoleSpec:
         data_parallel=dp,
         tensor_parallel=tp,
         expert_parallel=ep,
+        pipeline_parallel=pp,
+        gpus_per_node=gpus_per_node,
         args=args,
         env=env,
         resources=_plain(resources, f"{path}.resources"),
         node_selector=node_selector,
         tolerations=tolerations,
         affinity=_plain(affinity, f"{path}.affinity"),
-        nodes_per_instance=nodes,
         template=parse_template(doc.get("template"), f"{path}.template"),
         shm_size=_quantity(doc, "shmSize", path, DEFAULT_SHM_SIZE),
         startup_timeout_seconds=_integer(
@@ -475,6 +513,31 @@ def _parse_disruption_budget(value: object, path: str) -> DisruptionBudgetSpec:
         return DisruptionBudgetSpec(raw)
     return DisruptionBudgetSpec(
         _integer(doc, "maxUnavailable", path, DEFAULT_DISRUPTION_MAX_UNAVAILABLE, 0, MAX_INSTANCES)
+    )
+
+
+def _optional_integer(doc: Mapping[str, Any], key: str, path: str, minimum: int, maximum: int) -> int | None:
+    return None if doc.get(key) is None else _integer(doc, key, path, minimum, minimum, maximum)
+
+
+def _parse_multi_node(value: object, path: str) -> MultiNodeSpec:
+    doc = _object(value, path)
+    _no_unknown(doc, path, ("backend", "apiServers", "gangTimeoutSeconds", "rpcPort"))
+    rpc_port = _integer(doc, "rpcPort", path, DEFAULT_RPC_PORT, 1, 65535)
+    if rpc_port == ENGINE_PORT:
+        raise SpecError(f"{path}.rpcPort", f"must differ from the engines' HTTP port {ENGINE_PORT}")
+    return MultiNodeSpec(
+        backend=_choice(doc, "backend", path, BACKENDS, DEFAULT_BACKEND),
+        api_servers=_choice(doc, "apiServers", path, API_SERVERS, DEFAULT_API_SERVERS),
+        gang_timeout_seconds=_integer(
+            doc,
+            "gangTimeoutSeconds",
+            path,
+            DEFAULT_GANG_TIMEOUT_SECONDS,
+            MIN_GANG_TIMEOUT_SECONDS,
+            MAX_GANG_TIMEOUT_SECONDS,
+        ),
+        rpc_port=rpc_port,
     )
 
 

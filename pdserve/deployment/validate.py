@@ -11,13 +11,15 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from pdserve.deployment.admission import problems as vllm_problems
+from pdserve.deployment.groupflags import GROUP_FLAGS
 from pdserve.deployment.kvconfig import moriio_ports
 from pdserve.deployment.kvpod import NIXL_SIDE_CHANNEL_PORT
+from pdserve.deployment.multinode import group_shape, uniform_gpus_per_node
 from pdserve.deployment.objects import OWNED_ENV
 from pdserve.deployment.owned import ENGINE_CONTAINER, ROUTER_CONTAINER, Reserved, owned_problems
 from pdserve.deployment.security import engine_reserved_env, router_reserved
 from pdserve.deployment.sidecar import template_problems
-from pdserve.deployment.spec import ENGINE_PORT, PDDeployment, PDDeploymentSpec
+from pdserve.deployment.spec import ENGINE_PORT, PDDeployment, PDDeploymentSpec, SpecError
 from pdserve.deployment.storage import reserved as storage_reserved
 from pdserve.routing import Role
 
@@ -31,6 +33,12 @@ VLLM_OWNED_FLAGS = {
     "--tensor-parallel-size": "set tensorParallel",
     "-tp": "set tensorParallel",
     "--enable-expert-parallel": "set expertParallel",
+    "--pipeline-parallel-size": "set pipelineParallel",
+    "-pp": "set pipelineParallel",
+    **{
+        flag: "set by pdserve for the pods of a multi-node instance (gpusPerNode, spec.multiNode)"
+        for flag in GROUP_FLAGS
+    },
     "--kv-transfer-config": "set spec.kvTransfer",
     "--model": "set spec.model",
     "--api-key": "use spec.engineApiKeySecretRef: a command line is visible in the pod spec and to ps",
@@ -39,6 +47,10 @@ SIM_OWNED_FLAGS = {
     "--role": "set by the role",
     "--dp-size": "set dataParallel",
     "--tp-size": "set tensorParallel",
+    **{
+        flag: "set by pdserve for the pods of a multi-node instance (gpusPerNode, spec.multiNode)"
+        for flag in GROUP_FLAGS
+    },
     "--host": "engines listen on every address of their pod",
     "--port": f"engines listen on {ENGINE_PORT}",
     "--model": "set spec.servedModelName",
@@ -58,7 +70,8 @@ def problems(pdd: PDDeployment, node_gpu_allocatable: Sequence[int] | None) -> l
         found += _template(spec, role, path)
         found += _kv_port_range(spec, role, path)
         if node_gpu_allocatable is not None:
-            found += _fits_a_node(spec, role, path, node_gpu_allocatable)
+            found += _fits_nodes(spec, role, path, node_gpu_allocatable)
+    found += _sidecar_group(spec)
     found += owned_problems(spec.router.template, "spec.router", ROUTER_CONTAINER, router_reserved(spec))
     if spec.router.decode_sidecar:  # the decode template also reaches the router container then
         found += template_problems(pdd)
@@ -102,13 +115,20 @@ def _gpu_count(spec: PDDeploymentSpec, role: Role, resources: Mapping[str, Any],
     if spec.engine == "sim":
         return []
     rs = spec.role(role)
+    shape = spec.group_shape(role)
+    what = (
+        f"dataParallel x tensorParallel = {rs.gpus_per_instance} GPUs per instance"
+        if rs.pipeline_parallel == 1
+        else f"dataParallel x tensorParallel x pipelineParallel = {rs.gpus_per_instance} GPUs per instance"
+    )
+    if shape.multi_node:
+        what += f", {shape.gpus_per_pod} in each of its {shape.nodes} pods"
     out = []
     for section in ("requests", "limits"):
         values = resources.get(section) or {}
-        if spec.gpu_resource in values and str(values[spec.gpu_resource]) != str(rs.gpus_per_instance):
+        if spec.gpu_resource in values and str(values[spec.gpu_resource]) != str(shape.gpus_per_pod):
             out.append(
-                f"{path}.{section}[{spec.gpu_resource}]: pdserve requests dataParallel x "
-                f"tensorParallel = {rs.gpus_per_instance} GPUs per instance, got "
+                f"{path}.{section}[{spec.gpu_resource}]: pdserve requests {what}, got "
                 f"{values[spec.gpu_resource]!s}; remove it from resources"
             )
     return out
@@ -146,20 +166,51 @@ def _template(spec: PDDeploymentSpec, role: Role, path: str) -> list[str]:
     return owned_problems(spec.role(role).template, path, ENGINE_CONTAINER, engine_reserved(spec), gpus)
 
 
-def _fits_a_node(spec: PDDeploymentSpec, role: Role, path: str, allocatable: Sequence[int]) -> list[str]:
+def _fits_nodes(spec: PDDeploymentSpec, role: Role, path: str, allocatable: Sequence[int]) -> list[str]:
+    """Each pod of an instance fits a node, with gpusPerNode from the spec or else the nodes'.
+
+    Without spec.gpusPerNode: when every GPU node has the same count, that count splits the
+    instance (:func:`default_gpus_per_node`); when they differ, an instance that fits the largest
+    node stays one pod, and a larger one needs gpusPerNode.
+    """
     rs = spec.role(role)
     if spec.engine == "sim" or rs.instances == 0:
         return []
     need = rs.gpus_per_instance
-    largest = max(allocatable, default=0)
-    if need <= largest:
+    counts = sorted({n for n in allocatable if n > 0})
+    if not counts:
+        resource = spec.gpu_resource
+        return [f"{path}: an instance needs {need} {resource}, but no node has allocatable {resource}"]
+    gpn = default_gpus_per_node(spec, role, allocatable)
+    if gpn is None and need > counts[-1]:
+        shown = " and ".join(str(n) for n in counts) if len(counts) <= 4 else f"{counts[0]} to {counts[-1]}"
+        return [f"spec.gpusPerNode is required: nodes have {shown} {spec.gpu_resource}"]
+    try:
+        shape = group_shape(rs, gpn, spec.multi_node, path)
+    except SpecError as exc:  # only with the nodes' count: the parser checked the spec's own
+        return [f"{exc} (gpusPerNode {gpn}: the nodes' allocatable {spec.gpu_resource})"]
+    if shape.gpus_per_pod <= counts[-1]:
         return []
-    shape = (
-        f"dataParallel {rs.data_parallel} x tensorParallel {rs.tensor_parallel} = {need} {spec.gpu_resource}"
-    )
-    if largest == 0:
-        return [f"{path}: an instance needs {shape}, but no node has allocatable {spec.gpu_resource}"]
     return [
-        f"{path}: an instance needs {shape} on one node, but the largest node has {largest}; "
-        "lower dataParallel or tensorParallel (multi-node instances are not supported yet)"
+        f"{path}: a pod of an instance needs {shape.gpus_per_pod} {spec.gpu_resource}, "
+        f"but the largest node has {counts[-1]}; set gpusPerNode to {counts[-1]} or less"
+    ]
+
+
+def default_gpus_per_node(spec: PDDeploymentSpec, role: Role, allocatable: Sequence[int]) -> int | None:
+    """The gpusPerNode a role's groups are rendered with: the role's or the spec's, else the
+    allocatable ``gpuResource`` of the nodes when every node that has it has the same count."""
+    own = spec.gpus_per_node_of(role)
+    return own if own is not None else uniform_gpus_per_node(list(allocatable))
+
+
+def _sidecar_group(spec: PDDeploymentSpec) -> list[str]:
+    """A decode sidecar router serves one engine on its pod; a multi-node decode has several."""
+    shape = spec.group_shape(Role.DECODE)
+    if not spec.router.decode_sidecar or not shape.multi_node:
+        return []
+    gpn = spec.gpus_per_node_of(Role.DECODE)
+    return [
+        "spec.router.placement: decode-sidecar is not supported with multi-node decode instances "
+        f"({shape.nodes} pods each with gpusPerNode {gpn}); use placement deployment"
     ]

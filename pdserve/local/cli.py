@@ -45,6 +45,8 @@ from pdserve.local.plan import (
     NIXL_SIDE_CHANNEL_BASE,
     PlanError,
     SimTimings,
+    engine_process_count,
+    group_count,
     plan_local_run,
 )
 from pdserve.local.proctree import port_free
@@ -126,7 +128,8 @@ def run(args: argparse.Namespace) -> int:
     log_dir = Path(args.log_dir) if keep_logs else Path(tempfile.mkdtemp(prefix=f"pdserve-up-{pdd.name}-"))
     log_dir.mkdir(parents=True, exist_ok=True)
     routing_file = log_dir / "routing.json"
-    instances = pdd.spec.prefill.instances + pdd.spec.decode.instances
+    processes = engine_process_count(pdd)
+    groups = group_count(pdd)
     sidecars = pdd.spec.decode.instances if pdd.spec.router.decode_sidecar else 0
     try:
         side_channels = None
@@ -134,18 +137,19 @@ def run(args: argparse.Namespace) -> int:
             sizes = [pdd.spec.prefill.data_parallel] * pdd.spec.prefill.instances
             sizes += [pdd.spec.decode.data_parallel] * pdd.spec.decode.instances
             side_channels = _free_port_ranges(sizes)
-        ports = _free_ports(instances + sidecars, exclude={args.port})
+        ports = _free_ports(processes + sidecars + groups, exclude={args.port})
         plan = plan_local_run(
             pdd,
             args.engine,
-            ports[:instances],
+            ports[:processes],
             args.port,
             str(routing_file),
             SimTimings(args.sim_ttft_ms, args.sim_itl_ms, args.sim_tokens),
             device=device,
             cores=sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else [0],
             side_channel_ports=side_channels,
-            sidecar_ports=ports[instances:],
+            sidecar_ports=ports[processes : processes + sidecars],
+            rpc_ports=ports[processes + sidecars :],
         )
     except PlanError as exc:
         if not keep_logs:

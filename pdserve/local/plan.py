@@ -31,9 +31,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from pdserve.deployment.groups import group_pods
 from pdserve.deployment.kvconfig import MORIIO, NIXL
 from pdserve.deployment.kvpod import UCX_DEFAULTS
-from pdserve.deployment.objects import instance_pod, router_deployment
+from pdserve.deployment.objects import router_deployment
 from pdserve.deployment.owned import ROUTER_CONTAINER
 from pdserve.deployment.spec import PDDeployment, RoleSpec
 from pdserve.local.cpus import Cores, assign_cores
@@ -94,6 +95,11 @@ class EngineProcess:
     env: Mapping[str, str]
     ports: tuple[int, ...] = ()  # every port it listens on (HTTP first); must be free to start it
     cpus: tuple[int, ...] | None = None  # its CPU affinity (and of all it starts); None: any
+    #: A multi-node instance: the group's name (its leader's), this process's node in it, and
+    #: whether it runs an API server (a ``--headless`` one answers no HTTP, so has no /health).
+    group: str = ""
+    node: int = 0
+    serves_http: bool = True
 
     @property
     def url(self) -> str:
@@ -136,6 +142,20 @@ class LocalPlan:
         return self.deployment.spec.router.decode_sidecar
 
 
+def engine_process_count(pdd: PDDeployment) -> int:
+    """Engine processes of a run: one per instance, or per node of a multi-node instance."""
+    return sum(
+        pdd.spec.role(r).instances * pdd.spec.group_shape(r).nodes for r in (Role.PREFILL, Role.DECODE)
+    )
+
+
+def group_count(pdd: PDDeployment) -> int:
+    """Multi-node instances of a run; each needs an RPC port of its own on this machine."""
+    return sum(
+        pdd.spec.role(r).instances for r in (Role.PREFILL, Role.DECODE) if pdd.spec.group_shape(r).multi_node
+    )
+
+
 def plan_local_run(
     pdd: PDDeployment,
     engine: str,
@@ -148,8 +168,14 @@ def plan_local_run(
     cores: Sequence[int] = (),
     side_channel_ports: Sequence[int] | None = None,
     sidecar_ports: Sequence[int] = (),
+    rpc_ports: Sequence[int] = (),
 ) -> LocalPlan:
-    """Every process of the run; ``engine_ports`` gives one port per instance, prefill first.
+    """Every process of the run; ``engine_ports`` gives one port per engine process, prefill first
+    (:func:`engine_process_count`: one per instance, one per node of a multi-node instance).
+
+    A multi-node instance (``gpusPerNode`` in the manifest) runs one process per node of its group
+    with the flags its pods get, the leader on loopback, and ``rpc_ports`` gives each such
+    instance its own ``--data-parallel-rpc-port`` (or ``--master-port``), in instance order.
 
     ``router_port`` is the user's: the router's, or with placement decode-sidecar the front's;
     then ``sidecar_ports`` gives one port per decode instance for its router.
@@ -165,8 +191,21 @@ def plan_local_run(
     roles = [
         (role, index) for role in (Role.PREFILL, Role.DECODE) for index in range(spec.role(role).instances)
     ]
-    if len(engine_ports) != len(roles):
-        raise PlanError(f"need {len(roles)} engine ports, got {len(engine_ports)}")
+    processes = engine_process_count(pdd)
+    if len(engine_ports) != processes:
+        raise PlanError(f"need {processes} engine ports, got {len(engine_ports)}")
+    multi = [r for r in (Role.PREFILL, Role.DECODE) if spec.group_shape(r).multi_node]
+    if multi and engine != "sim":
+        raise PlanError(
+            f"spec.{multi[0].value}: multi-node instances (gpusPerNode {spec.gpus_per_node_of(multi[0])}) "
+            "run locally with --engine sim only (one simulator process per node)"
+        )
+    if multi and spec.router.decode_sidecar and Role.DECODE in multi:
+        raise PlanError("placement decode-sidecar is not supported with multi-node decode instances")
+    if len(rpc_ports) != group_count(pdd):
+        raise PlanError(
+            f"need {group_count(pdd)} group RPC ports (one per multi-node instance), got {len(rpc_ports)}"
+        )
     if not spec.prefill.instances or not spec.decode.instances:
         raise PlanError(
             "local mode needs at least one prefill and one decode instance (spec.*.instances >= 1)"
@@ -208,51 +247,63 @@ def plan_local_run(
     pods: list[dict[str, Any]] = []
     next_gpu = 0
     cpu_defaults: set[str] = set()
-    for i, ((role, index), port) in enumerate(zip(roles, engine_ports, strict=True)):
-        pod = instance_pod(run_pdd, role, index)
-        pods.append(pod)
-        container = pod["spec"]["containers"][0]
-        env = _local_env(container.get("env", []), pod, notes)
-        args = _with_flag(_with_flag(list(container["args"]), "--port", str(port)), "--host", LOOPBACK)
-        ports: tuple[int, ...] = (port,)
-        if engine == "sim":
-            argv = [python, "-m", "pdserve.cli", "sim", *_expand(args, env), *sim.args()]
-        else:
-            rs = run_spec.role(role)
-            side = (
-                side_channel_ports[i]
-                if side_channel_ports is not None
-                else NIXL_SIDE_CHANNEL_BASE + NIXL_PORTS_PER_INSTANCE * i
-            )
-            env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(side)
-            env.setdefault("VLLM_HOST_IP", LOOPBACK)
-            if spec.kv_transfer.connector == NIXL:
-                ports += tuple(range(side, side + rs.data_parallel))
-            share = shares[i]
-            if share is None:
-                env["CUDA_VISIBLE_DEVICES"] = ",".join(
-                    str(g) for g in range(next_gpu, next_gpu + rs.gpus_per_instance)
-                )
-                next_gpu += rs.gpus_per_instance
+    ports_left = iter(engine_ports)
+    rpc_left = iter(rpc_ports)
+    for i, (role, index) in enumerate(roles):
+        group = group_pods(run_pdd, role, index, "", LOOPBACK)
+        shape = run_spec.group_shape(role)
+        rpc = str(next(rpc_left)) if shape.multi_node else None
+        for node, pod in enumerate(group):
+            port = next(ports_left)
+            pods.append(pod)
+            container = pod["spec"]["containers"][0]
+            env = _local_env(container.get("env", []), pod, notes)
+            args = _with_flag(_with_flag(list(container["args"]), "--port", str(port)), "--host", LOOPBACK)
+            if rpc is not None:
+                flag = "--master-port" if shape.spans_rank else "--data-parallel-rpc-port"
+                args = _with_flag(args, flag, rpc)
+            ports: tuple[int, ...] = (port,)
+            if engine == "sim":
+                argv = [python, "-m", "pdserve.cli", "sim", *_expand(args, env), *sim.args()]
             else:
-                nixl = spec.kv_transfer.connector == NIXL
-                for name in _rendered_defaults(rs) if nixl else ():
-                    env.pop(name, None)  # the cluster's transport defaults; CPU needs loopback's
-                args = _cpu_defaults(env, args, share, nixl, cpu_defaults)
-            argv = [*container["command"], *_expand(args, env)]
-        share = shares[i]
-        engines.append(
-            EngineProcess(
-                role,
-                index,
-                str(pod["metadata"]["name"]),
-                port,
-                tuple(argv),
-                env,
-                ports,
-                share.affinity if share is not None else None,
+                rs = run_spec.role(role)
+                side = (
+                    side_channel_ports[i]
+                    if side_channel_ports is not None
+                    else NIXL_SIDE_CHANNEL_BASE + NIXL_PORTS_PER_INSTANCE * i
+                )
+                env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(side)
+                env.setdefault("VLLM_HOST_IP", LOOPBACK)
+                if spec.kv_transfer.connector == NIXL:
+                    ports += tuple(range(side, side + rs.data_parallel))
+                share = shares[i]
+                if share is None:
+                    env["CUDA_VISIBLE_DEVICES"] = ",".join(
+                        str(g) for g in range(next_gpu, next_gpu + rs.gpus_per_instance)
+                    )
+                    next_gpu += rs.gpus_per_instance
+                else:
+                    nixl = spec.kv_transfer.connector == NIXL
+                    for name in _rendered_defaults(rs) if nixl else ():
+                        env.pop(name, None)  # the cluster's transport defaults; CPU needs loopback's
+                    args = _cpu_defaults(env, args, share, nixl, cpu_defaults)
+                argv = [*container["command"], *_expand(args, env)]
+            share = shares[i]
+            engines.append(
+                EngineProcess(
+                    role,
+                    index,
+                    str(pod["metadata"]["name"]),
+                    port,
+                    tuple(argv),
+                    env,
+                    ports,
+                    share.affinity if share is not None else None,
+                    group=str(group[0]["metadata"]["name"]) if shape.multi_node else "",
+                    node=node,
+                    serves_http=shape.serves_api(node),
+                )
             )
-        )
     if engine == "vllm" and device == "cpu":
         notes.append(_cpu_note(cpu_defaults))
         notes.append(_cores_note(engines, shares, spec.kv_transfer.connector == NIXL, len(set(cores))))

@@ -6,9 +6,7 @@ import asyncio
 import contextlib
 from typing import TYPE_CHECKING, Any, NoReturn
 
-import aiohttp
-
-from pdserve.proxy import codec
+from pdserve.proxy import codec, h1
 from pdserve.proxy.upstream import OpenStream
 from pdserve.routing import Role, Slot
 from pdserve.wire.openai import error_body
@@ -36,11 +34,11 @@ class IdleDeadline:
     ``asyncio.timeout`` around every read schedules and cancels a timer per chunk, a visible
     share of the proxy's CPU. Here a read only stamps the loop's clock; one timer, when it
     fires, re-arms itself for the latest stamp, or, when the current read has waited the whole
-    period, fails that read by setting :class:`StreamIdle` on the response's stream. Time spent
+    period, fails that read by setting :class:`StreamIdle` on the response. Time spent
     waiting for the client to take a chunk does not count, as before.
     """
 
-    def __init__(self, stream: aiohttp.StreamReader, seconds: float) -> None:
+    def __init__(self, stream: h1.Response, seconds: float) -> None:
         self.seconds = seconds
         self._stream = stream
         self._loop = asyncio.get_running_loop()
@@ -103,7 +101,7 @@ class RelayStream:
         self._tail = b""  # the end of what was relayed, to spot [DONE] split across chunks
         self._done_relayed = False  # [DONE] was returned to the HTTP layer
         self._client_has_all = False  # ... and the HTTP layer sent it (it asked for more)
-        self._idle = IdleDeadline(opened.response.content, dispatcher.deadlines.stream_idle)
+        self._idle = IdleDeadline(opened.response, dispatcher.deadlines.stream_idle)
 
     def __aiter__(self) -> RelayStream:
         return self
@@ -117,14 +115,14 @@ class RelayStream:
             raise StopAsyncIteration
         self._idle.reading()
         try:
-            chunk = await self._response.content.readany()
+            chunk = await self._response.readany()
         except StreamIdle:
             if self._client_has_all:
                 self._end()
             self._d.metrics.deadline_expiries.labels("decode", "stream_idle").inc()
             message = f"no data from the decode for {self._idle.seconds:g} s"
             return self._fail("timeout", "stream_idle_timeout", message)
-        except aiohttp.ClientError as exc:
+        except h1.HTTPError as exc:
             if self._client_has_all:
                 self._end()
             return self._fail("dropped", "upstream_dropped", f"the decode's stream broke: {exc or type(exc)}")

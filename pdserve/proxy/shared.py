@@ -25,6 +25,7 @@ What is shared (and why a per-worker copy would not do):
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import mmap
 import struct
@@ -39,6 +40,11 @@ ENTRY_BYTES = 16
 def key_hash(*parts: str) -> int:
     digest = hashlib.blake2b("\0".join(parts).encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") or 1  # 0 marks a free entry
+
+
+#: The hashes of the few keys every request touches (slots, counters), computed once each:
+#: blake2b per shared operation was a visible share of a worker's CPU (py-spy, two workers).
+slot_hash = functools.lru_cache(maxsize=8192)(key_hash)
 
 
 def probe(keys: list[int], key: int) -> int:
@@ -63,6 +69,10 @@ class SharedTable:
         self._lock = lock
         self._value = value
 
+    @property
+    def lock(self) -> Any:
+        return self._lock
+
     def _key_at(self, i: int) -> int:
         return int(_KEY.unpack_from(self._buf, self._base + i * ENTRY_BYTES)[0])
 
@@ -84,10 +94,14 @@ class SharedTable:
 
     def get(self, key: int, default: Any = 0) -> Any:
         with self._lock:
-            i = self._find(key)
-            if i < 0 or self._key_at(i) == 0:
-                return default
-            return self._get(i)
+            return self.get_locked(key, default)
+
+    def get_locked(self, key: int, default: Any = 0) -> Any:
+        """:meth:`get` for a caller that holds the lock already."""
+        i = self._find(key)
+        if i < 0 or self._key_at(i) == 0:
+            return default
+        return self._get(i)
 
     def add(self, key: int, delta: int) -> int:
         """Add ``delta``; the value before. An entry that reaches 0 is removed. A full table
@@ -144,7 +158,7 @@ class SharedCounters:
         self._table = table
 
     def take(self, role: str, group: str) -> int:
-        return self._table.add(key_hash("counter", role, group), 1)
+        return self._table.add(slot_hash("counter", role, group), 1)
 
 
 class SharedDeadlines:
@@ -158,12 +172,12 @@ class SharedDeadlines:
 
     def extend(self, key: str, until: float, now: float) -> bool:
         """Push the key's deadline to ``until``; True when it had passed (newly cooling down)."""
-        old = self._table.raise_to(key_hash(self._kind, key), until)
+        old = self._table.raise_to(slot_hash(self._kind, key), until)
         self._table.raise_to(self._latest, until)
         return old <= now
 
     def until(self, key: str) -> float:
-        return float(self._table.get(key_hash(self._kind, key), 0.0))
+        return float(self._table.get(slot_hash(self._kind, key), 0.0))
 
     def latest(self) -> float:
         return float(self._table.get(self._latest, 0.0))
@@ -195,6 +209,7 @@ class SharedInFlight:
 
     def __init__(self, tables: list[SharedTable]) -> None:
         self._tables = tables
+        self._lock = tables[0].lock
         self._own: SharedTable | None = None
 
     def bind(self, worker: int) -> None:
@@ -204,11 +219,12 @@ class SharedInFlight:
 
     def add(self, key: str, delta: int) -> None:
         if self._own is not None:
-            self._own.add(key_hash("in-flight", key), delta)
+            self._own.add(slot_hash("in-flight", key), delta)
 
     def total(self, key: str) -> int:
-        hashed = key_hash("in-flight", key)
-        return sum(int(table.get(hashed, 0)) for table in self._tables)
+        hashed = slot_hash("in-flight", key)
+        with self._lock:  # one lock for every region (they share it): one acquisition, not N
+            return sum(int(table.get_locked(hashed, 0)) for table in self._tables)
 
 
 class SharedState:

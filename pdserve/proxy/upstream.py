@@ -1,8 +1,10 @@
-"""The one pooled HTTP client of the proxy process, and how upstream failures are classified.
+"""The proxy process's HTTP clients to the engines, and how upstream failures are classified.
 
 A session per request (what vLLM's toy proxies do) pays a TCP handshake per leg and caps
-throughput; one session with an unbounded connection pool keeps connections to every
-instance alive across requests and carries thousands of concurrent streams.
+throughput; one pool keeps connections to every instance alive across requests and carries
+thousands of concurrent streams. The legs go through the lean client of pdserve.proxy.h1;
+the admin requests (model listing, profiler fan-out, the sidecar's engine check) through one
+aiohttp session.
 """
 
 from __future__ import annotations
@@ -11,13 +13,12 @@ import asyncio
 from dataclasses import dataclass
 
 import aiohttp
-from yarl import URL
 
-# Idle pooled connections are kept this long; vLLM's server keeps them for 5 s by default,
-# but a closed pooled connection only costs a retry inside aiohttp, never a failed request.
+from pdserve.proxy import h1
+
+# Idle pooled connections are kept this long; a connection the
+# engine closed meanwhile is seen closed when taken from the pool and not used.
 POOL_KEEPALIVE_SECONDS = 30.0
-#: Parsed upstream URLs kept (slots x endpoints; cleared past this, e.g. after many table changes).
-MAX_CACHED_URLS = 4096
 
 
 class LegError(Exception):
@@ -54,7 +55,7 @@ class Answer:
 class OpenStream:
     """A decode response whose first chunk has arrived; the rest is read by the relay."""
 
-    response: aiohttp.ClientResponse
+    response: h1.Response
     first_chunk: bytes
 
 
@@ -62,7 +63,7 @@ class Upstream:
     def __init__(self, connect_timeout: float) -> None:
         self.connect_timeout = connect_timeout
         self._session: aiohttp.ClientSession | None = None
-        self._urls: dict[str, URL] = {}
+        self._pool = h1.Pool(connect_timeout, POOL_KEEPALIVE_SECONDS)
 
     async def start(self) -> None:
         connector = aiohttp.TCPConnector(
@@ -82,6 +83,7 @@ class Upstream:
         )
 
     async def close(self) -> None:
+        self._pool.close()
         if self._session is not None:
             await self._session.close()
             self._session = None
@@ -92,47 +94,48 @@ class Upstream:
             raise RuntimeError("Upstream.start() was not awaited")
         return self._session
 
-    def url(self, text: str) -> URL:
-        """``text`` parsed once: a slot's URL plus an endpoint is the same string for every leg."""
-        found = self._urls.get(text)
-        if found is None:
-            if len(self._urls) > MAX_CACHED_URLS:
-                self._urls.clear()
-            found = self._urls[text] = URL(text)
-        return found
-
     async def post(self, url: str, payload: bytes, headers: dict[str, str], deadline: float) -> Answer:
         """One buffered request; the deadline covers the whole answer."""
+        resp: h1.Response | None = None
         try:
             async with asyncio.timeout(deadline):
-                async with self.session.post(self.url(url), data=payload, headers=headers) as resp:
-                    body = await resp.read()
-                    return _checked(Answer(resp.status, body, resp.content_type))
-        except aiohttp.ClientError as exc:  # first: aiohttp's connect timeout is a TimeoutError too
-            raise classify(exc) from exc
+                resp = await self._pool.post(url, payload, headers)
+                body = await resp.read()
+            resp.release()
+            return _checked(Answer(resp.status, body, resp.content_type))
+        except h1.HTTPError as exc:  # first: the connect timeout is not the answer's deadline
+            if resp is not None:
+                resp.close()
+            raise classify(exc) from None
         except TimeoutError:
+            if resp is not None:
+                resp.close()
             raise LegError("timeout", f"no answer within {deadline:g} s") from None
+        except BaseException:
+            if resp is not None:
+                resp.close()
+            raise
 
     async def open_stream(
         self, url: str, payload: bytes, headers: dict[str, str], deadline: float
     ) -> OpenStream:
         """Send a streaming request and wait for its first chunk; the deadline covers both."""
-        resp: aiohttp.ClientResponse | None = None
+        resp: h1.Response | None = None
         try:
             async with asyncio.timeout(deadline):
-                resp = await self.session.post(self.url(url), data=payload, headers=headers)
+                resp = await self._pool.post(url, payload, headers)
                 if resp.status >= 400:
                     body = await resp.read()
                     _checked(Answer(resp.status, body, resp.content_type))
-                first = await resp.content.readany()
+                first = await resp.readany()
             if not first:
                 raise LegError("dropped", "the stream ended before its first byte")
             return OpenStream(resp, first)
         except BaseException as exc:
             if resp is not None:
                 resp.close()  # closes the connection: the backend sees the cancel and frees its KV
-            if isinstance(exc, aiohttp.ClientError):  # first: aiohttp's connect timeout is a TimeoutError
-                raise classify(exc) from exc
+            if isinstance(exc, h1.HTTPError):  # first: the connect timeout is a TimeoutError too
+                raise classify(exc) from None
             if isinstance(exc, TimeoutError):
                 raise LegError("timeout", f"no first byte within {deadline:g} s") from None
             raise
@@ -152,14 +155,10 @@ def _checked(answer: Answer) -> Answer:
     return answer
 
 
-def classify(exc: aiohttp.ClientError) -> LegError:
-    if isinstance(exc, aiohttp.ConnectionTimeoutError):
-        return LegError("connect_error", "cannot connect: connect timed out")
-    if isinstance(exc, aiohttp.ClientConnectorError):
-        return LegError("connect_error", f"cannot connect: {exc.os_error or exc}")
-    if isinstance(exc, aiohttp.ServerDisconnectedError | aiohttp.ClientPayloadError | aiohttp.ClientOSError):
-        return LegError("dropped", f"connection lost: {exc or type(exc).__name__}")
-    return LegError("dropped", f"{type(exc).__name__}: {exc}")
+def classify(exc: h1.HTTPError) -> LegError:
+    if isinstance(exc, h1.ConnectFailed):
+        return LegError("connect_error", f"cannot connect: {exc}")
+    return LegError("dropped", f"connection lost: {exc}")
 
 
 def _snippet(body: bytes, limit: int = 200) -> str:

@@ -14,7 +14,7 @@ import pytest
 
 from pdserve.deployment import admission
 from pdserve.deployment import owned as pt
-from pdserve.deployment.objects import render_all
+from pdserve.deployment.groups import render_all
 from pdserve.deployment.routing import build_routing_table
 from pdserve.deployment.spec import SpecError, parse_pddeployment
 from pdserve.deployment.validate import problems
@@ -77,7 +77,7 @@ def test_valid_manifest_is_accepted_and_defaulted_like_the_parser(
         "dataParallel": 1,
         "tensorParallel": 1,
         "expertParallel": False,
-        "nodesPerInstance": 1,
+        "pipelineParallel": 1,
         "args": [],
         "env": [],
         "resources": {},
@@ -101,6 +101,13 @@ def test_valid_manifest_is_accepted_and_defaulted_like_the_parser(
         "placement": "deployment",
     }
     assert spec["rollout"] == {"maxUnavailable": 1, "maxSurge": 1, "drainSeconds": 30, "nodeLossSeconds": 300}
+    assert spec["multiNode"] == {
+        "backend": "pods",
+        "apiServers": "perNode",
+        "gangTimeoutSeconds": 600,
+        "rpcPort": 13345,
+    }
+    assert "gpusPerNode" not in spec and "gpusPerNode" not in spec["prefill"]
     # The operator's view of the stored object equals the file's view without an API server.
     from_server = parse_pddeployment(stored)
     assert from_server.spec == parse_pddeployment(obj).spec
@@ -146,9 +153,38 @@ REFUSED = [
         id="cel-expert-parallel",
     ),
     pytest.param(
-        {"decode": {"nodesPerInstance": 2}},
-        "multi-node instances are not supported yet",
-        id="cel-multi-node",
+        {"gpusPerNode": 8, "prefill": {"dataParallel": 12}},
+        "prefill.dataParallel: an instance larger than a node (gpusPerNode) must fill whole nodes",
+        id="cel-multi-node-dp-divides",
+    ),
+    pytest.param(
+        {"decode": {"dataParallel": 6, "tensorParallel": 2, "gpusPerNode": 8}},
+        "decode.dataParallel: an instance larger than a node (gpusPerNode) must fill whole nodes",
+        id="cel-multi-node-dp-divides-role-override",
+    ),
+    pytest.param(
+        {"gpusPerNode": 8, "decode": {"dataParallel": 2, "tensorParallel": 8, "pipelineParallel": 2}},
+        "decode.dataParallel: must be 1 when a rank (tensorParallel x pipelineParallel) is larger",
+        id="cel-multi-node-spanning-rank-dp1",
+    ),
+    pytest.param(
+        {"gpusPerNode": 8, "prefill": {"tensorParallel": 16}},
+        "prefill.tensorParallel: larger than a node (gpusPerNode): tensor parallelism across nodes needs "
+        "pipelineParallel > 1",
+        id="cel-multi-node-tp-within-node",
+    ),
+    pytest.param(
+        {"gpusPerNode": 8, "prefill": {"tensorParallel": 4, "pipelineParallel": 3}},
+        "prefill.tensorParallel: a rank larger than a node (tensorParallel x pipelineParallel) must be a "
+        "multiple of gpusPerNode",
+        id="cel-multi-node-whole-nodes",
+    ),
+    pytest.param({"multiNode": {"rpcPort": 8000}}, "multiNode.rpcPort must differ", id="cel-rpc-port"),
+    pytest.param({"multiNode": {"backend": "grove"}}, 'Unsupported value: "grove"', id="enum-backend"),
+    pytest.param({"multiNode": {"apiServers": "all"}}, 'Unsupported value: "all"', id="enum-api-servers"),
+    pytest.param({"gpusPerNode": 0}, "should be greater than or equal to 1", id="bound-gpus-per-node"),
+    pytest.param(
+        {"multiNode": {"gangTimeoutSeconds": 5}}, "should be greater than or equal to 10", id="bound-gang"
     ),
     pytest.param({"image": ""}, "image is required when engine is vllm", id="cel-image"),
     pytest.param({"engine": "trtllm"}, 'Unsupported value: "trtllm"', id="enum-engine"),
@@ -201,6 +237,33 @@ def test_invalid_manifest_is_refused_with_the_rules_message(
     assert_refused(crd, kube_namespace, spec, message)
 
 
+@pytest.mark.parametrize(
+    "spec",
+    [
+        {
+            "gpusPerNode": 8,
+            "prefill": {"dataParallel": 16, "expertParallel": True},
+            "decode": {"dataParallel": 32},
+        },
+        {"gpusPerNode": 8, "decode": {"tensorParallel": 8, "pipelineParallel": 2}},
+        {"gpusPerNode": 8, "decode": {"tensorParallel": 16, "pipelineParallel": 2}},
+        {
+            "prefill": {"dataParallel": 8, "tensorParallel": 2, "gpusPerNode": 8},
+            "multiNode": {"backend": "lws"},
+        },
+        {"decode": {"dataParallel": 12}},  # no gpusPerNode: the operator decides with the nodes' count
+    ],
+    ids=["deepseek", "tp8-pp2", "tp16-pp2", "role-override-lws", "no-gpus-per-node"],
+)
+def test_multi_node_shapes_are_accepted_like_the_parser(
+    crd: KubeCluster, kube_namespace: str, spec: dict[str, Any]
+) -> None:
+    obj = manifest(**spec)
+    create(crd, kube_namespace, obj)
+    stored = get(crd, kube_namespace, "r1")
+    assert parse_pddeployment(stored).spec == parse_pddeployment(obj).spec
+
+
 @pytest.mark.parametrize("value", [0, 1, 3, 1024, "0%", "25%", "100%"])
 def test_disruption_budget_values_are_stored_as_written(
     crd: KubeCluster, kube_namespace: str, value: object
@@ -228,8 +291,16 @@ def test_kubectl_explain_reads_well(crd: KubeCluster) -> None:
         return out.stdout if out.returncode == 0 and "dataParallel" in out.stdout else None
 
     text = eventually(explain, timeout=60, message="kubectl explain pdd.spec.prefill")
-    assert "Each instance is one pod running one vLLM server" in text
-    for field in ("instances", "dataParallel", "tensorParallel", "expertParallel", "nodesPerInstance", "env"):
+    assert "Each instance is one vLLM server" in text
+    fields = (
+        "instances",
+        "dataParallel",
+        "tensorParallel",
+        "expertParallel",
+        "pipelineParallel",
+        "gpusPerNode",
+    )
+    for field in (*fields, "env"):
         assert field in text
     detail = crd.kubectl("explain", "pdd.spec.kvTransfer.transferMode").stdout
     assert "MoRIIOConnector only" in detail

@@ -19,7 +19,8 @@ from typing import Any
 
 import pytest
 
-from pdserve.deployment.objects import instance_pod, render_all
+from pdserve.deployment.groups import render_all
+from pdserve.deployment.objects import instance_pod
 from pdserve.deployment.routing import ObservedInstance, build_routing_table
 from pdserve.deployment.spec import parse_pddeployment
 from pdserve.routing import Role

@@ -447,7 +447,7 @@ def _selects(selector: dict[str, Any], labels: dict[str, str]) -> bool:
 
 
 def test_production_values_render_a_valid_pddeployment_and_policies_that_fit_its_pods(helm: str) -> None:
-    from pdserve.deployment.objects import render_all
+    from pdserve.deployment.groups import render_all
     from pdserve.deployment.spec import parse_pddeployment
     from pdserve.deployment.validate import problems
 

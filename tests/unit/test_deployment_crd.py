@@ -102,8 +102,7 @@ def test_every_section_defaults_to_an_object_so_its_defaults_apply() -> None:
 )
 def test_parser_enforces_the_crd_bounds(path: tuple[str, ...], schema: dict[str, Any]) -> None:
     low, high = schema["minimum"], schema.get("maximum")
-    ok = [low] if path[-1] == "nodesPerInstance" else [low, high]  # only 1 is supported today
-    for value in ok:
+    for value in [low, high]:
         if value is not None:
             assert attribute(parse_spec(with_value(path, value)), path) == value
     bad = [low - 1] + ([high + 1] if high is not None else [])

@@ -22,6 +22,7 @@ from pdserve.deployment.defaults import (
     ROUTER_PRESTOP_SECONDS,
     ROUTER_SHUTDOWN_GRACE_SECONDS,
 )
+from pdserve.deployment.groups import render_all
 from pdserve.deployment.objects import (
     DEFAULT_IMAGE,
     desired_static_objects,
@@ -29,7 +30,6 @@ from pdserve.deployment.objects import (
     instance_pod,
     instance_pod_revision,
     pod_parallel_sizes,
-    render_all,
     role_selector,
     router_deployment,
     router_role,

@@ -11,7 +11,8 @@ from typing import Any
 import pytest
 
 from pdserve.deployment.cli import to_yaml
-from pdserve.deployment.objects import desired_static_objects, render_all, router_pod_selector, template_hash
+from pdserve.deployment.groups import render_all
+from pdserve.deployment.objects import desired_static_objects, router_pod_selector, template_hash
 from pdserve.deployment.revision import pairing_revision
 from pdserve.deployment.routing import build_routing_table
 from pdserve.deployment.spec import SpecError, parse_pddeployment

@@ -33,21 +33,69 @@ def test_a_fitting_deployment_has_no_problems() -> None:
     assert problems(pdd_of(), None) == []  # nodes unknown: that check is skipped
 
 
-def test_an_instance_larger_than_every_node() -> None:
-    found = problems(pdd_of(decode={"tensorParallel": 16}), [8, 8])
+def test_an_instance_larger_than_uniform_nodes_is_split_by_their_count() -> None:
+    assert problems(pdd_of(decode={"tensorParallel": 8, "pipelineParallel": 2}), [8, 8]) == []
+    found = problems(pdd_of(decode={"tensorParallel": 16}), [8, 8, 0])
     assert found == [
-        "spec.decode: an instance needs dataParallel 1 x tensorParallel 16 = 16 nvidia.com/gpu on one node, "
-        "but the largest node has 8; lower dataParallel or tensorParallel (multi-node instances are not "
-        "supported yet)"
+        "spec.decode.tensorParallel: 16 is larger than a node (gpusPerNode 8): tensor parallelism across "
+        "nodes needs pipelineParallel > 1 (for example tensorParallel 8, pipelineParallel 2) "
+        "(gpusPerNode 8: the nodes' allocatable nvidia.com/gpu)"
+    ]
+
+
+def test_nodes_of_different_sizes_need_gpus_per_node_for_a_larger_instance() -> None:
+    big = {"dataParallel": 16, "expertParallel": True}
+    assert problems(pdd_of(prefill=big), [4, 8, 8]) == [
+        "spec.gpusPerNode is required: nodes have 4 and 8 nvidia.com/gpu"
+    ]
+    assert problems(pdd_of(prefill=big, gpusPerNode=8), [4, 8, 8]) == []
+    assert problems(pdd_of(prefill={**big, "gpusPerNode": 4}), [4, 8]) == []
+
+
+def test_a_pod_larger_than_every_node() -> None:
+    found = problems(pdd_of(gpusPerNode=16, prefill={"dataParallel": 32}), [8, 8])
+    assert found == [
+        "spec.prefill: a pod of an instance needs 16 nvidia.com/gpu, but the largest node has 8; "
+        "set gpusPerNode to 8 or less"
     ]
 
 
 def test_no_node_with_the_gpu_resource() -> None:
     found = problems(pdd_of(), [0, 0])
     assert len(found) == 2
-    assert found[0].startswith("spec.prefill: an instance needs dataParallel 8 x tensorParallel 1 = 8")
-    assert found[0].endswith("but no node has allocatable nvidia.com/gpu")
+    assert (
+        found[0]
+        == "spec.prefill: an instance needs 8 nvidia.com/gpu, but no node has allocatable nvidia.com/gpu"
+    )
     assert problems(pdd_of(), []) == found
+
+
+def test_group_flags_are_refused_in_args() -> None:
+    for flag in ("--data-parallel-start-rank", "--headless", "--nnodes", "--pipeline-parallel-size"):
+        found = problems(pdd_of(decode={"args": [flag, "1"]}), None)
+        assert len(found) == 1 and found[0].startswith(f"spec.decode.args[0]: {flag} is set by pdserve (")
+
+
+def test_decode_sidecar_with_a_multi_node_decode_is_refused() -> None:
+    found = problems(
+        pdd_of(gpusPerNode=8, decode={"dataParallel": 16}, router={"placement": "decode-sidecar"}), None
+    )
+    assert found == [
+        "spec.router.placement: decode-sidecar is not supported with multi-node decode instances "
+        "(2 pods each with gpusPerNode 8); use placement deployment"
+    ]
+
+
+def test_gpu_request_in_resources_must_be_the_pods_share() -> None:
+    spec = {
+        "gpusPerNode": 8,
+        "prefill": {"dataParallel": 16, "resources": {"limits": {"nvidia.com/gpu": "16"}}},
+    }
+    found = problems(pdd_of(**spec), None)
+    assert found == [
+        "spec.prefill.resources.limits[nvidia.com/gpu]: pdserve requests dataParallel x tensorParallel = 16 "
+        "GPUs per instance, 8 in each of its 2 pods, got 16; remove it from resources"
+    ]
 
 
 def test_zero_instances_and_sim_need_no_gpus() -> None:

@@ -13,11 +13,11 @@ from typing import Any
 import pytest
 
 from pdserve.deployment import cli as render_cli
+from pdserve.deployment.groups import render_all
 from pdserve.deployment.objects import (
     disruption_budget,
     disruption_budget_name,
     instance_pod,
-    render_all,
     role_selector,
     template_hash,
 )

@@ -105,3 +105,18 @@ def test_storage_examples_show_what_their_name_says(name: str) -> None:
 
 def test_every_storage_example_is_listed() -> None:
     assert sorted(p.stem for p in (EXAMPLES / "storage").glob("*.yaml")) == sorted(STORAGE)
+
+
+def test_the_multi_node_example_is_the_deepseek_shape() -> None:
+    from pdserve.routing import Role
+
+    spec = _load(EXAMPLES / "multinode" / "deepseek-r1.yaml").spec
+    assert spec.gpus_per_node == 8
+    prefill, decode = spec.group_shape(Role.PREFILL), spec.group_shape(Role.DECODE)
+    assert (spec.prefill.data_parallel, spec.prefill.expert_parallel, prefill.nodes, prefill.dp_local) == (
+        16,
+        True,
+        2,
+        8,
+    )
+    assert (spec.decode.data_parallel, decode.nodes, decode.dp_local) == (32, 4, 8)

@@ -231,3 +231,90 @@ def test_summary_line_gives_totals_and_spread() -> None:
     assert "prefill 9 requests over 2 slots (min 4, max 5)" in line
     assert "decode 9 requests over 1 slots" in line
     assert "in flight 1" in line and "errors 2" in line
+
+
+def _multinode(api_servers: str = "perNode", **decode: Any) -> PDDeployment:
+    from pdserve.deployment.spec import parse_pddeployment
+
+    return parse_pddeployment(
+        {
+            "apiVersion": "pdserve.io/v1alpha1",
+            "kind": "PDDeployment",
+            "metadata": {"name": "mn"},
+            "spec": {
+                "model": "m",
+                "engine": "sim",
+                "gpusPerNode": 2,
+                "multiNode": {"apiServers": api_servers},
+                "prefill": {"instances": 2, "dataParallel": 4},
+                "decode": {"instances": 1, "dataParallel": 2, **decode},
+            },
+        }
+    )
+
+
+def _multinode_plan(pdd: PDDeployment, rpc: list[int] | None = None) -> Any:
+    from pdserve.local.plan import engine_process_count, group_count
+
+    count = engine_process_count(pdd)
+    rpc = rpc if rpc is not None else list(range(9501, 9501 + group_count(pdd)))
+    return plan_local_run(
+        pdd, "sim", list(range(9001, 9001 + count)), 8000, "/run/routing.json", python=PYTHON, rpc_ports=rpc
+    )
+
+
+def test_a_multi_node_instance_runs_one_sim_process_per_node() -> None:
+    pdd = _multinode()
+    plan = _multinode_plan(pdd)
+    shape = [(e.role, e.index, e.node, e.name, e.group) for e in plan.engines]
+    assert shape == [
+        (Role.PREFILL, 0, 0, "mn-prefill-0", "mn-prefill-0"),
+        (Role.PREFILL, 0, 1, "mn-prefill-0-1", "mn-prefill-0"),
+        (Role.PREFILL, 1, 0, "mn-prefill-1", "mn-prefill-1"),
+        (Role.PREFILL, 1, 1, "mn-prefill-1-1", "mn-prefill-1"),
+        (Role.DECODE, 0, 0, "mn-decode-0", ""),  # DP2 fits a node of 2: one process, as before
+    ]
+    assert [e.port for e in plan.engines] == list(range(9001, 9006))  # every process its own port
+    for e in plan.engines:
+        argv = e.argv
+        assert _flag(argv, "--port") == str(e.port) and _flag(argv, "--host") == LOOPBACK
+        assert e.serves_http
+        if not e.group:
+            assert "--data-parallel-size-local" not in argv
+            continue
+        # The rendered pod's flags, with this machine's addresses and the group's own RPC port.
+        assert _flag(argv, "--dp-size") == "4"
+        assert _flag(argv, "--data-parallel-size-local") == "2"
+        assert _flag(argv, "--data-parallel-start-rank") == str(2 * e.node)
+        assert _flag(argv, "--data-parallel-address") == LOOPBACK
+        assert _flag(argv, "--data-parallel-rpc-port") == str(9501 + e.index)
+        assert "--data-parallel-hybrid-lb" in argv and "--headless" not in argv
+        assert _flag(argv, "--instance-name") == e.group
+
+
+def test_leader_mode_workers_are_headless_processes() -> None:
+    plan = _multinode_plan(_multinode("leader"))
+    workers = [e for e in plan.engines if e.node > 0]
+    assert workers and all("--headless" in e.argv and not e.serves_http for e in workers)
+    leaders = [e for e in plan.engines if e.group and e.node == 0]
+    assert all(e.serves_http and "--data-parallel-start-rank" not in e.argv for e in leaders)
+
+
+def test_a_rank_spanning_nodes_gets_its_master_port() -> None:
+    pdd = _multinode(dataParallel=1, tensorParallel=2, pipelineParallel=2)
+    plan = _multinode_plan(pdd)
+    decode = [e for e in plan.engines if e.role is Role.DECODE]
+    assert [e.node for e in decode] == [0, 1]
+    assert {_flag(e.argv, "--master-port") for e in decode} == {"9503"}
+    assert [_flag(e.argv, "--node-rank") for e in decode] == ["0", "1"]
+    assert [e.serves_http for e in decode] == [True, False]
+
+
+def test_multi_node_plans_need_their_ports_and_the_simulator() -> None:
+    pdd = _multinode()
+    with pytest.raises(PlanError, match="need 5 engine ports, got 3"):
+        plan_local_run(pdd, "sim", [9001, 9002, 9003], 8000, "/r", python=PYTHON, rpc_ports=[1, 2])
+    with pytest.raises(PlanError, match="need 2 group RPC ports"):
+        _multinode_plan(pdd, rpc=[])
+    with pytest.raises(PlanError, match="--engine sim only"):
+        plan_local_run(pdd, "vllm", list(range(9001, 9006)), 8000, "/r", python=PYTHON, rpc_ports=[1, 2])

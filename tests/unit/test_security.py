@@ -7,7 +7,8 @@ from typing import Any
 
 import pytest
 
-from pdserve.deployment.objects import instance_pod, render_all, router_deployment, router_service
+from pdserve.deployment.groups import render_all
+from pdserve.deployment.objects import instance_pod, router_deployment, router_service
 from pdserve.deployment.spec import PDDeployment, SpecError
 from pdserve.deployment.validate import problems
 from pdserve.routing import Role

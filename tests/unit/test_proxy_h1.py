@@ -1,0 +1,128 @@
+"""The legs' HTTP/1.1 client (pdserve.proxy.h1) against real servers on loopback."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from collections.abc import AsyncIterator
+
+import pytest
+from aiohttp import web
+
+from pdserve.proxy import h1
+
+
+def test_origin_parse_keeps_port_path_and_query() -> None:
+    o = h1.Origin.parse("http://127.0.0.1:8100/v1/completions?x=1")
+    assert (o.host, o.port, o.tls, o.path, o.host_header) == (
+        "127.0.0.1",
+        8100,
+        False,
+        b"/v1/completions?x=1",
+        b"127.0.0.1:8100",
+    )
+    assert h1.Origin.parse("https://engine/v1/chat/completions").host_header == b"engine"
+    assert h1.Origin.parse("http://[::1]:9000/v1").host_header == b"[::1]:9000"
+    with pytest.raises(ValueError, match="not an http"):
+        h1.Origin.parse("ftp://engine/x")
+
+
+async def _server(app: web.Application) -> AsyncIterator[str]:
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        await runner.cleanup()
+
+
+def test_keep_alive_reuses_one_connection_and_reads_bodies() -> None:
+    peers: list[object] = []
+
+    async def echo(request: web.Request) -> web.StreamResponse:
+        peers.append(request.transport.get_extra_info("peername") if request.transport else None)
+        body = await request.read()
+        if request.headers.get("X-Stream"):
+            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await resp.prepare(request)
+            for part in (b"data: 1\n\n", b"data: 2\n\n"):
+                await resp.write(part)
+            await resp.write_eof()
+            return resp
+        return web.Response(body=body, content_type="application/json")
+
+    async def run() -> None:
+        app = web.Application()
+        app.router.add_post("/v1/completions", echo)
+        async for base in _server(app):
+            pool = h1.Pool(connect_timeout=2, keepalive=30)
+            for n in range(3):
+                resp = await pool.post(base + "/v1/completions", b'{"n": %d}' % n, {"X-Request-Id": "r"})
+                assert (resp.status, resp.content_type) == (200, "application/json")
+                assert await resp.read() == b'{"n": %d}' % n
+                resp.release()
+            resp = await pool.post(base + "/v1/completions", b"{}", {"X-Stream": "1"})
+            assert resp.content_type == "text/event-stream"
+            assert await resp.read() == b"data: 1\n\ndata: 2\n\n"  # chunked framing removed
+            resp.release()
+            pool.close()
+        assert len(peers) == 4 and len(set(peers)) == 1  # one connection for all four
+
+    asyncio.run(run())
+
+
+def test_closed_answer_is_not_reused_and_refused_connect_is_connect_failed() -> None:
+    peers: list[object] = []
+
+    async def slow(request: web.Request) -> web.StreamResponse:
+        peers.append(request.transport.get_extra_info("peername") if request.transport else None)
+        resp = web.StreamResponse()
+        await resp.prepare(request)
+        await resp.write(b"first")
+        await asyncio.sleep(5)
+        return resp
+
+    async def run() -> None:
+        app = web.Application()
+        app.router.add_post("/s", slow)
+        async for base in _server(app):
+            pool = h1.Pool(connect_timeout=2, keepalive=30)
+            for _ in range(2):
+                resp = await pool.post(base + "/s", b"", {})
+                assert await resp.readany() == b"first"
+                resp.close()  # mid-answer: the connection goes, the next request opens another
+            pool.close()
+        assert len(set(peers)) == 2
+        with socket.socket() as s:  # a port nobody listens on
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        with pytest.raises(h1.ConnectFailed):
+            await h1.Pool(connect_timeout=2, keepalive=30).post(f"http://127.0.0.1:{port}/x", b"", {})
+
+    asyncio.run(run())
+
+
+def test_server_that_breaks_mid_answer_is_disconnected() -> None:
+    async def broken(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse()
+        await resp.prepare(request)
+        await resp.write(b"part")
+        assert request.transport is not None
+        request.transport.abort()
+        return resp
+
+    async def run() -> None:
+        app = web.Application()
+        app.router.add_post("/b", broken)
+        async for base in _server(app):
+            pool = h1.Pool(connect_timeout=2, keepalive=30)
+            resp = await pool.post(base + "/b", b"", {})
+            with pytest.raises(h1.Disconnected):
+                await resp.read()
+            resp.close()
+            pool.close()
+
+    asyncio.run(run())
