@@ -25,11 +25,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import StrEnum
 
-GROUP_LABEL = "pdserve.io/group"  # on every pod of a group: the leader's name
-GROUP_NODE_LABEL = "pdserve.io/group-node"  # the pod's node rank in its group, 0 the leader
-GROUP_SIZE_ANNOTATION = "pdserve.io/group-size"  # pods the group was created with
-GROUP_FORMED_ANNOTATION = "pdserve.io/group-formed"  # on the leader, once its workers were created
-
 _LOST = "vLLM cannot lose a member of a group and go on"
 
 

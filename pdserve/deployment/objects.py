@@ -87,6 +87,8 @@ REVISION_ANNOTATION = "pdserve.io/revision"
 GROUP_LABEL = "pdserve.io/group"
 GROUP_NODE_LABEL = "pdserve.io/group-node"
 GROUP_SIZE_ANNOTATION = "pdserve.io/group-size"
+#: On a group's leader once the operator created its workers: a worker missing after that is lost.
+GROUP_FORMED_ANNOTATION = "pdserve.io/group-formed"
 MANAGER = "pdserve-operator"
 
 # Probes. The startup probe allows startupTimeoutSeconds of model loading (defaults.py) before

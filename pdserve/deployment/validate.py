@@ -8,6 +8,7 @@ the field and says what to change.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 from pdserve.deployment.admission import problems as vllm_problems
@@ -195,6 +196,15 @@ def _fits_nodes(spec: PDDeploymentSpec, role: Role, path: str, allocatable: Sequ
         f"{path}: a pod of an instance needs {shape.gpus_per_pod} {spec.gpu_resource}, "
         f"but the largest node has {counts[-1]}; set gpusPerNode to {counts[-1]} or less"
     ]
+
+
+def with_node_default(pdd: PDDeployment, allocatable: Sequence[int] | None) -> PDDeployment:
+    """The deployment as the operator renders it: without spec.gpusPerNode, the nodes' count
+    when every GPU node has the same (so groups split where the nodes do); as written otherwise."""
+    if pdd.spec.gpus_per_node is not None or allocatable is None:
+        return pdd
+    uniform = uniform_gpus_per_node(list(allocatable))
+    return pdd if uniform is None else replace(pdd, spec=replace(pdd.spec, gpus_per_node=uniform))
 
 
 def default_gpus_per_node(spec: PDDeploymentSpec, role: Role, allocatable: Sequence[int]) -> int | None:

@@ -207,6 +207,11 @@ class NodeCache:
             node = self._nodes.get(node_name)
             return node.lost_since if node is not None else None
 
+    def pending(self) -> bool:
+        """Nodes can be read but have not been listed yet (the operator just started)."""
+        with self._lock:
+            return not self._synced and not self._unreadable
+
     def ready_known(self) -> bool:
         """Whether a node LIST went in: tells "no node info" apart from "the node is Ready"."""
         with self._lock:

@@ -35,7 +35,6 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Any
 
-from pdserve.deployment.multinode import with_node_default
 from pdserve.deployment.objects import (
     DEPLOYMENT_LABEL,
     ROLE_LABEL,
@@ -59,6 +58,7 @@ from pdserve.deployment.scheduling import (
 from pdserve.deployment.spec import PDDeployment, SpecError, parse_pddeployment
 from pdserve.deployment.status import Observation, RoleObservation, compute_status
 from pdserve.deployment.validate import problems as spec_problems
+from pdserve.deployment.validate import with_node_default
 from pdserve.operator import metrics
 from pdserve.operator.cache import Body, ClusterCache, version_number
 from pdserve.operator.kube import Kube, KubeError, NotLeader
@@ -255,17 +255,21 @@ class Reconciler:
             return
 
         now = self._clock()
+        if pdd.spec.gpus_per_node is None and self._nodes.pending():
+            # The nodes' GPU count decides how instances split over nodes: act once it is known.
+            outcome.recheck_after = 1.0
+            return
         allocatable = self._nodes.allocatable(pdd.spec.gpu_resource)
-        pdd = with_node_default(pdd, allocatable)
+        written, pdd = pdd, with_node_default(pdd, allocatable)
         # Multi-node instances are the planner's units: one view per group (deployment/gangs.py).
         each_pod = self._observe_pods(pdd, raw_pods)
         gangs = gang_pass(each_pod, now, pdd.spec.multi_node.gang_timeout_seconds)
         pods = gangs.units
-        found = spec_problems(pdd, allocatable)
+        found = spec_problems(written, allocatable)
         if found:
             # Nothing is rendered for a spec that cannot be served; existing objects stay as they are.
             outcome.result = "invalid"
-            roles = [self._role_observation(pdd, r, [p for p in pods if p.role is r]) for r in ROLES]
+            roles = [self._role_observation(written, r, [p for p in pods if p.role is r]) for r in ROLES]
             self._write_status(body, Observation(generation, None, roles, 0, 0, problems=found), outcome)
             return
 
@@ -411,7 +415,9 @@ class Reconciler:
             template_hash(pdd, role),
             selector_string(role_selector(pdd, role)),
             [u.observed for u in units],
-            (sum(len(u.members) for u in groups), sum(u.ready_members for u in groups)) if groups else None,
+            (sum(len(u.members) for u in groups), sum(u.ready_members for u in groups))
+            if groups or pdd.spec.group_shape(role).multi_node
+            else None,
         )
 
     # --- status and errors ---------------------------------------------------------------------

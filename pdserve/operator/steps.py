@@ -16,10 +16,10 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from pdserve.deployment.drain import DrainVerdict
-from pdserve.deployment.gangs import GROUP_FORMED_ANNOTATION
 from pdserve.deployment.groups import group_pods, group_shape_of
 from pdserve.deployment.objects import (
     DEPLOYMENT_LABEL,
+    GROUP_FORMED_ANNOTATION,
     desired_static_objects,
     router_name,
     routing_configmap,

@@ -9,16 +9,16 @@ from datetime import UTC, datetime
 from typing import Any
 
 from pdserve.deployment.gangs import (
-    GROUP_FORMED_ANNOTATION,
-    GROUP_LABEL,
-    GROUP_NODE_LABEL,
-    GROUP_SIZE_ANNOTATION,
     Group,
     Member,
     Verdict,
     judge,
 )
 from pdserve.deployment.objects import (
+    GROUP_FORMED_ANNOTATION,
+    GROUP_LABEL,
+    GROUP_NODE_LABEL,
+    GROUP_SIZE_ANNOTATION,
     INSTANCE_LABEL,
     ROLE_LABEL,
     TEMPLATE_HASH_LABEL,

@@ -7,16 +7,20 @@ from typing import Any
 import pytest
 
 from pdserve.deployment.gangs import (
-    GROUP_FORMED_ANNOTATION,
-    GROUP_LABEL,
-    GROUP_NODE_LABEL,
-    GROUP_SIZE_ANNOTATION,
     Group,
     Member,
     Verdict,
     judge,
 )
-from pdserve.deployment.objects import INSTANCE_LABEL, ROLE_LABEL, TEMPLATE_HASH_LABEL
+from pdserve.deployment.objects import (
+    GROUP_FORMED_ANNOTATION,
+    GROUP_LABEL,
+    GROUP_NODE_LABEL,
+    GROUP_SIZE_ANNOTATION,
+    INSTANCE_LABEL,
+    ROLE_LABEL,
+    TEMPLATE_HASH_LABEL,
+)
 from pdserve.deployment.spec import parse_pddeployment
 from pdserve.operator.views import gang_pass, pod_view
 
