@@ -16,8 +16,9 @@ depends only on what the pods show and the clock.
   seconds: pods of a group that cannot all be placed must not hold GPUs forever. The group is
   deleted and replaced; the status says which member waited for what.
 
-For the rollout planner a group is one unit (:func:`unit_of`): Ready only when every member is.
-Single-pod instances (``size`` 1) are never judged here.
+For the rollout planner a group is one unit (pdserve.operator.views): Ready only when every
+member is. Single-pod instances (``size`` 1) are never judged here, and a LeaderWorkerSet's
+group (backend ``lws``) only by the gang timeout: its controller creates and restarts it.
 """
 
 from __future__ import annotations
@@ -50,6 +51,9 @@ class Group:
     size: int  # pods the instance needs
     members: tuple[Member, ...]
     formed: bool = False  # the workers were created once (the leader's mark)
+    #: A LeaderWorkerSet's group: its controller creates the members and restarts the group
+    #: when one fails; only the gang timeout is the operator's to judge.
+    managed: bool = False
 
     def member(self, node_rank: int) -> Member | None:
         return next((m for m in self.members if m.node_rank == node_rank), None)
@@ -83,9 +87,9 @@ def judge(group: Group, now: float, gang_timeout: float) -> Judgement:
     if group.members and all(m.terminating for m in group.members):
         return Judgement(Verdict.WHOLE)  # going away as a whole already
     leader = group.member(0)
-    if leader is None or leader.terminating:
+    if not group.managed and (leader is None or leader.terminating):
         return Judgement(Verdict.BROKEN, "leader gone")
-    for m in group.members:
+    for m in () if group.managed else group.members:
         if m.failed:
             return Judgement(Verdict.BROKEN, f"pod {m.name} failed or restarted: {_LOST}")
         if m.terminating:
@@ -102,10 +106,10 @@ def judge(group: Group, now: float, gang_timeout: float) -> Judgement:
         )
     recheck = min((gang_timeout - waited for waited, _ in waits), default=None)
     missing = group.missing
-    if not missing:
+    if not missing or group.managed:
         return Judgement(Verdict.WHOLE, recheck_after=recheck)
     if group.formed:
         names = ", ".join(str(r) for r in missing)
         return Judgement(Verdict.BROKEN, f"node {names} of the group is gone: {_LOST}")
-    create = missing if leader.ip else ()
+    create = missing if leader is not None and leader.ip else ()
     return Judgement(Verdict.FORMING, "workers wait for the leader's address", create, recheck)

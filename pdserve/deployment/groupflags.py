@@ -37,6 +37,9 @@ LWS_LEADER_ADDRESS_ENV = "LWS_LEADER_ADDRESS"
 LWS_WORKER_INDEX_ENV = "LWS_WORKER_INDEX"
 LWS_API_VERSION = "leaderworkerset.x-k8s.io/v1"
 LWS_KIND = "LeaderWorkerSet"
+#: Labels the LWS controller puts on the pods of a group: the set, and the pod's node rank.
+LWS_NAME_LABEL = "leaderworkerset.sigs.k8s.io/name"
+LWS_WORKER_INDEX_LABEL = "leaderworkerset.sigs.k8s.io/worker-index"
 #: A failed pod of a group takes the whole group down and up again (vLLM cannot lose a member).
 LWS_RESTART_POLICY = "RecreateGroupOnPodRestart"
 

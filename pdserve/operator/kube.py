@@ -41,6 +41,7 @@ _KINDS: dict[str, tuple[str, str]] = {
     "PodDisruptionBudget": ("/apis/policy/v1", "poddisruptionbudgets"),
     "PDDeployment": (f"/apis/{GROUP}/{VERSION}", PLURAL),
     "Lease": ("/apis/coordination.k8s.io/v1", "leases"),
+    "LeaderWorkerSet": ("/apis/leaderworkerset.x-k8s.io/v1", "leaderworkersets"),
 }
 #: Methods that change the cluster: the leader-election fence guards them.
 _WRITES = frozenset({"POST", "PUT", "PATCH", "DELETE"})

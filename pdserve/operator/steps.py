@@ -16,7 +16,8 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from pdserve.deployment.drain import DrainVerdict
-from pdserve.deployment.groups import group_pods, group_shape_of
+from pdserve.deployment.groups import group_pods, group_shape_of, instance_lws
+from pdserve.deployment.multinode import BACKEND_LWS
 from pdserve.deployment.objects import (
     DEPLOYMENT_LABEL,
     GROUP_FORMED_ANNOTATION,
@@ -103,10 +104,13 @@ class Steps:
             if a.kind in (ActionKind.DRAIN, ActionKind.UNDRAIN)
         ]
 
+        leader_pods = {v.observed.name: v.leader_pod or v.observed.name for v in pods}
+
         def mark(action: Action) -> dict[str, Any]:
             value = stamp if action.kind is ActionKind.DRAIN else None
+            patch = {"metadata": {"annotations": {DRAINING_ANNOTATION: value}}}
             return self._kube.merge_patch(
-                "Pod", pdd.namespace, action.pod, {"metadata": {"annotations": {DRAINING_ANNOTATION: value}}}
+                "Pod", pdd.namespace, leader_pods.get(action.pod, action.pod), patch
             )
 
         for action, patched in zip(actions, self._io.map(mark, actions), strict=True):
@@ -244,23 +248,26 @@ class Steps:
         the views come back marked terminating, the broken groups' not at all."""
         by_name = {p.observed.name: p for p in pods}
         actions = [a for plan in plans.values() for a in plan.of(ActionKind.DELETE)]
-        targets = [(name, uid) for a in actions for name, uid in _pods_of(by_name[a.pod])]
-        targets += [(name, uid) for unit, _ in broken for name, uid in _pods_of(unit)]
+        units = [by_name[a.pod] for a in actions] + [unit for unit, _ in broken]
+        # A LeaderWorkerSet goes with its pods: deleted at once, they cannot linger as a unit.
+        targets = [("LeaderWorkerSet", u.observed.name, "") for u in units if u.lws]
+        targets += [("Pod", name, uid) for u in units for name, uid in _pods_of(u)]
 
-        def delete(target: tuple[str, str]) -> dict[str, Any] | None:
-            return self._kube.delete("Pod", pdd.namespace, target[0], uid=target[1])
+        def delete(target: tuple[str, str, str]) -> dict[str, Any] | None:
+            kind, name, uid = target
+            return self._kube.delete(kind, pdd.namespace, name, uid=uid or None)
 
         answers = dict(zip(targets, self._io.map(delete, targets), strict=True))
 
         def finish() -> list[PodView]:
-            for (_, _), answer in answers.items():
+            for (kind, _, _), answer in answers.items():
                 if answer is not None:
-                    metrics.OBJECT_CHANGES.labels("Pod", "delete").inc()
+                    metrics.OBJECT_CHANGES.labels(kind, "delete").inc()
                     if answer.get("kind") == "Pod":
                         self._cache.pod_event("MODIFIED", answer)
             for action in actions:
                 view = by_name[action.pod]
-                if any(answers.get(t) is not None for t in _pods_of(view)):
+                if any(answers.get(("Pod", *t)) is not None for t in _pods_of(view)):
                     if action.node_lost:
                         metrics.NODE_LOSS_REPLACEMENTS.inc()
                         message = (
@@ -290,9 +297,11 @@ class Steps:
     ) -> Callable[[], list[PodView]]:
         """Creates the missing pods, smaller ones gated while larger ones wait; the new views come back."""
         todo = [(role, a) for role, plan in plans.items() for a in plan.of(ActionKind.CREATE)]
-        # A multi-node instance starts as its leader; the workers follow once it has an address.
-        manifests = [group_pods(pdd, role, a.index, pod_suffix(), None)[0] for role, a in todo]
-        gated = gate_new([placement_of(m, pdd.spec.gpu_resource) for m in manifests], placements)
+        # A multi-node instance starts as its leader, whose workers follow once it has an address,
+        # or as a LeaderWorkerSet (backend lws), whose controller creates the pods.
+        manifests = [_first_object(pdd, role, a.index, pod_suffix()) for role, a in todo]
+        pods = [m for m in manifests if m["kind"] == "Pod"]
+        gated = gate_new([placement_of(m, pdd.spec.gpu_resource) for m in pods], placements)
         manifests = [with_gate(m) if m["metadata"]["name"] in gated else m for m in manifests]
         answers = self._io.map(self._kube.create, manifests)
         born = self._clock()
@@ -300,13 +309,16 @@ class Steps:
         def finish() -> list[PodView]:
             out = []
             for (role, action), manifest, created in zip(todo, manifests, answers, strict=True):
-                name = manifest["metadata"]["name"]
+                name, kind = manifest["metadata"]["name"], manifest["kind"]
+                metrics.OBJECT_CHANGES.labels(kind, "create").inc()
+                what = "pod" if kind == "Pod" else kind
+                outcome.events.append(Event("Normal", "Created", f"Created {what} {name} ({action.reason})"))
+                if kind != "Pod":
+                    continue  # a LeaderWorkerSet: its pods show up on the pod watch
                 self._cache.pod_event("ADDED", created)
-                metrics.OBJECT_CHANGES.labels("Pod", "create").inc()
-                outcome.events.append(Event("Normal", "Created", f"Created pod {name} ({action.reason})"))
                 rs = pdd.spec.role(role)
-                if group_shape_of(pdd, role).nodes > 1:
-                    continue  # a group's first pod: the next pass sees it as a forming group
+                if group_shape_of(pdd, role).multi_node:
+                    continue  # a group's leader: the next pass sees it as a forming group
                 observed = ObservedPod(
                     action.index,
                     name,
@@ -373,6 +385,12 @@ class Steps:
 
 
 # --- pure helpers --------------------------------------------------------------------------------
+
+
+def _first_object(pdd: PDDeployment, role: Role, index: int, suffix: str) -> dict[str, Any]:
+    if group_shape_of(pdd, role).multi_node and pdd.spec.multi_node.backend == BACKEND_LWS:
+        return instance_lws(pdd, role, index, suffix)
+    return group_pods(pdd, role, index, suffix, None)[0]
 
 
 def _pods_of(view: PodView) -> list[tuple[str, str]]:

@@ -14,6 +14,7 @@ from pdserve.deployment.gangs import (
     Verdict,
     judge,
 )
+from pdserve.deployment.groupflags import LWS_NAME_LABEL, LWS_WORKER_INDEX_LABEL
 from pdserve.deployment.objects import (
     GROUP_FORMED_ANNOTATION,
     GROUP_LABEL,
@@ -52,6 +53,7 @@ class PodView:
     member: Member | None = None
     group_size: int = 1  # the leader's ``pdserve.io/group-size``
     formed: bool = False  # the leader's ``pdserve.io/group-formed``
+    lws: bool = False  # a LeaderWorkerSet's pod (backend lws): the unit is that object
     #: A group as the planner's unit: (name, uid) of every pod to delete with it, and the
     #: addresses of its members by node rank (the routing table's per-node endpoints).
     members: tuple[tuple[str, str], ...] = ()
@@ -62,6 +64,7 @@ class PodView:
     #: A unit's per-node API servers: (ip, first rank, ranks), when each node serves its own.
     endpoints: tuple[tuple[str, int, int], ...] = ()
     ready_members: int = 0  # a unit's Ready pods
+    leader_pod: str | None = None  # a unit's leader pod, which carries the draining mark
 
     @property
     def pod_names(self) -> tuple[str, ...]:
@@ -111,8 +114,9 @@ def pod_view(
     view = PodView(role, observed, str(meta.get("uid", "")), ip, tp_size, revision, node)
     if not group:
         return view
+    lws = bool(labels.get(LWS_NAME_LABEL))
     try:
-        node_rank = int(labels.get(GROUP_NODE_LABEL, "0"))
+        node_rank = int(labels.get(GROUP_NODE_LABEL) or labels.get(LWS_WORKER_INDEX_LABEL) or "0")
         size = int(annotations.get(GROUP_SIZE_ANNOTATION, "1"))
     except ValueError:
         return None
@@ -128,7 +132,13 @@ def pod_view(
     )
     formed = bool(annotations.get(GROUP_FORMED_ANNOTATION))
     return replace(
-        view, group=group, member=member, group_size=size, formed=formed, api_ranks=_api_ranks(pod)
+        view,
+        group=group,
+        member=member,
+        group_size=size,
+        formed=formed,
+        lws=lws,
+        api_ranks=_api_ranks(pod),
     )
 
 
@@ -187,11 +197,11 @@ def gang_pass(views: Sequence[PodView], now: float, gang_timeout: float) -> Gang
     rechecks: list[float] = []
     for name, members in sorted(by_group.items()):
         members.sort(key=lambda v: (v.member.node_rank if v.member else 0, v.observed.name))
-        leader = next((v for v in members if v.observed.name == name), None)
+        lws = any(v.lws for v in members)  # a LeaderWorkerSet's pods are <name>-0, <name>-0-1...
+        leader = next((v for v in members if _leads(v, name, lws)), None)
         size = leader.group_size if leader else max(v.group_size for v in members)
-        group = Group(
-            name, size, tuple(v.member for v in members if v.member), leader.formed if leader else False
-        )
+        formed = leader.formed if leader else False
+        group = Group(name, size, tuple(v.member for v in members if v.member), formed, managed=lws)
         verdict = judge(group, now, gang_timeout)
         unit = _unit(leader or members[0], members, group)
         if verdict.recheck_after is not None:
@@ -205,6 +215,11 @@ def gang_pass(views: Sequence[PodView], now: float, gang_timeout: float) -> Gang
     return GangPass(units, broken, forming, min(rechecks) if rechecks else None)
 
 
+def _leads(view: PodView, group: str, lws: bool) -> bool:
+    rank = view.member.node_rank if view.member else -1
+    return rank == 0 and (lws or view.observed.name == group)
+
+
 def _unit(head: PodView, members: Sequence[PodView], group: Group) -> PodView:
     """A group as one instance: Ready only when whole, on a lost node when any member is."""
     downs = [v.observed.node_down_since for v in members if v.observed.node_down_since is not None]
@@ -214,6 +229,7 @@ def _unit(head: PodView, members: Sequence[PodView], group: Group) -> PodView:
             ips[v.member.node_rank] = v.ip
     observed = replace(
         head.observed,
+        name=group.leader,  # the leader pod's name, or the LeaderWorkerSet's
         ready=group.ready,
         node_down_since=min(downs) if downs else None,
         unschedulable=any(v.observed.unschedulable for v in members),
@@ -226,6 +242,7 @@ def _unit(head: PodView, members: Sequence[PodView], group: Group) -> PodView:
     return replace(
         head,
         observed=observed,
+        leader_pod=head.observed.name,
         members=tuple((v.observed.name, v.uid) for v in members),
         member_ips=tuple(ips),
         ready_members=sum(1 for v in members if v.member and v.member.ready and not v.member.terminating),
