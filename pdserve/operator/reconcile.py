@@ -35,6 +35,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Any
 
+from pdserve.deployment.multinode import BACKEND_LWS
 from pdserve.deployment.objects import (
     DEPLOYMENT_LABEL,
     ROLE_LABEL,
@@ -79,6 +80,7 @@ from pdserve.operator.steps import (
 from pdserve.operator.views import (
     PodView,
     gang_pass,
+    lws_stand_in,
     pod_placements,
     pod_view,
     rfc3339,
@@ -206,6 +208,11 @@ class Reconciler:
         self._cache.deployment_event("GET", body)
         if body["metadata"].get("deletionTimestamp"):
             return None
+        if ((body.get("spec") or {}).get("multiNode") or {}).get("backend") == BACKEND_LWS:
+            # A LeaderWorkerSet whose pods are not there yet still stands for its group.
+            sets = self._kube.list_objects("LeaderWorkerSet", namespace, f"{DEPLOYMENT_LABEL}={name}")
+            listed = {p["metadata"]["name"] for p in items}
+            items += [s for s in map(lws_stand_in, sets) if s and s["metadata"]["name"] not in listed]
         self._cache.replace_pods(key, items, version_number(version))
         return _Read(body, self._cache.pods(key) or [], prefetched)
 

@@ -215,6 +215,31 @@ def gang_pass(views: Sequence[PodView], now: float, gang_timeout: float) -> Gang
     return GangPass(units, broken, forming, min(rechecks) if rechecks else None)
 
 
+def lws_stand_in(lws: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The leader pod a LeaderWorkerSet will have (``<name>-0``), not Ready, for as long as the
+    controller has not created it: so the group exists for the planner from the moment its
+    object does (no second LeaderWorkerSet for the index), and its gang timeout runs from then.
+    The real pod replaces it in the cache: same name, newer resourceVersion."""
+    meta = lws.get("metadata") or {}
+    if meta.get("deletionTimestamp"):
+        return None
+    template = ((lws.get("spec") or {}).get("leaderWorkerTemplate") or {}).get("leaderTemplate") or {}
+    tmeta = template.get("metadata") or {}
+    return {
+        "metadata": {
+            **tmeta,
+            "name": f"{meta.get('name')}-0",
+            "namespace": meta.get("namespace"),
+            "uid": "",
+            "resourceVersion": meta.get("resourceVersion"),
+            "creationTimestamp": meta.get("creationTimestamp"),
+            "labels": {**(tmeta.get("labels") or {}), LWS_NAME_LABEL: meta.get("name")},
+        },
+        "spec": template.get("spec") or {},
+        "status": {},
+    }
+
+
 def _leads(view: PodView, group: str, lws: bool) -> bool:
     rank = view.member.node_rank if view.member else -1
     return rank == 0 and (lws or view.observed.name == group)
