@@ -211,8 +211,8 @@ class Reconciler:
         if ((body.get("spec") or {}).get("multiNode") or {}).get("backend") == BACKEND_LWS:
             # A LeaderWorkerSet whose pods are not there yet still stands for its group.
             sets = self._kube.list_objects("LeaderWorkerSet", namespace, f"{DEPLOYMENT_LABEL}={name}")
-            listed = {p["metadata"]["name"] for p in items}
-            items += [s for s in map(lws_stand_in, sets) if s and s["metadata"]["name"] not in listed]
+            present = {p["metadata"]["name"] for p in items}
+            items += [s for s in map(lws_stand_in, sets) if s and s["metadata"]["name"] not in present]
         self._cache.replace_pods(key, items, version_number(version))
         return _Read(body, self._cache.pods(key) or [], prefetched)
 
