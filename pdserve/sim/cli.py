@@ -35,7 +35,8 @@ from typing import Any
 from pdserve.sim.faults import FaultSpecError, parse_faults
 from pdserve.sim.group import GroupConfig, GroupConfigError
 from pdserve.sim.payloads import Identity
-from pdserve.sim.server import ROLES, SimConfig, Simulator, serve
+from pdserve.sim.process import serve
+from pdserve.sim.server import ROLES, SimConfig, Simulator
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
