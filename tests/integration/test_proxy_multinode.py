@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.pdstack import FAST_SIM, PDStack, http
+from tests.support.pdstack import FAST_SIM, PDStack, http, proxy_args
 from tests.support.procs import Proc, ProcessGroup, free_port, wait_http
 
 
@@ -119,3 +119,39 @@ def test_a_dead_worker_takes_its_whole_instance_out_without_client_errors(
     assert "d" in pd.debug()["unreachable"].get("decode", {})
     ejected = {row["slot"] for row in pd.debug()["slots"]["decode"] if row["ejected_for_seconds"] > 0}
     assert ejected == {f"d/{r}" for r in range(4)}
+
+
+def test_a_decode_sidecar_on_a_node_walks_its_global_ranks_with_local_headers(
+    stack: tuple[PDStack, dict[str, Proc]],
+) -> None:
+    """``--local-decode`` on node 1 of a perNode decode DP4: its slots are dh/2 and dh/3, sent to
+    its own API server as local ranks 0 and 1; the prefills come from the table."""
+    pd, _ = stack
+    group, rpc, hybrid = pd.group, free_port(), "--data-parallel-hybrid-lb"
+    dh0 = node(group, "dh.0", "decode", 0, rpc, hybrid, health="/sim/stats")
+    dh1 = node(group, "dh.1", "decode", 2, rpc, hybrid, health="/sim/stats")
+    for proc in (dh0, dh1):
+        wait_http(proc.url + "/health", timeout=30, proc=proc.popen)
+    local = [
+        "--local-decode",
+        dh1.url,
+        "--local-dp-size",
+        "2",
+        "--local-first-rank",
+        "2",
+        "--local-name",
+        "dh",
+    ]
+    sidecar = group.start(
+        "sidecar", proxy_args(pd.routing_file, "--host", "127.0.0.1", *local), health="/ready"
+    )
+    for _ in range(8):
+        answer = http("POST", sidecar.url + "/v1/completions", {"prompt": "x", "max_tokens": 2})
+        assert answer.status == 200, answer.body
+    stats = http("GET", dh1.url + "/sim/stats").json()
+    assert stats["by_rank"] == {"2": 4, "3": 4} and stats["rejected"] == {}
+    rows = http("GET", sidecar.url + "/debug/routing").json()["slots"]["decode"]
+    assert [(r["slot"], r["rank_header"], r["url"]) for r in rows] == [
+        ("dh/2", 0, dh1.url),
+        ("dh/3", 1, dh1.url),
+    ]
