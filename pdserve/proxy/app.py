@@ -32,7 +32,7 @@ from pdserve.proxy.merge import merge_debug, merge_served
 from pdserve.proxy.metrics import ProxyMetrics
 from pdserve.proxy.policies import make_policy
 from pdserve.proxy.reload import RoutingWatcher
-from pdserve.proxy.served import ServedTable, SlotBuilder, served_view
+from pdserve.proxy.served import ServedTable, SlotBuilder, endpoint_fields, served_view
 from pdserve.proxy.settings import ProxySettings
 from pdserve.proxy.shared import SharedState
 from pdserve.proxy.sidecar import local_engine_problem, sidecar_not_ready_reason
@@ -259,6 +259,7 @@ def create_app(
                         "revision": slot.revision,
                         "dp_rank": slot.dp_rank,
                         "rank_header": slot.rank_header,
+                        **endpoint_fields(slot),
                         "requests": s.requests,
                         "in_flight": s.in_flight,
                         "pinned": s.pinned,
@@ -338,16 +339,22 @@ def create_app(
         instances = [*state.slots.table.prefill, *state.slots.table.decode] if state else []
         headers = _admin_headers()
 
-        async def one(inst: Instance) -> tuple[str, dict[str, Any]]:
+        async def one(name: str, url: str) -> tuple[str, dict[str, Any]]:
             try:
                 async with asyncio.timeout(ADMIN_TIMEOUT_S):
-                    async with upstream.session.post(inst.url + path, headers=headers) as resp:
+                    async with upstream.session.post(url + path, headers=headers) as resp:
                         await resp.read()
-                        return inst.name, {"status": resp.status}
+                        return name, {"status": resp.status}
             except (TimeoutError, aiohttp.ClientError) as exc:
-                return inst.name, {"error": str(exc) or type(exc).__name__}
+                return name, {"error": str(exc) or type(exc).__name__}
 
-        results = dict(await asyncio.gather(*(one(i) for i in instances)))
+        # every API server: one per instance, one per node of a multi-node instance (name/node)
+        targets = [
+            (inst.name if len(inst.api_urls()) == 1 else f"{inst.name}/node{n}", url)
+            for inst in instances
+            for n, url in enumerate(inst.api_urls())
+        ]
+        results = dict(await asyncio.gather(*(one(name, url) for name, url in targets)))
         ok = bool(results) and all(r.get("status") == 200 for r in results.values())
         return json_response({"instances": results}, 200 if ok else 502)
 

@@ -240,7 +240,16 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--local-dp-size",
         type=int,
         default=1,
-        help="with --local-decode: the local engine's data-parallel size (default %(default)s)",
+        help="with --local-decode: the local engine's data-parallel size: its local ranks on a node of a "
+        "multi-node instance with an API server per node (default %(default)s)",
+    )
+    add(
+        "--local-first-rank",
+        type=int,
+        default=0,
+        help="with --local-decode: the global DP rank of the local engine's first rank (a node of a "
+        "multi-node instance with an API server per node: its --data-parallel-start-rank); its slots "
+        "keep their global ranks and carry local ranks in X-data-parallel-rank (default %(default)s)",
     )
     add(
         "--local-revision",
@@ -362,9 +371,18 @@ def local_decode(args: argparse.Namespace) -> LocalDecode | None:
         )
     if args.local_dp_size < 1:
         raise UsageError(f"--local-dp-size: expected an integer >= 1, got {args.local_dp_size}")
+    if args.local_first_rank < 0:
+        raise UsageError(f"--local-first-rank: expected an integer >= 0, got {args.local_first_rank}")
     if args.instance_index < 0:
         raise UsageError(f"--instance-index: expected an integer >= 0, got {args.instance_index}")
-    return LocalDecode(url, args.local_dp_size, args.local_revision, args.local_name, args.instance_index)
+    return LocalDecode(
+        url,
+        args.local_dp_size,
+        args.local_revision,
+        args.local_name,
+        args.instance_index,
+        args.local_first_rank,
+    )
 
 
 def settings_from_args(args: argparse.Namespace) -> ProxySettings:

@@ -262,7 +262,12 @@ class LegRunner:
 
     def _eject(self, role: Role, slot: Slot, outcome: str = "") -> None:
         """A connection failure ejects every slot of the instance; a busy engine nothing; any other
-        failure, the slot."""
+        failure, the slot.
+
+        A multi-node instance whose node's API server cannot be reached is ejected whole, every
+        rank on every node, and marked unreachable: vLLM cannot lose a DP (or TP/PP) member and
+        go on, the other nodes' engines stall in their collectives until the group is replaced,
+        so slots on the surviving nodes would only fail later and slower."""
         if outcome == BUSY_OUTCOME:
             return
         if outcome not in TRANSPORT_OUTCOMES:

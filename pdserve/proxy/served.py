@@ -22,6 +22,7 @@ from pdserve.routing import (
     Role,
     RoutingTable,
     RoutingTableError,
+    Slot,
     SlotTable,
     build_slot_table,
     load_routing_table,
@@ -172,7 +173,10 @@ def served_view(served: ServedTable, book: SlotBook) -> dict[str, Any]:
         for inst in table.instances(role) if table else ():
             instances[inst.name] = _instance_row(role, True, inst.routable)
         for slot in state.slots.slots(role) if state else ():
-            slots[(role, slot.key)] = _slot_row(role, slot.instance.name, slot.dp_rank)
+            slots[(role, slot.key)] = {
+                **_slot_row(role, slot.instance.name, slot.dp_rank),
+                **endpoint_fields(slot),
+            }
     for role, key, count in sorted(book.busy_slots()):
         name, rank = split_slot_key(key)
         instances.setdefault(name, _instance_row(role, False, False))["in_flight"] += count
@@ -191,6 +195,15 @@ def served_view(served: ServedTable, book: SlotBook) -> dict[str, Any]:
 
 def _instance_row(role: Role, in_table: bool, routable: bool) -> dict[str, Any]:
     return {"role": role.value, "in_table": in_table, "routable": routable, "in_flight": 0}
+
+
+def endpoint_fields(slot: Slot) -> dict[str, Any]:
+    """A slot of a multi-node instance: its node's API server (the endpoint's first rank, no URL:
+    /routing/served is open) and the rank as that server numbers it. Nothing for other slots."""
+    endpoint = slot.endpoint
+    if endpoint is None:
+        return {}
+    return {"endpoint_first_rank": endpoint.first_rank, "local_rank": slot.local_rank}
 
 
 def _slot_row(role: Role, instance: str, dp_rank: int) -> dict[str, Any]:

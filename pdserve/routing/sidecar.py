@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pdserve.routing.slots import Slot, SlotTable, Unpaired, interleaved_slots
-from pdserve.routing.table import Instance, Role, RoutingTable
+from pdserve.routing.table import Endpoint, Instance, Role, RoutingTable
 
 #: The local engine's name in the slot table when the sidecar does not know its pod name.
 LOCAL_NAME = "local"
@@ -37,6 +37,10 @@ class LocalDecode:
     revision: str = ""  # the engine's pairing revision (pdserve.deployment.revision)
     name: str = ""  # the pod's name: its entry in the routing table (draining, kvAddress)
     index: int = 0  # the pod's instance index (pdserve.io/instance): the prefill offset
+    #: The first global DP rank of the local engine: a node of a multi-node decode instance
+    #: with an API server per node serves ranks first_rank .. first_rank + dp_size - 1 (its
+    #: ``dp_size`` is its local rank count) and takes them as local ranks in the header.
+    first_rank: int = 0
 
     @property
     def slot_name(self) -> str:
@@ -65,25 +69,47 @@ def draining_self(table: RoutingTable, local: LocalDecode) -> bool:
 
 
 def local_instance(table: RoutingTable, local: LocalDecode) -> Instance:
-    """The local engine as an always-ready instance, with the table's kvAddress when it has one."""
+    """The local engine as an always-ready instance, with the table's kvAddress when it has one.
+
+    A node of a multi-node instance (``first_rank`` > 0, or the table lists the instance with
+    endpoints) is the instance's slot numbering with one endpoint, the local engine, holding
+    the local ranks: its slots keep their global ranks and are sent to the local URL with local
+    ranks (pdserve.routing.slots.Slot); only those slots are ever built.
+    """
     entry = own_entry(table, local)
+    url = local.url.rstrip("/")
+    kv_address = entry.kv_address if entry is not None else None
+    endpoints: tuple[Endpoint, ...] = ()
+    dp_size = local.dp_size
+    if local.first_rank > 0 or (entry is not None and entry.endpoints):
+        table_endpoint = entry.endpoint_for(local.first_rank) if entry is not None else None
+        if table_endpoint is not None and table_endpoint.kv_address is not None:
+            kv_address = table_endpoint.kv_address
+        endpoints = (Endpoint(url, local.first_rank, local.dp_size, kv_address),)
+        dp_size = max(entry.dp_size if entry is not None else 0, local.first_rank + local.dp_size)
     return Instance(
         name=local.slot_name,
-        url=local.url.rstrip("/"),
-        dp_size=local.dp_size,
+        url=url,
+        dp_size=dp_size,
         tp_size=entry.tp_size if entry is not None else 1,
         ready=True,
         draining=False,
-        kv_address=entry.kv_address if entry is not None else None,
+        kv_address=kv_address,
         revision=local.revision,
+        endpoints=endpoints,
     )
+
+
+def local_slots(engine: Instance, local: LocalDecode) -> tuple[Slot, ...]:
+    """The local engine's ranks (global numbering), in rank order."""
+    return tuple(Slot(engine, rank) for rank in range(local.first_rank, local.first_rank + local.dp_size))
 
 
 def build_sidecar_slot_table(table: RoutingTable, local: LocalDecode) -> SlotTable:
     """Prefill: every routable prefill slot of the local revision, rotated to this sidecar's
     offset. Decode: the local engine's ranks, whatever the table says about them."""
     engine = local_instance(table, local)
-    decode = interleaved_slots([engine])
+    decode = local_slots(engine, local)
     flat = interleaved_slots(i for i in table.prefill if i.revision == local.revision)
     decode_instances = sum(1 for i in table.decode if i.routable)
     start = prefill_offset(local.index, decode_instances, len(flat))

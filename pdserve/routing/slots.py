@@ -24,13 +24,29 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
-from pdserve.routing.table import Instance, Role, RoutingTable
+from pdserve.routing.table import Endpoint, Instance, Role, RoutingTable
 
 
 @dataclass(frozen=True)
 class Slot:
+    """One (instance, global DP rank) engine, and where a leg for it goes.
+
+    A multi-node instance with an API server per node (``Instance.endpoints``) is still one
+    instance of ``dp_size`` slots in the flat order; each slot resolves to the endpoint holding
+    its rank and the rank *local* to that endpoint, because under vLLM's hybrid load balancing
+    (``--data-parallel-hybrid-lb``) a node's API server only knows its own engines:
+    ``ParallelConfig.local_engines_only`` is true for hybrid (and external) LB, the API
+    server's client then manages ``data_parallel_size_local`` engines
+    (``MPClient.engine_ranks_managed``, vllm/v1/engine/core_client.py), picks
+    ``core_engines[request.data_parallel_rank]`` (``DPLBAsyncMPClient.get_core_engine_for_request``)
+    and refuses a rank outside ``[0, data_parallel_size_local)``
+    (``InputProcessor.process_inputs``, vllm/v1/engine/input_processor.py: "data_parallel_rank
+    N is out of range [0, L)."). Without endpoints (one pod, or the leader's API server
+    dispatching to every rank) the header is the global rank, as before.
+    """
+
     instance: Instance
-    dp_rank: int
+    dp_rank: int  # global: the slot's identity, whatever endpoint serves it
 
     @property
     def key(self) -> str:
@@ -38,13 +54,39 @@ class Slot:
         return slot_key(self.instance.name, self.dp_rank)
 
     @property
+    def endpoint(self) -> Endpoint | None:
+        """The API server holding this rank (None: the instance's ``url`` serves every rank)."""
+        return self.instance.endpoint_for(self.dp_rank) if self.instance.endpoints else None
+
+    @property
+    def local_rank(self) -> int:
+        """The rank as the serving API server numbers it (the global rank without endpoints)."""
+        endpoint = self.endpoint
+        return self.dp_rank - endpoint.first_rank if endpoint is not None else self.dp_rank
+
+    @property
     def rank_header(self) -> int | None:
         """The ``X-data-parallel-rank`` to send, or None when the instance has one engine."""
-        return self.dp_rank if self.instance.dp_size > 1 else None
+        return self.local_rank if self.instance.dp_size > 1 else None
 
     @property
     def url(self) -> str:
-        return self.instance.url
+        endpoint = self.endpoint
+        return endpoint.url if endpoint is not None else self.instance.url
+
+    @property
+    def kv_address(self) -> str | None:
+        """The KV address of the node serving this rank (the endpoint's, else the instance's)."""
+        endpoint = self.endpoint
+        if endpoint is not None and endpoint.kv_address is not None:
+            return endpoint.kv_address
+        return self.instance.kv_address
+
+    @property
+    def local_dp_size(self) -> int:
+        """How many ranks the serving API server has (what a peer sees behind ``kv_address``)."""
+        endpoint = self.endpoint
+        return endpoint.ranks if endpoint is not None else self.instance.dp_size
 
     @property
     def revision(self) -> str:

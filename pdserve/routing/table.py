@@ -58,8 +58,35 @@ class Connector:
 
 
 @dataclass(frozen=True)
+class Endpoint:
+    """One API server of a multi-node instance and the global DP ranks it serves.
+
+    With vLLM's hybrid load balancing (``--data-parallel-hybrid-lb``, ``spec.multiNode.apiServers:
+    perNode``) every node runs an API server that knows only its own engines, ranks
+    ``first_rank .. first_rank + ranks - 1``, and takes them as *local* ranks in
+    ``X-data-parallel-rank`` (see :attr:`pdserve.routing.slots.Slot.rank_header`).
+    """
+
+    url: str
+    first_rank: int
+    ranks: int
+    kv_address: str | None = None
+
+    def holds(self, rank: int) -> bool:
+        return self.first_rank <= rank < self.first_rank + self.ranks
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"url": self.url, "firstRank": self.first_rank, "ranks": self.ranks}
+        if self.kv_address is not None:
+            out["kvAddress"] = self.kv_address
+        return out
+
+
+@dataclass(frozen=True)
 class Instance:
-    """One vLLM server (one pod): ``dp_size`` engines behind one HTTP endpoint."""
+    """One vLLM server: ``dp_size`` engines behind one HTTP endpoint (``url``), or, for a
+    multi-node instance with an API server per node, behind ``endpoints`` (each serving a range
+    of the global ranks; empty: ``url`` serves every rank)."""
 
     name: str
     url: str
@@ -72,10 +99,19 @@ class Instance:
     #: as a hash; a prefill is paired only with decodes of its revision. "" (a table written
     #: before revisions existed) is one revision shared by every such instance.
     revision: str = ""
+    endpoints: tuple[Endpoint, ...] = ()
 
     @property
     def routable(self) -> bool:
         return self.ready and not self.draining
+
+    def endpoint_for(self, rank: int) -> Endpoint | None:
+        """The endpoint serving global ``rank`` (None: ``url`` serves it)."""
+        return next((e for e in self.endpoints if e.holds(rank)), None)
+
+    def api_urls(self) -> tuple[str, ...]:
+        """Every API server of the instance (admin fan-out: profiling)."""
+        return tuple(e.url for e in self.endpoints) if self.endpoints else (self.url,)
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -90,6 +126,8 @@ class Instance:
             out["kvAddress"] = self.kv_address
         if self.revision:
             out["revision"] = self.revision
+        if self.endpoints:
+            out["endpoints"] = [e.to_dict() for e in self.endpoints]
         return out
 
 
@@ -216,7 +254,50 @@ def _parse_instance(value: object, path: str, connector: Connector) -> Instance:
         revision = ""
     if not isinstance(revision, str):
         raise RoutingTableError(f"{path}.revision", f"expected a string, got {_show(revision)}")
-    return Instance(name, url.rstrip("/"), dp_size, tp_size, ready, draining, kv_address, revision)
+    endpoints = _parse_endpoints(doc.get("endpoints"), f"{path}.endpoints", dp_size)
+    return Instance(name, url.rstrip("/"), dp_size, tp_size, ready, draining, kv_address, revision, endpoints)
+
+
+def _parse_endpoints(value: object, path: str, dp_size: int) -> tuple[Endpoint, ...]:
+    """The API servers of a multi-node instance, in rank order: their ranges must start at 0,
+    follow each other without gap or overlap, and cover exactly ``dpSize`` ranks."""
+    if value is None:
+        return ()
+    if not isinstance(value, list):
+        raise RoutingTableError(path, f"expected a list, got {_show(value)}")
+    out: list[Endpoint] = []
+    expected = 0
+    for index, item in enumerate(value):
+        here = f"{path}[{index}]"
+        doc = _object(item, here)
+        url = _required(doc, "url", here, str)
+        _check_url(url, f"{here}.url")
+        first = _int(_required(doc, "firstRank", here, object), f"{here}.firstRank", minimum=0)
+        ranks = _int(_required(doc, "ranks", here, object), f"{here}.ranks", minimum=1)
+        if first < expected:
+            raise RoutingTableError(
+                f"{here}.firstRank",
+                f"rank {first} is already served by {path}[{index - 1}] (ranks {out[-1].first_rank}.."
+                f"{expected - 1}): endpoint ranges must not overlap",
+            )
+        if first > expected:
+            start = "from 0" if index == 0 else f"after {path}[{index - 1}]"
+            raise RoutingTableError(
+                f"{here}.firstRank",
+                f"expected {expected}, got {first}: ranks {expected}..{first - 1} would have no "
+                f"endpoint (ranges must be contiguous {start}, listed in rank order)",
+            )
+        kv_address = doc.get("kvAddress")
+        if kv_address is not None and not isinstance(kv_address, str):
+            raise RoutingTableError(f"{here}.kvAddress", f"expected a string, got {_show(kv_address)}")
+        out.append(Endpoint(url.rstrip("/"), first, ranks, kv_address))
+        expected = first + ranks
+    if out and expected != dp_size:
+        raise RoutingTableError(
+            path,
+            f"the endpoints serve {expected} rank(s) but dpSize is {dp_size}: they must cover every rank",
+        )
+    return tuple(out)
 
 
 def _check_url(url: str, path: str) -> None:

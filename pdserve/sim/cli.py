@@ -33,8 +33,10 @@ from collections.abc import Coroutine
 from typing import Any
 
 from pdserve.sim.faults import FaultSpecError, parse_faults
+from pdserve.sim.group import GroupConfig, GroupConfigError
 from pdserve.sim.payloads import Identity
-from pdserve.sim.server import ROLES, SimConfig, Simulator, serve
+from pdserve.sim.process import serve
+from pdserve.sim.server import ROLES, SimConfig, Simulator
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -110,12 +112,62 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--backlog", type=_positive_int, default=4096, help="listen backlog of the socket (default: 4096)"
     )
+    group = parser.add_argument_group(
+        "multi-node groups (one process per node, flags as vLLM's; docs/simulator.md)"
+    )
+    group.add_argument(
+        "--data-parallel-size-local",
+        type=_positive_int,
+        default=None,
+        help="DP ranks of this node (default: --dp-size, a single-node server)",
+    )
+    group.add_argument(
+        "--data-parallel-start-rank", type=int, default=0, help="global rank of this node's first rank"
+    )
+    group.add_argument("--data-parallel-address", default=None, help="the leader's address")
+    group.add_argument(
+        "--data-parallel-rpc-port",
+        type=int,
+        default=None,
+        help="the leader's RPC port: the leader listens there, the other nodes join it",
+    )
+    group.add_argument(
+        "--data-parallel-hybrid-lb",
+        action="store_true",
+        help="an API server per node for its local ranks (X-data-parallel-rank is local)",
+    )
+    group.add_argument(
+        "--headless",
+        action="store_true",
+        help="no OpenAI API: engines only (the leader forwards their ranks; /sim/* stays on --port)",
+    )
+    group.add_argument("--nnodes", type=_positive_int, default=1, help="nodes of a TP/PP-across-nodes group")
+    group.add_argument("--node-rank", type=int, default=0, help="this node's index in --nnodes")
+    group.add_argument("--master-addr", default=None, help="node 0's address (--nnodes > 1)")
+    group.add_argument("--master-port", type=int, default=None, help="node 0's port (--nnodes > 1)")
+
+
+def group_config(args: argparse.Namespace) -> GroupConfig:
+    """The multi-node flags as one value (GroupConfigError names the flag vLLM would refuse)."""
+    tp_pp = args.nnodes > 1
+    return GroupConfig(
+        dp_size=args.dp_size,
+        dp_local=args.data_parallel_size_local,
+        start_rank=args.data_parallel_start_rank,
+        address=args.master_addr if tp_pp else args.data_parallel_address,
+        rpc_port=args.master_port if tp_pp else args.data_parallel_rpc_port,
+        hybrid_lb=args.data_parallel_hybrid_lb,
+        headless=args.headless,
+        nnodes=args.nnodes,
+        node_rank=args.node_rank,
+    ).check()
 
 
 def run(args: argparse.Namespace) -> int:
     try:
         faults = parse_faults(args.fault)
-    except FaultSpecError as exc:
+        group = group_config(args)
+    except (FaultSpecError, GroupConfigError) as exc:
         print(f"pdserve sim: error: {exc}", file=sys.stderr)
         return 2
     identity = Identity(
@@ -136,6 +188,8 @@ def run(args: argparse.Namespace) -> int:
         faults=faults,
         seed=args.seed,
         api_key=os.environ.get("VLLM_API_KEY") or None,  # as vLLM reads it (never a flag: ps shows flags)
+        group=group,
+        keep_alive_on_engine_death=os.environ.get("VLLM_KEEP_ALIVE_ON_ENGINE_DEATH", "") not in ("", "0"),
     )
     simulator = Simulator(config)
     try:

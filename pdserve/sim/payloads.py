@@ -392,8 +392,10 @@ def metrics_text(
     prompt_tokens: Sequence[int],
     generation_tokens: Sequence[int],
     external_hits: Sequence[int] | None = None,
+    first_rank: int = 0,
 ) -> str:
-    """Prometheus exposition of vLLM's per-engine metrics that routers and dashboards read."""
+    """Prometheus exposition of vLLM's per-engine metrics that routers and dashboards read
+    (``engine`` is the global DP rank: ``first_rank`` is that of index 0)."""
     lines: list[str] = []
 
     def family(name: str, kind: str, help_text: str) -> None:
@@ -401,7 +403,11 @@ def metrics_text(
         lines.append(f"# TYPE {name} {kind}")
 
     def labels(rank: int, **extra: str) -> str:
-        parts = [f'engine="{rank}"', f'model_name="{model}"', *(f'{k}="{v}"' for k, v in extra.items())]
+        parts = [
+            f'engine="{first_rank + rank}"',
+            f'model_name="{model}"',
+            *(f'{k}="{v}"' for k, v in extra.items()),
+        ]
         return "{" + ",".join(parts) + "}"
 
     family("vllm:num_requests_running", "gauge", "Number of requests in model execution batches.")

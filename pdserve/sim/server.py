@@ -13,7 +13,6 @@ import contextlib
 import hmac
 import json
 import random
-import signal
 import socket
 import struct
 import time
@@ -22,6 +21,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import aiohttp
 from aiohttp import web
 
 from pdserve.sim import payloads, validation
@@ -34,6 +34,16 @@ from pdserve.sim.faults import (
     drop_after_chunks,
     faults_from_json,
     malform_kv_params,
+)
+from pdserve.sim.group import (
+    ENGINE_PREFIX,
+    JOIN_PATH,
+    GroupConfig,
+    GroupState,
+    describe,
+    engine_dead_reply,
+    forward,
+    resolve_rank,
 )
 from pdserve.sim.payloads import Endpoint, Identity, Leg
 from pdserve.sim.stats import SimStats
@@ -57,6 +67,10 @@ class SimConfig:
     seed: int | None = None
     #: Like vLLM's --api-key / VLLM_API_KEY: /v1/* then needs ``Authorization: Bearer <key>``.
     api_key: str | None = None
+    #: One node of a multi-node group (pdserve.sim.group); None: a single-node server.
+    group: GroupConfig | None = None
+    #: VLLM_KEEP_ALIVE_ON_ENGINE_DEATH: a broken group's processes stay up (503/500) instead of exiting.
+    keep_alive_on_engine_death: bool = False
 
 
 @dataclass
@@ -66,7 +80,8 @@ class Job:
     endpoint: Endpoint
     body: Mapping[str, Any]
     leg: Leg
-    rank: int
+    rank: int  # global
+    index: int  # the rank's index in this process's counters (rank - first served rank)
     base_id: str
     engine_request_id: str
     prompt_tokens: int
@@ -79,17 +94,34 @@ class Job:
 class Simulator:
     def __init__(self, config: SimConfig) -> None:
         self.config = config
-        self.stats = SimStats(config.role, config.dp_size)
+        self.group_config = config.group or GroupConfig(dp_size=config.dp_size)
+        self.group = GroupState(self.group_config)
+        self.group.on_broken.append(self._on_broken)
+        self.first_rank = self.group_config.first_served
+        served = self.group_config.served
+        self.stats = SimStats(config.role, served, self.first_rank)
         self.faults: tuple[Fault, ...] = config.faults
         self.rng = random.Random(config.seed)
         self._cursor = 0
-        self._next_block = [1] * config.dp_size
+        self._next_block = [1] * served
+        self.forwarded = 0  # requests the leader of a leader-mode group relayed to a worker
+        self.stopping = asyncio.Event()  # set when a broken group makes this process exit
+        self._session: aiohttp.ClientSession | None = None  # forwarding to workers
+        self._requests: dict[int, web.Request] = {}  # generation requests in flight, by id()
         self._started = int(time.time())
         self._running_ids: set[str] = set()  # X-Request-Id of the requests in flight
 
     def app(self) -> web.Application:
         middlewares = [self._authenticate] if self.config.api_key else []
         app = web.Application(client_max_size=64 * 1024 * 1024, middlewares=middlewares)
+        app.router.add_get("/sim/stats", self.get_stats)
+        app.router.add_post("/sim/reset", self.reset)
+        app.router.add_get("/sim/faults", self.get_faults)
+        app.router.add_post("/sim/faults", self.set_faults)
+        if self.group_config.headless:  # no OpenAI API: its engines, for the leader to forward to
+            app.router.add_post(ENGINE_PREFIX + "/v1/completions", self.engine_completions)
+            app.router.add_post(ENGINE_PREFIX + "/v1/chat/completions", self.engine_chat_completions)
+            return app
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_get("/health", self.health)
@@ -100,10 +132,17 @@ class Simulator:
         app.router.add_get("/get_model_info", self.model_info)
         app.router.add_post("/start_profile", self.profile)
         app.router.add_post("/stop_profile", self.profile)
-        app.router.add_get("/sim/stats", self.get_stats)
-        app.router.add_post("/sim/reset", self.reset)
-        app.router.add_get("/sim/faults", self.get_faults)
-        app.router.add_post("/sim/faults", self.set_faults)
+        return app
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    def group_app(self) -> web.Application:
+        """The leader's RPC port: where the other nodes join."""
+        app = web.Application()
+        app.router.add_post(JOIN_PATH, self.group.join)
         return app
 
     @web.middleware
@@ -118,7 +157,8 @@ class Simulator:
     # --- plain endpoints ------------------------------------------------------------------------
 
     async def health(self, request: web.Request) -> web.Response:
-        return web.Response(status=200)
+        problem = self.group.health_problem()
+        return web.Response(status=200) if problem is None else web.Response(status=503, text=problem)
 
     async def models(self, request: web.Request) -> web.Response:
         return web.json_response(payloads.models_body(self.config.identity, self._started))
@@ -152,6 +192,7 @@ class Simulator:
             s.prompt_tokens,
             s.generation_tokens,
             s.external_hits,
+            self.first_rank,
         )
         return web.Response(text=text, content_type="text/plain", charset="utf-8")
 
@@ -160,7 +201,17 @@ class Simulator:
         return web.Response(status=200)
 
     async def get_stats(self, request: web.Request) -> web.Response:
-        return web.json_response(self.stats.to_dict())
+        out = self.stats.to_dict()
+        if self.group_config.multi_node:
+            g = self.group
+            out["group"] = {
+                **describe(self.group_config),
+                "complete": g.complete,
+                "broken": g.broken,
+                "joined": sorted(g.members),
+                "forwarded": self.forwarded,
+            }
+        return web.json_response(out)
 
     async def reset(self, request: web.Request) -> web.Response:
         self.stats.reset()
@@ -186,10 +237,30 @@ class Simulator:
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         return await self._generate(request, "chat")
 
-    async def _generate(self, request: web.Request, endpoint: Endpoint) -> web.StreamResponse:
-        # vLLM's checks, in vLLM's words (pdserve.sim.validation), not the router's.
+    async def engine_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, "completions", engine_path=True)
+
+    async def engine_chat_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, "chat", engine_path=True)
+
+    async def _generate(
+        self, request: web.Request, endpoint: Endpoint, engine_path: bool = False
+    ) -> web.StreamResponse:
+        self._requests[id(request)] = request
         try:
-            body = validation.parse_body(await request.read())
+            return await self._generate_one(request, endpoint, engine_path)
+        finally:
+            self._requests.pop(id(request), None)
+
+    async def _generate_one(
+        self, request: web.Request, endpoint: Endpoint, engine_path: bool
+    ) -> web.StreamResponse:
+        if self.group.broken is not None:
+            return engine_dead_reply()
+        # vLLM's checks, in vLLM's words (pdserve.sim.validation), not the router's.
+        raw = await request.read()
+        try:
+            body = validation.parse_body(raw)
         except RequestError as exc:
             return self._reject("invalid_json", exc)
         try:
@@ -200,7 +271,7 @@ class Simulator:
         except RequestError as exc:
             return self._reject("model_not_found" if exc.status == 404 else "invalid_request", exc)
         try:
-            header_rank = payloads.parse_rank_header(request.headers.get(DP_RANK), self.config.dp_size)
+            header_rank = resolve_rank(self.group_config, request.headers.get(DP_RANK), engine_path)
         except RequestError as exc:
             return self._reject("rank_out_of_range", exc)
         try:
@@ -232,6 +303,9 @@ class Simulator:
             )
 
         rank = header_rank if header_rank is not None else self._pick_rank()
+        remote = self.group.remote_url(rank)
+        if remote is not None or not self.group_config.owns(rank):
+            return await self._forward(request, remote, rank, raw, leg, header_rank is not None)
         job = self._admit(request, endpoint, body, leg, rank, header_rank is not None)
         if leg == "decode":
             problems = self._handoff_problems(body["kv_transfer_params"])
@@ -254,11 +328,11 @@ class Simulator:
         s = self.stats
         s.requests += 1
         s.last_request_at = time.time()
-        s.by_rank[rank] += 1
+        s.by_rank[job.index] += 1
         s.by_leg[leg] += 1
         if header_rank is None:
             s.without_rank_header += 1
-        s.in_flight[rank] += 1
+        s.in_flight[job.index] += 1
         try:
             fault = choose_fault(self.faults, self.rng, leg, rank)
             if fault is not None:
@@ -271,9 +345,43 @@ class Simulator:
                 job.record["outcome"] = "cancelled"
             raise
         finally:
-            s.in_flight[rank] -= 1
+            s.in_flight[job.index] -= 1
             self._running_ids.discard(client_id or "")
         return response
+
+    async def _forward(
+        self, request: web.Request, url: str | None, rank: int, raw: bytes, leg: Leg, header: bool
+    ) -> web.StreamResponse:
+        """The leader of a leader-mode group: a rank of a headless worker runs there."""
+        if url is None:  # the group is not complete: vLLM's API is not up yet
+            return web.json_response(
+                error_body(503, f"data_parallel_rank {rank} has not joined the group yet"), status=503
+            )
+        if self._session is None:
+            self._session = aiohttp.ClientSession(
+                timeout=aiohttp.ClientTimeout(total=None, sock_connect=2.0), auto_decompress=False
+            )
+        s = self.stats
+        index = rank - self.first_rank
+        s.requests += 1
+        s.last_request_at = time.time()
+        s.by_rank[index] += 1
+        s.by_leg[leg] += 1
+        s.without_rank_header += 0 if header else 1
+        s.in_flight[index] += 1
+        self.forwarded += 1
+        try:
+            return await forward(request, self._session, url, rank, raw)
+        finally:
+            s.in_flight[index] -= 1
+
+    def _on_broken(self, reason: str) -> None:
+        """vLLM's engine death: what is in flight fails (connections cut), then the server exits."""
+        for request in list(self._requests.values()):
+            if request.transport is not None:
+                request.transport.abort()
+        if not self.config.keep_alive_on_engine_death:
+            asyncio.get_running_loop().call_later(0.3, self.stopping.set)
 
     def _reject(self, reason: str, exc: RequestError) -> web.Response:
         self.stats.rejected[reason] += 1
@@ -297,9 +405,10 @@ class Simulator:
         return nixl_handoff_problems(params)
 
     def _pick_rank(self) -> int:
-        rank = payloads.pick_rank(self.stats.in_flight, self._cursor)
-        self._cursor = (rank + 1) % self.config.dp_size
-        return rank
+        """A global rank among those this process answers for (a leader-mode leader: all)."""
+        index = payloads.pick_rank(self.stats.in_flight, self._cursor)
+        self._cursor = (index + 1) % len(self.stats.in_flight)
+        return self.first_rank + index
 
     def _admit(
         self,
@@ -355,6 +464,7 @@ class Simulator:
             body=body,
             leg=leg,
             rank=rank,
+            index=rank - self.first_rank,
             base_id=base,
             engine_request_id=engine_request_id,
             prompt_tokens=payloads.count_prompt_tokens(body, endpoint),
@@ -365,8 +475,8 @@ class Simulator:
     def _kv_answer(self, job: Job) -> dict[str, Any] | None:
         if job.leg != "prefill":
             return None
-        blocks = payloads.block_ids(job.prompt_tokens, self._next_block[job.rank])
-        self._next_block[job.rank] += len(blocks[0])
+        blocks = payloads.block_ids(job.prompt_tokens, self._next_block[job.index])
+        self._next_block[job.index] += len(blocks[0])
         params = job.body["kv_transfer_params"]
         identity = self.config.identity
         if "transfer_id" in params:
@@ -484,11 +594,11 @@ class Simulator:
     def _finished(self, job: Job) -> None:
         s = self.stats
         s.completed += 1
-        s.success[job.rank][payloads.finish_reason(job.num_tokens, job.body)] += 1
-        s.prompt_tokens[job.rank] += job.prompt_tokens
-        s.generation_tokens[job.rank] += job.num_tokens
+        s.success[job.index][payloads.finish_reason(job.num_tokens, job.body)] += 1
+        s.prompt_tokens[job.index] += job.prompt_tokens
+        s.generation_tokens[job.index] += job.num_tokens
         if job.leg == "decode":
-            s.external_hits[job.rank] += job.prompt_tokens
+            s.external_hits[job.index] += job.prompt_tokens
         job.record["outcome"] = "ok"
 
     async def _abort(self, request: web.Request, job: Job) -> web.StreamResponse:
@@ -505,32 +615,3 @@ class Simulator:
             transport.abort()
         await asyncio.Future()  # aiohttp cancels the handler once the connection is gone
         raise AssertionError("unreachable")
-
-
-async def serve(sim: Simulator, host: str, port: int, backlog: int = 4096) -> None:
-    """Serve until SIGTERM or SIGINT; requests still hanging are cut after a short grace period."""
-    runner = web.AppRunner(
-        sim.app(),
-        access_log=None,
-        handler_cancellation=True,  # a client disconnect cancels the request, as in vLLM
-        keepalive_timeout=600,
-        shutdown_timeout=2.0,
-    )
-    await runner.setup()
-    site = web.TCPSite(runner, host, port, backlog=backlog, reuse_address=True)
-    await site.start()
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    c = sim.config
-    faults = ", ".join(f.spec() for f in sim.faults) or "none"
-    print(
-        f"pdserve sim: role={c.role} dp_size={c.dp_size} model={c.identity.model} "
-        f"instance={c.identity.instance_name} faults={faults} listening on http://{host}:{port}",
-        flush=True,
-    )
-    try:
-        await stop.wait()
-    finally:
-        await runner.cleanup()

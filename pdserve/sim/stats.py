@@ -16,7 +16,8 @@ RECENT_LIMIT = 256
 @dataclass
 class SimStats:
     role: str
-    dp_size: int
+    dp_size: int  # the ranks this process counts (a node of a multi-node group: its own)
+    first_rank: int = 0  # the global rank of index 0: counts are keyed by global rank
     requests: int = 0
     # Wall-clock arrival of the newest request: end-to-end tests compare it with pod deletion times.
     last_request_at: float | None = None
@@ -66,11 +67,11 @@ class SimStats:
             "dp_size": self.dp_size,
             "requests": self.requests,
             "last_request_at": self.last_request_at,
-            "by_rank": {str(r): n for r, n in enumerate(self.by_rank)},
+            "by_rank": {str(self.first_rank + r): n for r, n in enumerate(self.by_rank)},
             "without_rank_header": self.without_rank_header,
             "by_leg": {leg: self.by_leg.get(leg, 0) for leg in ("prefill", "decode", "plain")},
             "in_flight": sum(self.in_flight),
-            "in_flight_by_rank": {str(r): n for r, n in enumerate(self.in_flight)},
+            "in_flight_by_rank": {str(self.first_rank + r): n for r, n in enumerate(self.in_flight)},
             "completed": self.completed,
             "cancelled": self.cancelled,
             "rejected": dict(self.rejected),

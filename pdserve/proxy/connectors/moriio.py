@@ -4,9 +4,11 @@ READ: the decode pulls, so it needs the prefill's engine and block ids (serial, 
 WRITE: the prefill pushes into the decode, so both legs go out at once.
 The decode's ``max_tokens`` is one less because the prefill already produced the first token;
 only the prefill leg carries the DP rank header (the decode learns the prefill's rank from
-``remote_dp_rank``). The request id, shared by both legs, names both peers' KV addresses, so a
-handoff belongs to the one decode it was made for: a failed decode always means a new prefill,
-and every attempt gets a fresh id.
+``remote_dp_rank``). A node of a multi-node instance with an API server per node is a peer of
+its own: its KV address (the endpoint's), its local DP size and the local rank, all as that
+node's API server numbers them (pdserve.routing.slots.Slot). The request id, shared by both
+legs, names both peers' KV addresses, so a handoff belongs to the one decode it was made for:
+a failed decode always means a new prefill, and every attempt gets a fresh id.
 """
 
 from __future__ import annotations
@@ -41,15 +43,13 @@ class MoriioConnector:
     def ids(
         self, base: str, prefill_leg: int, decode_leg: int, prefill: Slot, decode: Slot, uid: str
     ) -> LegIds:
-        request_id = str(
-            MoriioRequestId(prefill.instance.kv_address or "", decode.instance.kv_address or "", uid)
-        )
+        request_id = str(MoriioRequestId(prefill.kv_address or "", decode.kv_address or "", uid))
         return LegIds(request_id, request_id, transfer_id=uid)
 
     def prefill_leg(self, body: Mapping[str, Any], prefill: Slot, decode: Slot, ids: LegIds) -> LegPlan:
         out = prefill_only(body)
         out["kv_transfer_params"] = moriio_prefill_params(
-            _transfer_id(ids), decode.instance.dp_size, decode.instance.tp_size
+            _transfer_id(ids), decode.local_dp_size, decode.instance.tp_size
         )
         return LegPlan(out, prefill.rank_header)
 
@@ -72,7 +72,7 @@ class MoriioConnector:
                 out[key] = max(1, value - 1)
         out["kv_transfer_params"] = moriio_decode_params(
             _transfer_id(ids),
-            prefill.instance.dp_size,
+            prefill.local_dp_size,
             prefill.instance.tp_size,
             prefill.rank_header,
             handoff if self.transfer_mode == "READ" else None,

@@ -1,0 +1,63 @@
+"""The simulator as a process: its sockets, signals, and its place in a multi-node group (the
+leader's RPC port where the other nodes join, or a node's join of its leader).
+
+A broken group ends the process as vLLM's API server ends (pdserve.sim.group).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+
+from aiohttp import web
+
+from pdserve.sim.group import describe
+from pdserve.sim.server import Simulator
+
+
+async def serve(sim: Simulator, host: str, port: int, backlog: int = 4096) -> None:
+    """Serve until SIGTERM or SIGINT; requests still hanging are cut after a short grace period."""
+    runner = web.AppRunner(
+        sim.app(),
+        access_log=None,
+        handler_cancellation=True,  # a client disconnect cancels the request, as in vLLM
+        keepalive_timeout=600,
+        shutdown_timeout=2.0,
+    )
+    await runner.setup()
+    site = web.TCPSite(runner, host, port, backlog=backlog, reuse_address=True)
+    await site.start()
+    runners = [runner]
+    group = sim.group_config
+    joining: asyncio.Task[None] | None = None
+    stop = sim.stopping
+    if group.leader:
+        rpc = web.AppRunner(sim.group_app(), access_log=None, handler_cancellation=True, shutdown_timeout=0.5)
+        await rpc.setup()
+        await web.TCPSite(rpc, group.address or host, group.rpc_port, reuse_address=True).start()
+        runners.insert(0, rpc)
+    elif group.multi_node:
+        engine_url = f"http://{host}:{port}" if group.headless and group.nnodes == 1 else None
+        joining = asyncio.create_task(sim.group.keep_joined(engine_url, stop))
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    c = sim.config
+    faults = ", ".join(f.spec() for f in sim.faults) or "none"
+    where = f"group={describe(group)} " if group.multi_node else ""
+    print(
+        f"pdserve sim: role={c.role} dp_size={c.dp_size} model={c.identity.model} "
+        f"instance={c.identity.instance_name} faults={faults} {where}listening on http://{host}:{port}",
+        flush=True,
+    )
+    try:
+        await stop.wait()
+    finally:
+        if joining is not None:
+            joining.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await joining
+        await sim.close()
+        for each in runners:
+            await each.cleanup()
