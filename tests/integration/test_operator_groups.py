@@ -58,8 +58,9 @@ def test_a_group_forms_leader_first_and_routes_per_node(operator: Operator, clus
     by_rank = {int(p["metadata"]["labels"][NODE_RANK]): p for p in members}
     assert by_rank[0]["metadata"]["name"] == leader and by_rank[1]["metadata"]["name"] == f"{leader}-1"
     assert by_rank[0]["spec"]["nodeName"] != by_rank[1]["spec"]["nodeName"]  # one node each
-    worker_args = by_rank[1]["spec"]["containers"][0]["args"]
-    assert by_rank[0]["status"]["podIP"] in worker_args  # the leader's address
+    env = {e["name"]: e.get("value") for e in by_rank[1]["spec"]["containers"][0]["env"]}
+    assert env["PDSERVE_LEADER_ADDRESS"] == by_rank[0]["status"]["podIP"]  # the leader's address
+    assert by_rank[0]["metadata"]["annotations"]["pdserve.io/group-formed"]
     (instance,) = prefill(cluster.table("mn"))
     assert instance.name == leader and instance.dp_size == 16 and instance.routable
     ips = [by_rank[r]["status"]["podIP"] for r in (0, 1)]
