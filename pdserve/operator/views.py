@@ -3,6 +3,7 @@ and messages the status needs. Pure: dicts in, dataclasses and strings out."""
 
 from __future__ import annotations
 
+import shlex
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
@@ -138,27 +139,35 @@ def pod_view(
         group_size=size,
         formed=formed,
         lws=lws,
-        api_ranks=_api_ranks(pod),
+        api_ranks=_api_ranks(pod, node_rank),
     )
 
 
-def _api_ranks(pod: Mapping[str, Any]) -> tuple[int, int] | None:
+def _api_ranks(pod: Mapping[str, Any], node_rank: int) -> tuple[int, int] | None:
     """(first, count) of the local ranks a per-node API server takes (vLLM's hybrid load
-    balancing, read from the engine's own flags, so a pod says what it was started with)."""
+    balancing, read from the engine's own flags, so a pod says what it was started with).
+
+    A LeaderWorkerSet's workers share one template whose ``sh -c`` computes the start rank from
+    the worker index: that rank is ``node_rank`` times the local ranks.
+    """
     containers = (pod.get("spec") or {}).get("containers") or []
     engine: Mapping[str, Any] = next((c for c in containers if c.get("name") == "engine"), {})
     argv = [str(a) for a in engine.get("args") or []]
+    if [str(c) for c in engine.get("command") or []][-1:] == ["-c"] and argv:
+        argv = shlex.split(argv[0])
     if "--data-parallel-hybrid-lb" not in argv:
         return None
 
-    def flag(name: str, default: int) -> int:
+    def flag(name: str) -> int | None:
         values = [argv[i + 1] for i, a in enumerate(argv[:-1]) if a == name]
         try:
-            return int(values[-1]) if values else default
+            return int(values[-1]) if values else None
         except ValueError:
-            return default
+            return None
 
-    return flag("--data-parallel-start-rank", 0), flag("--data-parallel-size-local", 1)
+    local = flag("--data-parallel-size-local") or 1
+    first = flag("--data-parallel-start-rank")
+    return (node_rank * local if first is None else first), local
 
 
 def _failed(status: Mapping[str, Any]) -> bool:
@@ -256,6 +265,9 @@ def _unit(head: PodView, members: Sequence[PodView], group: Group) -> PodView:
         head.observed,
         name=group.leader,  # the leader pod's name, or the LeaderWorkerSet's
         ready=group.ready,
+        # A LeaderWorkerSet's pods terminate when its controller restarts the group: the object,
+        # the unit, stays (the pass that deletes it marks the view terminating itself).
+        terminating=head.observed.terminating and not group.managed,
         node_down_since=min(downs) if downs else None,
         unschedulable=any(v.observed.unschedulable for v in members),
     )

@@ -5,6 +5,7 @@ nothing runs), so the groups are real pods scheduled by the real scheduler."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from pdserve.routing.table import RoutingTable
@@ -115,3 +116,46 @@ def test_a_group_that_cannot_be_placed_is_removed_after_the_gang_timeout(
     assert events(cluster, "mng", "GroupReplaced")
     assert len(whole_groups(cluster, "mng")) == 1  # the placed group keeps serving
     assert len(prefill(cluster.table("mng"))) >= 1
+
+
+def test_backend_lws_runs_each_instance_as_one_leaderworkerset(operator: Operator, cluster: Cluster) -> None:
+    """The LWS controller (built into the test cluster) creates and restarts the group; the
+    operator creates one LeaderWorkerSet per instance and routes it once every pod is Ready."""
+    doc = group_manifest("mnl")
+    doc["spec"]["multiNode"]["backend"] = "lws"
+    cluster.apply(doc)
+    eventually(lambda: ready(cluster, "mnl"), timeout=WAIT)
+    sets = json.loads(cluster.kubectl("get", "leaderworkersets", "-o", "json"))["items"]
+    assert len(sets) == 1  # prefill only: decode DP8 fits a node, it stays one pod
+    name = sets[0]["metadata"]["name"]
+    assert name.startswith("mnl-prefill-0-") and sets[0]["spec"]["leaderWorkerTemplate"]["size"] == 2
+    (instance,) = prefill(cluster.table("mnl"))
+    assert instance.name == name and instance.routable and len(instance.endpoints) == 2
+    pods = {p["metadata"]["name"]: p for p in groups(cluster, "mnl")[name]}
+    assert sorted(pods) == [f"{name}-0", f"{name}-0-1"]
+    assert [e.url for e in instance.endpoints] == [
+        f"http://{pods[n]['status']['podIP']}:8000" for n in (f"{name}-0", f"{name}-0-1")
+    ]
+    # A lost worker: the controller recreates the group, the operator takes it out of the
+    # table meanwhile and routes the same LeaderWorkerSet again once it is whole.
+    old_uid = pods[f"{name}-0"]["metadata"]["uid"]
+    cluster.kubectl("delete", "pod", f"{name}-0-1", "--wait=false")
+
+    def regrouped() -> bool:
+        now = {p["metadata"]["name"]: p for p in groups(cluster, "mnl").get(name, [])}
+        leader = now.get(f"{name}-0")
+        return (
+            bool(leader)
+            and leader["metadata"]["uid"] != old_uid
+            and len(now) == 2
+            and all(map(pod_ready, now.values()))
+        )
+
+    eventually(regrouped, timeout=WAIT)
+    eventually(
+        lambda: (
+            ready(cluster, "mnl") and [i.name for i in prefill(cluster.table("mnl")) if i.routable] == [name]
+        ),
+        timeout=WAIT,
+    )
+    assert len(json.loads(cluster.kubectl("get", "leaderworkersets", "-o", "json"))["items"]) == 1
