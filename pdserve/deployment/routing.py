@@ -21,6 +21,16 @@ from pdserve.routing import Endpoint, Instance, Role, RoutingTable
 
 
 @dataclass(frozen=True)
+class NodeEndpoint:
+    """One node's API server of a multi-node instance and the DP ranks it takes."""
+
+    ip: str
+    first_rank: int
+    ranks: int
+    port: int = ENGINE_PORT  # local mode runs every node on loopback, each on its own port
+
+
+@dataclass(frozen=True)
 class ObservedInstance:
     role: Role
     index: int
@@ -38,7 +48,7 @@ class ObservedInstance:
     revision: str | None = None
     #: A multi-node instance whose nodes each serve their own ranks (vLLM hybrid load
     #: balancing): (ip, first rank, ranks) per node. Empty: the instance's address serves all.
-    endpoints: tuple[tuple[str, int, int], ...] = ()
+    endpoints: tuple[NodeEndpoint, ...] = ()
 
 
 def build_routing_table(
@@ -63,8 +73,8 @@ def build_routing_table(
                 kv_address=kv_address(kv, obs.pod_ip),
                 revision=obs.revision or current[obs.role],
                 endpoints=tuple(
-                    Endpoint(f"http://{_host(ip)}:{obs.port}", first, ranks, kv_address(kv, ip))
-                    for ip, first, ranks in obs.endpoints
+                    Endpoint(f"http://{_host(e.ip)}:{e.port}", e.first_rank, e.ranks, kv_address(kv, e.ip))
+                    for e in obs.endpoints
                 ),
             )
         )

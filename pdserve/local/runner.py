@@ -37,6 +37,7 @@ import aiohttp
 
 from pdserve.deployment.routing import ObservedInstance, build_routing_table
 from pdserve.local.front import Front, SidecarEndpoint
+from pdserve.local.observe import observed_instances
 from pdserve.local.plan import LOOPBACK, EngineProcess, LocalPlan, RouterProcess
 from pdserve.local.proctree import (
     ProcessTree,
@@ -190,10 +191,7 @@ class LocalRunner:
             loop.add_signal_handler(sig, self._on_signal, sig)
         try:
             self._write_table(
-                [
-                    ObservedInstance(e.role, e.index, e.name, LOOPBACK, False, port=e.port)
-                    for e in self.plan.engines
-                ]
+                observed_instances(self.plan.deployment, self.plan.engines, [False] * len(self.plan.engines))
             )
             if self.front is not None:
                 try:
@@ -238,10 +236,7 @@ class LocalRunner:
             return
         self._refresh_trees()
         health = await asyncio.gather(*(self._healthy(session, e) for e in self.plan.engines))
-        observed = [
-            ObservedInstance(e.role, e.index, e.name, LOOPBACK, ok, port=e.port)
-            for e, ok in zip(self.plan.engines, health, strict=True)
-        ]
+        observed = observed_instances(self.plan.deployment, self.plan.engines, health)
         for e, ok in zip(self.plan.engines, health, strict=True):
             if ok:
                 child = self.engines[e.name]
@@ -321,6 +316,8 @@ class LocalRunner:
         child = self.engines[engine.name]
         if not child.running or child.exited_at is not None:
             return False
+        if not engine.serves_http:
+            return True  # a --headless node answers no HTTP; its leader's /health covers the group
         try:
             async with session.get(engine.url + "/health") as resp:
                 ok = resp.status == 200

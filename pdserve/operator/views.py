@@ -30,6 +30,7 @@ from pdserve.deployment.objects import (
 )
 from pdserve.deployment.revision import pairing_revision
 from pdserve.deployment.rollout import ObservedPod
+from pdserve.deployment.routing import NodeEndpoint
 from pdserve.deployment.scheduling import Placement, placement_of
 from pdserve.deployment.spec import PDDeployment
 from pdserve.operator.cache import Body
@@ -63,7 +64,7 @@ class PodView:
     #: (a headless worker) or all of its instance's ranks (single pod, leader-mode leader).
     api_ranks: tuple[int, int] | None = None
     #: A unit's per-node API servers: (ip, first rank, ranks), when each node serves its own.
-    endpoints: tuple[tuple[str, int, int], ...] = ()
+    endpoints: tuple[NodeEndpoint, ...] = ()
     ready_members: int = 0  # a unit's Ready pods
     leader_pod: str | None = None  # a unit's leader pod, which carries the draining mark
 
@@ -271,9 +272,9 @@ def _unit(head: PodView, members: Sequence[PodView], group: Group) -> PodView:
         node_down_since=min(downs) if downs else None,
         unschedulable=any(v.observed.unschedulable for v in members),
     )
-    endpoints: list[tuple[str, int, int]] = []
+    endpoints: list[NodeEndpoint] = []
     if all(v.api_ranks is not None for v in members) and len(members) == group.size:
-        endpoints = [(v.ip, *v.api_ranks) for v in members if v.ip and v.api_ranks]
+        endpoints = [NodeEndpoint(v.ip, *v.api_ranks) for v in members if v.ip and v.api_ranks]
         if len(endpoints) != group.size:
             endpoints = []  # an address still missing: the group is not routable yet anyway
     return replace(
@@ -283,7 +284,7 @@ def _unit(head: PodView, members: Sequence[PodView], group: Group) -> PodView:
         members=tuple((v.observed.name, v.uid) for v in members),
         member_ips=tuple(ips),
         ready_members=sum(1 for v in members if v.member and v.member.ready and not v.member.terminating),
-        endpoints=tuple(sorted(endpoints, key=lambda e: e[1])),
+        endpoints=tuple(sorted(endpoints, key=lambda e: e.first_rank)),
     )
 
 

@@ -505,3 +505,60 @@ def test_an_unusable_vllm_is_refused_with_what_to_install(
     assert "nothing was started" in result.stderr
     assert "install" in result.stderr or "pip" in result.stderr, "the message says what to install"
     assert not log_dir.exists(), "no process may start (its log directory would exist)"
+
+
+@pytest.mark.parametrize("api_servers", ["perNode", "leader"])
+def test_a_multi_node_instance_runs_one_process_per_node_and_every_global_rank_gets_its_share(
+    tmp_path: Path, cleanup: list[UpProcess], api_servers: str
+) -> None:
+    """Prefill DP4 on nodes of 2 GPUs: a group of two simulator processes (ranks 0-1 and 2-3),
+    one instance in the table; perNode: an endpoint per node, local rank headers; leader: the
+    leader forwards ranks 2-3 to its headless node. Decode DP2 fits a node: one process."""
+    manifest = tmp_path / "mn.yaml"
+    manifest.write_text(
+        yaml.safe_dump(
+            {
+                "apiVersion": "pdserve.io/v1alpha1",
+                "kind": "PDDeployment",
+                "metadata": {"name": "mn"},
+                "spec": {
+                    "model": "Qwen/Qwen2.5-0.5B-Instruct",
+                    "engine": "sim",
+                    "gpusPerNode": 2,
+                    "multiNode": {"apiServers": api_servers},
+                    "kvTransfer": {"connector": "NixlConnector"},
+                    "prefill": {"instances": 1, "dataParallel": 4},
+                    "decode": {"instances": 1, "dataParallel": 2},
+                },
+            }
+        )
+    )
+    up = _start(tmp_path, manifest, *SIM_FLAGS)
+    cleanup.append(up)
+    debug = _wait_serving(up)
+    table = load_routing_table(json.dumps(debug["table"]))
+    (prefill,) = table.prefill
+    assert prefill.name == "mn-prefill-0" and prefill.dp_size == 4
+    assert [(e.first_rank, e.ranks) for e in prefill.endpoints] == (
+        [(0, 2), (2, 2)] if api_servers == "perNode" else []
+    )
+    assert len(debug["slots"]["prefill"]) == 4
+    rounds = 2
+    for i in range(rounds * 4):  # lcm(4 prefill slots, 2 decode slots) = 4
+        status, body = _post(
+            up.url + "/v1/completions",
+            {"model": "Qwen/Qwen2.5-0.5B-Instruct", "prompt": f"p{i}", "max_tokens": 4},
+        )
+        assert status == 200, body
+    by_rank: dict[str, int] = {}
+    for url in [e.url for e in prefill.endpoints] or [prefill.url]:
+        _, stats = _get(url + "/sim/stats")
+        assert stats["group"]["complete"] is True
+        for rank, n in stats["by_rank"].items():
+            by_rank[rank] = by_rank.get(rank, 0) + n
+        if api_servers == "leader":
+            assert stats["group"]["forwarded"] == 2 * rounds  # ranks 2 and 3 ran on the other node
+    assert by_rank == {str(r): rounds for r in range(4)}
+    _, decode_stats = _get(table.decode[0].url + "/sim/stats")
+    assert decode_stats["by_rank"] == {"0": 2 * rounds, "1": 2 * rounds}
+    _stop_and_check_tree(up, signal.SIGTERM)

@@ -21,6 +21,7 @@ from pdserve.deployment.objects import (
     ROLE_LABEL,
     TEMPLATE_HASH_LABEL,
 )
+from pdserve.deployment.routing import NodeEndpoint
 from pdserve.deployment.spec import parse_pddeployment
 from pdserve.operator.views import gang_pass, pod_view
 
@@ -157,7 +158,7 @@ def test_gang_pass_makes_one_ready_unit_with_per_node_endpoints() -> None:
     unit = got.units[0]
     assert unit.observed.name == "g-prefill-0-abcde" and unit.observed.ready
     assert unit.pod_names == ("g-prefill-0-abcde", "g-prefill-0-abcde-1")
-    assert unit.endpoints == (("127.128.0.1", 0, 2), ("127.128.0.2", 2, 2))
+    assert unit.endpoints == (NodeEndpoint("127.128.0.1", 0, 2), NodeEndpoint("127.128.0.2", 2, 2))
 
 
 def test_gang_pass_breaks_a_group_whose_worker_restarted() -> None:
