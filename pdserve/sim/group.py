@@ -305,10 +305,7 @@ def resolve_rank(group: GroupConfig, value: str | None, engine_path: bool) -> in
         return None if rank is None else rank + (group.start_rank if group.hybrid_lb else 0)
     if value is None:
         return None
-    try:
-        rank = int(value.strip())
-    except ValueError:
-        raise RequestError(400, f"data_parallel_rank {value!r} is not an integer.") from None
+    rank = payloads.rank_number(value)
     if not group.owns(rank):
         first, end = group.start_rank, group.start_rank + group.local
         raise RequestError(400, f"data_parallel_rank {rank} is not held here [{first}, {end}).")

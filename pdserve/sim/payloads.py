@@ -141,14 +141,19 @@ def classify_leg(body: Mapping[str, Any]) -> Leg:
     return "decode" if remote_prefill else "plain"
 
 
+def rank_number(value: str) -> int:
+    """A rank header's number; RequestError(400) when it is not one."""
+    try:
+        return int(value.strip())
+    except ValueError:
+        raise RequestError(400, f"data_parallel_rank {value!r} is not an integer.") from None
+
+
 def parse_rank_header(value: str | None, dp_size: int) -> int | None:
     """The ``X-data-parallel-rank`` header; RequestError(400) in vLLM's words when out of range."""
     if value is None:
         return None
-    try:
-        rank = int(value.strip())
-    except ValueError:
-        raise RequestError(400, f"data_parallel_rank {value!r} is not an integer.") from None
+    rank = rank_number(value)
     if not 0 <= rank < dp_size:
         raise RequestError(400, f"data_parallel_rank {rank} is out of range [0, {dp_size}).")
     return rank
