@@ -159,3 +159,56 @@ def test_backend_lws_runs_each_instance_as_one_leaderworkerset(operator: Operato
         timeout=WAIT,
     )
     assert len(json.loads(cluster.kubectl("get", "leaderworkersets", "-o", "json"))["items"]) == 1
+
+
+def test_multi_node_groups_scale_and_roll_as_units(
+    operator: Operator, cluster: Cluster, recorder: Recorder
+) -> None:
+    """gpusPerNode 4 on kwok's 8-GPU nodes: prefill DP8 is a group of two 4-GPU pods. Scaling
+    adds whole groups; a template change starts a whole new group beside each old one (surge),
+    routes it once whole, and drains the old group before deleting every pod of it."""
+    doc = group_manifest("mns")
+    doc["spec"]["gpusPerNode"] = 4
+    doc["spec"]["prefill"]["dataParallel"] = 8
+    doc["spec"]["decode"]["dataParallel"] = 4
+    cluster.apply(doc)
+    eventually(lambda: ready(cluster, "mns"), timeout=WAIT)
+    doc["spec"]["prefill"]["instances"] = 2
+    cluster.apply(doc)
+    eventually(lambda: ready(cluster, "mns") and len(whole_groups(cluster, "mns")) == 2, timeout=WAIT)
+    eventually(lambda: cluster.status("mns")["prefill"]["readyPods"] == 4, timeout=WAIT)
+    old = set(whole_groups(cluster, "mns"))
+    recorder.start()
+    doc["spec"]["prefill"]["args"] = ["--max-num-seqs", "128"]  # a template change
+    cluster.apply(doc)
+
+    def rolled() -> bool:
+        current = whole_groups(cluster, "mns")
+        return (
+            ready(cluster, "mns")
+            and len(current) == 2
+            and not set(current) & old
+            and set(groups(cluster, "mns")) == set(current)
+        )
+
+    eventually(rolled, timeout=2 * WAIT)
+    records = recorder.stop()
+    written = sorted(tables(records), key=lambda st: st[0])
+    # Every recorded table routes two whole prefill groups at most (surge never routes both the
+    # old and the new group of one index: they share the index, 2 wanted + 1 surge in flight).
+    for _, t in written:
+        assert sum(1 for i in prefill(t) if i.routable) <= 2
+        assert all(len(i.endpoints) == 2 for i in prefill(t) if i.routable)
+    # Each old group left the table (draining) before its leader was deleted.
+    for group in old:
+        deleted = min(
+            (
+                r.seq
+                for r in records
+                if r.kind == "pod" and r.name == group and r.obj["metadata"].get("deletionTimestamp")
+            ),
+            default=None,
+        )
+        assert deleted is not None, f"{group} was not deleted"
+        before = [t for seq, t in written if seq < deleted]
+        assert before and not any(i.name == group and i.routable for i in prefill(before[-1]))
