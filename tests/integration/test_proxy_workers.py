@@ -113,10 +113,12 @@ def test_routing_served_counts_the_streams_of_every_worker(stack: PDStack) -> No
     async def hold() -> list[int]:
         task = asyncio.create_task(_many(stack.url, streams, stream=True))
         seen = []
-        for _ in range(10):  # every answer, whichever worker took the admin request
-            await asyncio.sleep(0.4)
+        while not task.done():  # every answer, whichever worker took the admin request
             view = await asyncio.to_thread(served, stack.url)
             seen.append(view["instances"].get("dslow", {}).get("in_flight", 0))
+            if streams in seen:
+                break
+            await asyncio.sleep(0.1)
         await task
         return seen
 
