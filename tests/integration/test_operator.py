@@ -409,7 +409,8 @@ def test_deleting_the_pddeployment_removes_everything(operator: Operator, cluste
 
 
 def test_spec_beyond_any_node_is_degraded_and_renders_nothing(operator: Operator, cluster: Cluster) -> None:
-    manifest = pdd_manifest("huge", prefill_dp=16)  # 16 GPUs per instance; the nodes have 8
+    # 12 ranks on the nodes' 8 GPUs: a group's pods must hold 8 ranks each, 12 does not divide.
+    manifest = pdd_manifest("huge", prefill_dp=12)
     cluster.apply(manifest)
 
     def degraded() -> dict[str, Any]:
@@ -418,7 +419,8 @@ def test_spec_beyond_any_node_is_degraded_and_renders_nothing(operator: Operator
 
     condition = degraded() or eventually(degraded, timeout=WAIT, message="Degraded=True")
     assert condition["reason"] == "InvalidSpec"
-    assert "16 nvidia.com/gpu" in condition["message"] and "largest node has 8" in condition["message"]
+    message = condition["message"]
+    assert "spec.prefill.dataParallel" in message and "gpusPerNode 8" in message, message
     assert cluster.condition("huge", "Ready")["status"] == "False"
     out = cluster.kubectl(
         "get", "pods,services,deployments,configmaps", "-l", "pdserve.io/deployment=huge", "-o", "name"
@@ -426,7 +428,8 @@ def test_spec_beyond_any_node_is_degraded_and_renders_nothing(operator: Operator
     assert out.strip() == ""
     events = cluster.kubectl("get", "events", "--field-selector", "involvedObject.name=huge", "-o", "json")
     assert any(
-        e["type"] == "Warning" and "largest node has 8" in e["message"] for e in json.loads(events)["items"]
+        e["type"] == "Warning" and "spec.prefill.dataParallel" in e["message"]
+        for e in json.loads(events)["items"]
     )
 
     # Fixing the spec renders it.
