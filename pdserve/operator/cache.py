@@ -68,6 +68,8 @@ class ClusterCache:
         self._deployments: dict[Key, _Versioned] = {}
         self._pods: dict[Key, _PodSet] = {}
         self._routers: dict[Key, tuple[int | None, int | None]] = {}  # (version, available; None: gone)
+        #: Backend lws: the deployment's LeaderWorkerSets by name, as last listed, created or deleted.
+        self._sets: dict[Key, dict[str, Body]] = {}
 
     # --- PDDeployments -----------------------------------------------------------------------
 
@@ -184,6 +186,31 @@ class ClusterCache:
             current = self._routers.get(key)
             return current[1] if current is not None else None
 
+    # --- LeaderWorkerSets (backend lws) -------------------------------------------------------
+
+    def replace_sets(self, key: Key, items: Iterable[Body]) -> None:
+        """A LIST of the deployment's LeaderWorkerSets (a full pass)."""
+        with self._lock:
+            self._sets[key] = {str(b["metadata"]["name"]): b for b in items}
+
+    def set_event(self, event_type: str, body: Body) -> None:
+        """One the operator created (ADDED) or deleted (DELETED)."""
+        meta = body.get("metadata") or {}
+        owner = (meta.get("labels") or {}).get(DEPLOYMENT_LABEL)
+        if not owner:
+            return
+        key = (str(meta.get("namespace") or ""), str(owner))
+        with self._lock:
+            sets = self._sets.setdefault(key, {})
+            if event_type == "DELETED":
+                sets.pop(str(meta.get("name")), None)
+            else:
+                sets[str(meta.get("name"))] = body
+
+    def sets(self, key: Key) -> list[Body]:
+        with self._lock:
+            return list(self._sets.get(key, {}).values())
+
     # --- housekeeping ------------------------------------------------------------------------
 
     def forget(self, key: Key) -> None:
@@ -195,3 +222,4 @@ class ClusterCache:
         with self._lock:
             self._pods.pop(key, None)
             self._routers.pop(key, None)
+            self._sets.pop(key, None)

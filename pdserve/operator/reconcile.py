@@ -209,10 +209,8 @@ class Reconciler:
         if body["metadata"].get("deletionTimestamp"):
             return None
         if ((body.get("spec") or {}).get("multiNode") or {}).get("backend") == BACKEND_LWS:
-            # A LeaderWorkerSet whose pods are not there yet still stands for its group.
             sets = self._kube.list_objects("LeaderWorkerSet", namespace, f"{DEPLOYMENT_LABEL}={name}")
-            present = {p["metadata"]["name"] for p in items}
-            items += [s for s in map(lws_stand_in, sets) if s and s["metadata"]["name"] not in present]
+            self._cache.replace_sets(key, sets)
         self._cache.replace_pods(key, items, version_number(version))
         return _Read(body, self._cache.pods(key) or [], prefetched)
 
@@ -269,6 +267,11 @@ class Reconciler:
         allocatable = self._nodes.allocatable(pdd.spec.gpu_resource)
         written, pdd = pdd, with_node_default(pdd, allocatable)
         # Multi-node instances are the planner's units: one view per group (deployment/gangs.py).
+        # A LeaderWorkerSet whose leader pod is not there (yet, or while its controller restarts
+        # the group) still stands for its group: no second one is created for the index.
+        present = {p["metadata"]["name"] for p in raw_pods}
+        stand_ins = [s for s in map(lws_stand_in, self._cache.sets((pdd.namespace, pdd.name))) if s]
+        raw_pods = [*raw_pods, *(s for s in stand_ins if s["metadata"]["name"] not in present)]
         each_pod = self._observe_pods(pdd, raw_pods)
         gangs = gang_pass(each_pod, now, pdd.spec.multi_node.gang_timeout_seconds)
         pods = gangs.units

@@ -35,7 +35,7 @@ from pdserve.deployment.spec import PDDeployment
 from pdserve.operator import metrics
 from pdserve.operator.cache import Body, ClusterCache
 from pdserve.operator.kube import Kube
-from pdserve.operator.views import DRAINING_ANNOTATION, PodView, lws_stand_in, rfc3339
+from pdserve.operator.views import DRAINING_ANNOTATION, PodView, rfc3339
 from pdserve.routing.table import CONFIGMAP_KEY, Role, RoutingTable, RoutingTableError, load_routing_table
 
 log = logging.getLogger("pdserve.operator")
@@ -258,13 +258,18 @@ class Steps:
             return self._kube.delete(kind, pdd.namespace, name, uid=uid or None)
 
         answers = dict(zip(targets, self._io.map(delete, targets), strict=True))
+        for kind, name, _ in targets:
+            if kind == "LeaderWorkerSet":  # gone or going: it no longer stands for a group
+                labels = {DEPLOYMENT_LABEL: pdd.name}
+                self._cache.set_event(
+                    "DELETED", {"metadata": {"namespace": pdd.namespace, "name": name, "labels": labels}}
+                )
 
         def finish() -> list[PodView]:
             for (kind, _, _), answer in answers.items():
                 if answer is not None:
                     metrics.OBJECT_CHANGES.labels(kind, "delete").inc()
-                    if kind == "LeaderWorkerSet":  # its leader's stand-in goes with it
-                        self._cache.pod_event("DELETED", {**answer, "metadata": _stand_in_meta(answer)})
+
                     if answer.get("kind") == "Pod":
                         self._cache.pod_event("MODIFIED", answer)
             for action in actions:
@@ -315,10 +320,8 @@ class Steps:
                 metrics.OBJECT_CHANGES.labels(kind, "create").inc()
                 what = "pod" if kind == "Pod" else kind
                 outcome.events.append(Event("Normal", "Created", f"Created {what} {name} ({action.reason})"))
-                if kind != "Pod":  # a LeaderWorkerSet: its leader stands in until its pods show up
-                    stand_in = lws_stand_in(created)
-                    if stand_in is not None:
-                        self._cache.pod_event("ADDED", stand_in)
+                if kind != "Pod":  # a LeaderWorkerSet: it stands for its group until its pods show up
+                    self._cache.set_event("ADDED", created)
                     continue
                 self._cache.pod_event("ADDED", created)
                 rs = pdd.spec.role(role)
@@ -390,11 +393,6 @@ class Steps:
 
 
 # --- pure helpers --------------------------------------------------------------------------------
-
-
-def _stand_in_meta(lws: Mapping[str, Any]) -> dict[str, Any]:
-    meta = dict(lws.get("metadata") or {})
-    return {**meta, "name": f"{meta.get('name')}-0"}
 
 
 def _first_object(pdd: PDDeployment, role: Role, index: int, suffix: str) -> dict[str, Any]:

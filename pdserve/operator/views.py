@@ -229,7 +229,7 @@ def lws_stand_in(lws: Mapping[str, Any]) -> dict[str, Any] | None:
     """The leader pod a LeaderWorkerSet will have (``<name>-0``), not Ready, for as long as the
     controller has not created it: so the group exists for the planner from the moment its
     object does (no second LeaderWorkerSet for the index), and its gang timeout runs from then.
-    The real pod replaces it in the cache: same name, newer resourceVersion."""
+    The real pod replaces it in the cache: same name, and the stand-in has no version."""
     meta = lws.get("metadata") or {}
     if meta.get("deletionTimestamp"):
         return None
@@ -241,7 +241,8 @@ def lws_stand_in(lws: Mapping[str, Any]) -> dict[str, Any] | None:
             "name": f"{meta.get('name')}-0",
             "namespace": meta.get("namespace"),
             "uid": "",
-            "resourceVersion": meta.get("resourceVersion"),
+            # No resourceVersion: any event of the real pod replaces the stand-in (the object's own
+            # version moves with its status and would outrank the pod's).
             "creationTimestamp": meta.get("creationTimestamp"),
             "labels": {**(tmeta.get("labels") or {}), LWS_NAME_LABEL: meta.get("name")},
         },

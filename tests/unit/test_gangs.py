@@ -23,7 +23,7 @@ from pdserve.deployment.objects import (
 )
 from pdserve.deployment.routing import NodeEndpoint
 from pdserve.deployment.spec import parse_pddeployment
-from pdserve.operator.views import gang_pass, pod_view
+from pdserve.operator.views import gang_pass, lws_stand_in, pod_view
 
 TIMEOUT = 600.0
 NOW = 10_000.0
@@ -181,3 +181,32 @@ def test_gang_pass_asks_for_the_workers_of_a_new_leader() -> None:
     got = gang_pass(views(pod("g-prefill-0-abcde", 0, ready=False)), NOW, TIMEOUT)
     assert not got.broken and len(got.units) == 1 and not got.units[0].observed.ready
     assert [(u.observed.name, ranks) for u, ranks in got.forming] == [("g-prefill-0-abcde", (1,))]
+
+
+def test_a_leaderworkerset_without_pods_stands_for_its_group() -> None:
+    """Backend lws: until the controller creates the pods (or while it restarts the group), the
+    object is one unit, not Ready and not forming (the controller makes the members)."""
+    pdd = parse_pddeployment(SPEC)
+    lws = {
+        "metadata": {
+            "name": "g-prefill-0-abcde",
+            "namespace": "ns",
+            "creationTimestamp": "2026-12-04T10:00:00Z",
+        },
+        "spec": {"leaderWorkerTemplate": {"leaderTemplate": pod("ignored", 0)}},
+    }
+    stand_in = lws_stand_in(lws)
+    assert stand_in is not None and stand_in["metadata"]["name"] == "g-prefill-0-abcde-0"
+    assert "resourceVersion" not in stand_in["metadata"]
+    view = pod_view(pdd, stand_in, lambda _node: None)
+    assert view is not None and view.lws
+    got = gang_pass([view], NOW, TIMEOUT)
+    assert not got.broken and not got.forming and len(got.units) == 1
+    unit = got.units[0]
+    assert (
+        unit.observed.name == "g-prefill-0-abcde"
+        and not unit.observed.ready
+        and not unit.observed.terminating
+    )
+    assert unit.leader_pod == "g-prefill-0-abcde-0"
+    assert lws_stand_in({**lws, "metadata": {**lws["metadata"], "deletionTimestamp": "x"}}) is None
