@@ -33,6 +33,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
+import shlex
 from collections.abc import Mapping
 from typing import Any
 
@@ -213,6 +214,17 @@ def pod_metadata(
     return merge_metadata(meta, rs.template)
 
 
+def engine_argv(pod: Mapping[str, Any]) -> list[str]:
+    """The engine container's arguments, the words of its ``sh -c`` line when it runs through a
+    shell (a LeaderWorkerSet's worker template computes its start rank there)."""
+    containers = (pod.get("spec") or {}).get("containers") or []
+    engine: Mapping[str, Any] = next((c for c in containers if c.get("name") == "engine"), {})
+    argv = [str(a) for a in engine.get("args") or []]
+    if [str(c) for c in engine.get("command") or []][-1:] == ["-c"] and argv:
+        return shlex.split(argv[0])
+    return argv
+
+
 def pod_parallel_sizes(pod: Mapping[str, Any]) -> tuple[int | None, int | None]:
     """(dataParallel, tensorParallel) that an instance pod runs; None where it cannot be told.
 
@@ -221,9 +233,7 @@ def pod_parallel_sizes(pod: Mapping[str, Any]) -> tuple[int | None, int | None]:
     for the simulator), which is what the process was started with.
     """
     annotations = (pod.get("metadata") or {}).get("annotations") or {}
-    containers = (pod.get("spec") or {}).get("containers") or []
-    engine: Mapping[str, Any] = next((c for c in containers if c.get("name") == "engine"), {})
-    argv = [str(a) for a in engine.get("args") or []]
+    argv = engine_argv(pod)
 
     def size(annotation: str, flags: tuple[str, ...]) -> int | None:
         candidates = [annotations.get(annotation)]

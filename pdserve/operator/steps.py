@@ -251,7 +251,7 @@ class Steps:
         units = [by_name[a.pod] for a in actions] + [unit for unit, _ in broken]
         # A LeaderWorkerSet goes with its pods: deleted at once, they cannot linger as a unit.
         targets = [("LeaderWorkerSet", u.observed.name, "") for u in units if u.lws]
-        targets += [("Pod", name, uid) for u in units for name, uid in _pods_of(u)]
+        targets += [("Pod", name, uid) for u in units for name, uid in u.pod_refs]
 
         def delete(target: tuple[str, str, str]) -> dict[str, Any] | None:
             kind, name, uid = target
@@ -274,7 +274,7 @@ class Steps:
                         self._cache.pod_event("MODIFIED", answer)
             for action in actions:
                 view = by_name[action.pod]
-                if any(answers.get(("Pod", *t)) is not None for t in _pods_of(view)):
+                if any(answers.get(("Pod", *t)) is not None for t in view.pod_refs):
                     if action.node_lost:
                         metrics.NODE_LOSS_REPLACEMENTS.inc()
                         message = (
@@ -401,13 +401,8 @@ def _first_object(pdd: PDDeployment, role: Role, index: int, suffix: str) -> dic
     return group_pods(pdd, role, index, suffix, None)[0]
 
 
-def _pods_of(view: PodView) -> list[tuple[str, str]]:
-    """(name, uid) of the pods a unit stands for: its group's members, or the pod itself."""
-    return list(view.members) or [(view.observed.name, view.uid)]
-
-
 def _what(view: PodView) -> str:
-    names = [name for name, _ in _pods_of(view)]
+    names = [name for name, _ in view.pod_refs]
     return f"pod {names[0]}" if len(names) == 1 else f"pods {', '.join(names)}"
 
 

@@ -3,9 +3,8 @@ and messages the status needs. Pure: dicts in, dataclasses and strings out."""
 
 from __future__ import annotations
 
-import shlex
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from typing import Any
 
@@ -24,6 +23,7 @@ from pdserve.deployment.objects import (
     INSTANCE_LABEL,
     ROLE_LABEL,
     TEMPLATE_HASH_LABEL,
+    engine_argv,
     instance_pod_revision,
     is_instance_name,
     pod_parallel_sizes,
@@ -59,7 +59,6 @@ class PodView:
     #: A group as the planner's unit: (name, uid) of every pod to delete with it, and the
     #: addresses of its members by node rank (the routing table's per-node endpoints).
     members: tuple[tuple[str, str], ...] = ()
-    member_ips: tuple[str | None, ...] = field(default=())
     #: The DP ranks this pod's own API server takes (first, count); None: it serves no API
     #: (a headless worker) or all of its instance's ranks (single pod, leader-mode leader).
     api_ranks: tuple[int, int] | None = None
@@ -69,8 +68,13 @@ class PodView:
     leader_pod: str | None = None  # a unit's leader pod, which carries the draining mark
 
     @property
+    def pod_refs(self) -> tuple[tuple[str, str], ...]:
+        """(name, uid) of the pods the view stands for: its group's members, or the pod itself."""
+        return self.members or ((self.observed.name, self.uid),)
+
+    @property
     def pod_names(self) -> tuple[str, ...]:
-        return tuple(n for n, _ in self.members) or (self.observed.name,)
+        return tuple(name for name, _ in self.pod_refs)
 
 
 def pod_view(
@@ -151,11 +155,7 @@ def _api_ranks(pod: Mapping[str, Any], node_rank: int) -> tuple[int, int] | None
     A LeaderWorkerSet's workers share one template whose ``sh -c`` computes the start rank from
     the worker index: that rank is ``node_rank`` times the local ranks.
     """
-    containers = (pod.get("spec") or {}).get("containers") or []
-    engine: Mapping[str, Any] = next((c for c in containers if c.get("name") == "engine"), {})
-    argv = [str(a) for a in engine.get("args") or []]
-    if [str(c) for c in engine.get("command") or []][-1:] == ["-c"] and argv:
-        argv = shlex.split(argv[0])
+    argv = engine_argv(pod)
     if "--data-parallel-hybrid-lb" not in argv:
         return None
 
@@ -259,10 +259,6 @@ def _leads(view: PodView, group: str, lws: bool) -> bool:
 def _unit(head: PodView, members: Sequence[PodView], group: Group) -> PodView:
     """A group as one instance: Ready only when whole, on a lost node when any member is."""
     downs = [v.observed.node_down_since for v in members if v.observed.node_down_since is not None]
-    ips: list[str | None] = [None] * group.size
-    for v in members:
-        if v.member is not None and v.member.node_rank < group.size:
-            ips[v.member.node_rank] = v.ip
     observed = replace(
         head.observed,
         name=group.leader,  # the leader pod's name, or the LeaderWorkerSet's
@@ -283,7 +279,6 @@ def _unit(head: PodView, members: Sequence[PodView], group: Group) -> PodView:
         observed=observed,
         leader_pod=head.observed.name,
         members=tuple((v.observed.name, v.uid) for v in members),
-        member_ips=tuple(ips),
         ready_members=sum(1 for v in members if v.member and v.member.ready and not v.member.terminating),
         endpoints=tuple(sorted(endpoints, key=lambda e: e.first_rank)),
     )
