@@ -95,8 +95,13 @@ class Dispatcher(LegRunner):
         request_id: str,
         client_auth: str | None,
         fan: FanOut | None = None,
+        client_id: bool = True,
     ) -> Reply:
-        trace = Trace(request_id, path, body.get("stream") is True, engine_base=self._claim(request_id))
+        """``client_id``: the id came from the client (X-Request-Id), so another request may carry
+        it too; the router's own ids are unique by construction and claim nothing."""
+        engine_base = self._claim(request_id) if client_id else request_id
+        stream = body.get("stream") is True
+        trace = Trace(request_id, path, stream, engine_base=engine_base, claimed=client_id)
         self.served_requests += 1
         self.metrics.in_flight.inc()
         state = self.served.current  # this request's table, whatever reloads happen meanwhile
@@ -297,7 +302,8 @@ class Dispatcher(LegRunner):
         if trace.part_of is not None:
             trace.outcome = outcome  # the request's own close counts and logs it
             return
-        self._release(trace.request_id)
+        if trace.claimed:
+            self._release(trace.request_id)
         now = time.monotonic()
         endpoint = "chat" if trace.endpoint.endswith("chat/completions") else "completions"
         self.metrics.in_flight.dec()

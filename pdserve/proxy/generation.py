@@ -95,7 +95,8 @@ class GenerationApp:
             key = name.decode("latin-1").lower()
             if key in WANTED_HEADERS:  # the rest is never read: no decoding per header
                 headers[key] = value.decode("latin-1")
-        request_id = request_id_of(headers.get("x-request-id"))
+        client_id = headers.get("x-request-id")
+        request_id = request_id_of(client_id)
         problem = self._refusal(scope, headers)
         if problem is not None:
             _log_refusal(request_id, scope["path"], problem)
@@ -126,7 +127,8 @@ class GenerationApp:
         watching = asyncio.ensure_future(_wait_disconnect(receive))
         watching.add_done_callback(hang_up)
         try:
-            await self._serve(send, ENDPOINTS[scope["path"]], scope["path"], body, request_id, headers)
+            path = scope["path"]
+            await self._serve(send, ENDPOINTS[path], path, body, request_id, headers, client_id is not None)
         except asyncio.CancelledError:
             if not disconnected:
                 raise  # the server's own cancel (shutdown), not the client's
@@ -177,7 +179,14 @@ class GenerationApp:
             last = await receive()
 
     async def _serve(
-        self, send: Send, endpoint: Endpoint, path: str, raw: bytes, request_id: str, headers: dict[str, str]
+        self,
+        send: Send,
+        endpoint: Endpoint,
+        path: str,
+        raw: bytes,
+        request_id: str,
+        headers: dict[str, str],
+        client_id: bool,
     ) -> None:
         try:
             checked = parse_request(raw, endpoint)
@@ -188,7 +197,7 @@ class GenerationApp:
             return
         try:
             reply = await self.dispatcher.generate(
-                path, checked, request_id, headers.get("authorization"), fan
+                path, checked, request_id, headers.get("authorization"), fan, client_id=client_id
             )
         except Exception:
             log.exception("unexpected error serving request %s", request_id)

@@ -61,7 +61,7 @@ class SlotBook:
         """Legs in flight on the slot, router-wide (every worker's); ``state().in_flight`` is this
         process's own."""
         if self._shared_in_flight is not None:
-            return self._shared_in_flight.total(f"{role.value}/{key}")
+            return self._shared_in_flight.total(role, key)
         return self.state(role, key).in_flight
 
     def _until(self, role: Role, key: str) -> float:
@@ -101,13 +101,13 @@ class SlotBook:
         entry.requests += 1
         entry.in_flight += 1
         if self._shared_in_flight is not None:
-            self._shared_in_flight.add(f"{role.value}/{key}", 1)
+            self._shared_in_flight.add(role, key, 1)
 
     def finished(self, role: Role, key: str, ok: bool) -> None:
         entry = self.state(role, key)
         entry.in_flight -= 1
         if self._shared_in_flight is not None:
-            self._shared_in_flight.add(f"{role.value}/{key}", -1)
+            self._shared_in_flight.add(role, key, -1)
         if not ok:
             entry.errors += 1
 

@@ -60,6 +60,7 @@ class Trace:
     first_byte: float | None = None
     closed: bool = False
     engine_base: str = ""  # the X-Request-Id stem of the legs: the client's id, made unique
+    claimed: bool = False  # the request id is the client's, claimed until the request ends
     prefill_legs: int = 0
     decode_legs: int = 0
     handoff: Handoff | None = None  # the last prefill's, while a decode retry may reuse it

@@ -1,16 +1,20 @@
-"""State the worker processes share (pdserve.proxy.workers): small hash tables in one shared
-anonymous memory mapping, each operation atomic under one process-shared lock.
+"""State the worker processes share (pdserve.proxy.workers), in one shared anonymous memory
+mapping made by the supervisor before it forks and inherited by every worker.
 
-Python has no atomic operations on shared memory, so every read-modify-write takes a
-``multiprocessing`` lock of the fork context (a POSIX semaphore: no system call when
-uncontended, well under a microsecond); it is held for a probe of a few entries and two struct
-operations, never across an ``await``. Created by the supervisor before it forks, inherited by
-every worker.
+Python has no atomic operations on shared memory. What must be read-modify-written by several
+processes (a counter, a deadline, a claim) sits in a small hash table under one
+process-shared lock (a ``multiprocessing`` lock of the fork context: a POSIX semaphore, no
+system call when uncontended), held for a probe of a few entries, never across an ``await``.
+A table is ``entries`` pairs of a non-zero 64-bit key (a hash of a string; 0 marks a free
+entry) and an 8-byte value, placed by linear probing; :meth:`SharedTable.add` removes an entry
+whose value falls to 0 (backward-shift deletion, no tombstones), so a table of request ids in
+flight never fills up with finished ones. Keys and values are native 8-byte words at 8-byte
+offsets: a read sees a word whole, never half of an update.
 
-A table is ``entries`` pairs of a non-zero 64-bit key (a hash of a string; 0 marks a free entry)
-and an 8-byte value (an integer or a float), placed by linear probing; :meth:`SharedTable.add`
-removes an entry whose value falls to 0 (backward-shift deletion, no tombstones), so a table of
-request ids in flight never fills up with finished ones.
+The lock is per request's work, so the hot path takes it as rarely as it can (a py-spy
+profile put the shared state at about a fifth of a worker's CPU per request when every
+operation took it): reads of tables whose entries never move go without it, and the legs in
+flight are counted without a table at all (:class:`SharedInFlight`).
 
 What is shared (and why a per-worker copy would not do):
 
@@ -31,9 +35,10 @@ import mmap
 import struct
 from typing import Any
 
-_KEY = struct.Struct("<Q")
-_INT = struct.Struct("<q")
-_FLOAT = struct.Struct("<d")
+# Native words (no byte order given): packed and unpacked with one 8-byte copy each.
+_KEY = struct.Struct("Q")
+_INT = struct.Struct("q")
+_FLOAT = struct.Struct("d")
 ENTRY_BYTES = 16
 
 
@@ -60,7 +65,7 @@ def probe(keys: list[int], key: int) -> int:
 
 
 class SharedTable:
-    """One table in a region of a shared mapping; every method takes the lock."""
+    """One table in a region of a shared mapping; every method but :meth:`peek` takes the lock."""
 
     def __init__(self, buf: mmap.mmap, offset: int, entries: int, lock: Any, value: struct.Struct) -> None:
         self._buf = buf
@@ -68,10 +73,6 @@ class SharedTable:
         self._n = entries
         self._lock = lock
         self._value = value
-
-    @property
-    def lock(self) -> Any:
-        return self._lock
 
     def _key_at(self, i: int) -> int:
         return int(_KEY.unpack_from(self._buf, self._base + i * ENTRY_BYTES)[0])
@@ -97,11 +98,15 @@ class SharedTable:
             return self.get_locked(key, default)
 
     def get_locked(self, key: int, default: Any = 0) -> Any:
-        """:meth:`get` for a caller that holds the lock already."""
+        """:meth:`get` for a caller that holds the lock already; also :meth:`peek`."""
         i = self._find(key)
         if i < 0 or self._key_at(i) == 0:
             return default
         return self._get(i)
+
+    #: A read without the lock, only for a table whose entries never move (nothing is ever
+    #: deleted from it): a concurrent writer's entry is then seen whole, or not yet.
+    peek = get_locked
 
     def add(self, key: int, delta: int) -> int:
         """Add ``delta``; the value before. An entry that reaches 0 is removed. A full table
@@ -176,11 +181,13 @@ class SharedDeadlines:
         self._table.raise_to(self._latest, until)
         return old <= now
 
+    # Reads go without the lock: deadlines are only ever raised, never deleted (peek).
+
     def until(self, key: str) -> float:
-        return float(self._table.get(slot_hash(self._kind, key), 0.0))
+        return float(self._table.peek(slot_hash(self._kind, key), 0.0))
 
     def latest(self) -> float:
-        return float(self._table.get(self._latest, 0.0))
+        return float(self._table.peek(self._latest, 0.0))
 
 
 class SharedClaims:
@@ -203,28 +210,62 @@ class SharedClaims:
 
 
 class SharedInFlight:
-    """Legs in flight per slot, router-wide: each worker counts its own in a region of its own
-    (cleared when the worker starts, so a worker that died leaves no stale count behind), and a
-    read sums the regions. The per-slot limit of the back-pressure reads it."""
+    """Legs in flight per slot, router-wide, counted without a lock (the per-slot limit of the
+    back-pressure reads it on every request, and a locked table cost a visible share of a
+    worker's CPU).
 
-    def __init__(self, tables: list[SharedTable]) -> None:
-        self._tables = tables
-        self._lock = tables[0].lock
-        self._own: SharedTable | None = None
+    Each worker counts its own legs in an array of its own. It is the array's only writer, and
+    its one event loop never runs two updates at once, so it needs no lock; a read sums every
+    worker's array, one whole 8-byte word per cell. A worker's array is zeroed when it starts,
+    so a worker that died leaves no stale count behind.
+
+    There are no keys to probe or delete: a slot's count is kept in one cell of each of two
+    rows, the cells picked by two halves of a hash of its key (a count-min sketch). Another
+    busy slot in the same cell can only add to a sum, so the smaller of the slot's two sums is
+    never below its true count: the limit is never exceeded because of a collision, and a slot
+    that collides on both rows (with ``b`` busy slots, about ``(b / CELLS)**2`` of them) only
+    reaches its limit early.
+    """
+
+    ROWS = 2
+    CELLS = 1 << 15  # per row
+    BYTES = ROWS * CELLS * 8  # one worker's array
+
+    def __init__(self, arrays: list[memoryview]) -> None:
+        self._arrays = arrays  # per worker: ROWS * CELLS native int64 cells
+        self._own: memoryview | None = None
+        self._cells: dict[tuple[str, str], tuple[int, int]] = {}
 
     def bind(self, worker: int) -> None:
-        """This process is worker ``worker``: its region starts empty."""
-        self._own = self._tables[worker]
-        self._own.clear()
+        """This process is worker ``worker``: its array starts empty."""
+        own = self._own = self._arrays[worker]
+        own[:] = memoryview(bytes(self.BYTES)).cast("q")
 
-    def add(self, key: str, delta: int) -> None:
-        if self._own is not None:
-            self._own.add(slot_hash("in-flight", key), delta)
+    def cells(self, role: str, key: str) -> tuple[int, int]:
+        """The slot's cell in each row."""
+        found = self._cells.get((role, key))
+        if found is None:
+            if len(self._cells) > 65536:  # slot keys of many past tables: start again
+                self._cells.clear()
+            hashed = key_hash("in-flight", role, key)
+            found = (hashed & 0xFFFFFFFF) % self.CELLS, self.CELLS + (hashed >> 32) % self.CELLS
+            self._cells[(role, key)] = found
+        return found
 
-    def total(self, key: str) -> int:
-        hashed = slot_hash("in-flight", key)
-        with self._lock:  # one lock for every region (they share it): one acquisition, not N
-            return sum(int(table.get_locked(hashed, 0)) for table in self._tables)
+    def add(self, role: str, key: str, delta: int) -> None:
+        own = self._own
+        if own is not None:
+            first, second = self.cells(role, key)
+            own[first] += delta
+            own[second] += delta
+
+    def total(self, role: str, key: str) -> int:
+        first, second = self.cells(role, key)
+        a = b = 0
+        for cells in self._arrays:
+            a += cells[first]
+            b += cells[second]
+        return min(a, b)
 
 
 class SharedState:
@@ -233,18 +274,11 @@ class SharedState:
     COUNTER_ENTRIES = 1024
     DEADLINE_ENTRIES = 8192  # slots and instances ever ejected (a few per GPU group)
     CLAIM_ENTRIES = 1 << 17  # client request ids in flight at once
-    IN_FLIGHT_ENTRIES = 4096  # slots in use at once, per worker
 
     def __init__(self, lock: Any, workers: int = 1) -> None:
-        sizes = (
-            self.COUNTER_ENTRIES,
-            self.DEADLINE_ENTRIES,
-            self.CLAIM_ENTRIES,
-            1,
-            4,
-            *([self.IN_FLIGHT_ENTRIES] * workers),
-        )
-        self._buf = mmap.mmap(-1, sum(sizes) * ENTRY_BYTES)  # MAP_SHARED | MAP_ANONYMOUS
+        sizes = (self.COUNTER_ENTRIES, self.DEADLINE_ENTRIES, self.CLAIM_ENTRIES, 1, 4)
+        tables = sum(sizes) * ENTRY_BYTES
+        self._buf = mmap.mmap(-1, tables + workers * SharedInFlight.BYTES)  # MAP_SHARED | MAP_ANONYMOUS
         offsets = [sum(sizes[:k]) * ENTRY_BYTES for k in range(len(sizes))]
         self.counters = SharedCounters(SharedTable(self._buf, offsets[0], sizes[0], lock, _INT))
         deadlines = SharedTable(self._buf, offsets[1], sizes[1], lock, _FLOAT)
@@ -255,8 +289,11 @@ class SharedState:
             SharedTable(self._buf, offsets[3], sizes[3], lock, _INT),
         )
         self._flags = SharedTable(self._buf, offsets[4], sizes[4], lock, _INT)
+        words = memoryview(self._buf).cast("q")
+        per_worker = SharedInFlight.BYTES // 8
+        first = tables // 8
         self.in_flight = SharedInFlight(
-            [SharedTable(self._buf, offsets[5 + w], sizes[5 + w], lock, _INT) for w in range(workers)]
+            [words[first + w * per_worker : first + (w + 1) * per_worker] for w in range(workers)]
         )
 
     _STOPPING = 1

@@ -9,7 +9,7 @@ from pdserve.proxy.counters import LocalCounters
 from pdserve.proxy.health import SlotBook
 from pdserve.proxy.merge import merge_debug, merge_served
 from pdserve.proxy.policies import make_policy
-from pdserve.proxy.shared import SharedCounters, SharedState, key_hash, probe
+from pdserve.proxy.shared import SharedCounters, SharedInFlight, SharedState, key_hash, probe
 from pdserve.routing import Instance, Role, interleaved_slots
 
 
@@ -137,3 +137,50 @@ def test_backward_shift_deletion_keeps_every_probe_run_reachable() -> None:
     for key in (8, 24, 11, 7):
         assert table.get(key) == 1, key
     assert table.get(16) == 0 and table.get(3) == 0
+
+
+def _legs(in_flight: SharedInFlight, worker: int, keys: list[str], out: multiprocessing.Queue) -> None:  # type: ignore[type-arg]
+    in_flight.bind(worker)
+    for n, key in enumerate(keys):
+        for _ in range(n + 1):
+            in_flight.add("decode", key, 1)
+    in_flight.add("decode", keys[0], -1)
+    out.put(worker)
+
+
+def test_legs_in_flight_are_summed_over_every_workers_own_array() -> None:
+    context = multiprocessing.get_context("fork")
+    state = SharedState(context.Lock(), workers=3)
+    keys = [f"d{i}/0" for i in range(4)]
+    out: multiprocessing.Queue = context.Queue()  # type: ignore[type-arg]
+    procs = [context.Process(target=_legs, args=(state.in_flight, w, keys, out)) for w in (0, 1)]
+    for proc in procs:
+        proc.start()
+    assert sorted(out.get(timeout=30) for _ in procs) == [0, 1]
+    for proc in procs:
+        proc.join(10)
+    # Each of the two workers holds n + 1 legs on keys[n] (one fewer on keys[0]); worker 2 none.
+    assert [state.in_flight.total("decode", key) for key in keys] == [0, 4, 6, 8]
+    assert state.in_flight.total("prefill", keys[1]) == 0  # the role is part of the slot
+    state.in_flight.bind(1)  # a restarted worker 1 starts from an empty array
+    assert [state.in_flight.total("decode", key) for key in keys] == [0, 2, 3, 4]
+
+
+def test_a_collision_can_only_over_count_and_the_smaller_row_wins() -> None:
+    state = SharedState(multiprocessing.get_context("fork").Lock(), workers=1)
+    in_flight = state.in_flight
+    in_flight.bind(0)
+    first, second = in_flight.cells("decode", "a/0")
+    # Another slot that shares a's first-row cell, but not its second-row one.
+    other = next(
+        f"b{i}/0"
+        for i in range(1_000_000)
+        if in_flight.cells("decode", f"b{i}/0")[0] == first
+        and in_flight.cells("decode", f"b{i}/0")[1] != second
+    )
+    for _ in range(5):
+        in_flight.add("decode", other, 1)
+    in_flight.add("decode", "a/0", 1)
+    assert in_flight.total("decode", "a/0") == 1  # the second row has a alone
+    assert in_flight.total("decode", other) == 5
+    assert SharedInFlight.CELLS**2 > 1000 * 1000  # a thousand busy slots: double collisions are rare
