@@ -198,6 +198,12 @@ class MergedStream:
         self._failed = False
         self._done = False
 
+    #: The parts' ends are not tracked here: the merged stream ends after the last part's.
+    complete = False
+
+    def delivered(self) -> None:
+        pass
+
     def __aiter__(self) -> MergedStream:
         return self
 

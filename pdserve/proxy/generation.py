@@ -11,7 +11,6 @@ client disconnect cancelling the request (and so both upstream legs).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hmac
 import json
 import logging
@@ -139,10 +138,7 @@ class GenerationApp:
         finally:
             finished = True
             watching.remove_done_callback(hang_up)
-            if not watching.done():
-                watching.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await watching
+            watching.cancel()  # not awaited: it ends in its next step, and this task need not wait
 
     def _refusal(self, scope: Scope, headers: dict[str, str]) -> RequestError | None:
         if scope["method"] != "POST":
@@ -264,6 +260,10 @@ async def _send_reply(send: Send, reply: Reply, request_id: str) -> None:
         headers.append((b"cache-control", b"no-cache"))
         await send({"type": "http.response.start", "status": reply.status, "headers": headers})
         async for chunk in relay:
+            if relay.complete:  # the [DONE] event ends the response, in the same write
+                await send({"type": "http.response.body", "body": chunk, "more_body": False})
+                relay.delivered()
+                return
             await send({"type": "http.response.body", "body": chunk, "more_body": True})
         await send({"type": "http.response.body", "body": b"", "more_body": False})
     finally:

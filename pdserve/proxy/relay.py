@@ -103,6 +103,13 @@ class RelayStream:
         self._client_has_all = False  # ... and the HTTP layer sent it (it asked for more)
         self._idle = IdleDeadline(opened.response, dispatcher.deadlines.stream_idle)
 
+    @property
+    def complete(self) -> bool:
+        return self._done_relayed
+
+    def delivered(self) -> None:
+        self._client_has_all = True
+
     def __aiter__(self) -> RelayStream:
         return self
 
@@ -167,8 +174,8 @@ class RelayStream:
             return
         self._done = True
         self._idle.stop()
-        if outcome == "ok":
-            self._response.release()
+        if outcome == "ok":  # the engine's end of body may still be on its way: wait for it
+            self._response.release(linger=self._idle.seconds)
         else:
             self._response.close()  # the decode sees the disconnect and frees the request's KV
             if self._background is not None and not self._background.done():

@@ -12,7 +12,18 @@ JSON = "application/json"
 
 
 class ReplyStream(Protocol):
-    """Chunks relayed as they come; ``aclose`` ends the stream early (closes the upstreams)."""
+    """Chunks relayed as they come; ``aclose`` ends the stream early (closes the upstreams).
+
+    ``complete`` turns true once the chunks returned so far are the whole answer (its
+    ``[DONE]`` event): the HTTP layer then ends the response with that chunk, in one write,
+    instead of waiting for the engine's end of body, and says so with ``delivered`` once it
+    is sent (``aclose`` then finishes the stream as a success).
+    """
+
+    @property
+    def complete(self) -> bool: ...
+
+    def delivered(self) -> None: ...
 
     def __aiter__(self) -> ReplyStream: ...
 

@@ -9,7 +9,6 @@ aiohttp session.
 
 from __future__ import annotations
 
-import asyncio
 from dataclasses import dataclass
 
 import aiohttp
@@ -98,9 +97,8 @@ class Upstream:
         """One buffered request; the deadline covers the whole answer."""
         resp: h1.Response | None = None
         try:
-            async with asyncio.timeout(deadline):
-                resp = await self._pool.post(url, payload, headers)
-                body = await resp.read()
+            resp = await self._pool.post(url, payload, headers, deadline)
+            body = await resp.read()
             resp.release()
             return _checked(Answer(resp.status, body, resp.content_type))
         except h1.HTTPError as exc:  # first: the connect timeout is not the answer's deadline
@@ -122,12 +120,12 @@ class Upstream:
         """Send a streaming request and wait for its first chunk; the deadline covers both."""
         resp: h1.Response | None = None
         try:
-            async with asyncio.timeout(deadline):
-                resp = await self._pool.post(url, payload, headers)
-                if resp.status >= 400:
-                    body = await resp.read()
-                    _checked(Answer(resp.status, body, resp.content_type))
-                first = await resp.readany()
+            resp = await self._pool.post(url, payload, headers, deadline)
+            if resp.status >= 400:
+                body = await resp.read()
+                _checked(Answer(resp.status, body, resp.content_type))
+            first = await resp.readany()
+            resp.disarm()  # from here the relay's stream-idle deadline applies
             if not first:
                 raise LegError("dropped", "the stream ended before its first byte")
             return OpenStream(resp, first)

@@ -126,3 +126,55 @@ def test_server_that_breaks_mid_answer_is_disconnected() -> None:
             pool.close()
 
     asyncio.run(run())
+
+
+def test_deadline_fails_a_late_answer_and_a_lingering_release_reuses_the_connection() -> None:
+    peers: list[object] = []
+    tail_sent = asyncio.Event()
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        peers.append(request.transport.get_extra_info("peername") if request.transport else None)
+        await request.read()
+        if request.headers.get("X-Late"):
+            await asyncio.sleep(1)
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await resp.write(b"data: [DONE]\n\n")
+        if request.headers.get("X-Never-Ends"):
+            await asyncio.sleep(1)
+            return resp
+        await asyncio.sleep(0.2)  # the end of body comes well after the last event, as vLLM's may
+        await resp.write_eof()
+        tail_sent.set()
+        return resp
+
+    async def run() -> None:
+        app = web.Application()
+        app.router.add_post("/v1/completions", handler)
+        async for base in _server(app):
+            url = base + "/v1/completions"
+            pool = h1.Pool(connect_timeout=2, keepalive=30)
+            with pytest.raises(h1.DeadlineExceeded):
+                await pool.post(url, b"{}", {"X-Late": "1"}, deadline=0.3)
+            resp = await pool.post(url, b"{}", {}, deadline=5)
+            assert await resp.readany() == b"data: [DONE]\n\n"
+            resp.release(linger=5)  # its end is not in yet: the connection waits for it
+            await asyncio.wait_for(tail_sent.wait(), 5)
+            await asyncio.sleep(0.05)
+            resp = await pool.post(url, b"{}", {})
+            assert await resp.read() == b"data: [DONE]\n\n"
+            resp.release()
+            lingering = await pool.post(url, b"{}", {"X-Never-Ends": "1"})
+            assert await lingering.readany() == b"data: [DONE]\n\n"
+            lingering.release(linger=0.3)  # no end within 0.3 s: the connection is closed
+            await asyncio.sleep(0.5)
+            resp = await pool.post(url, b"{}", {})
+            resp.close()
+            pool.close()
+        # The late answer's connection was closed (a new one for the next); the linger kept the
+        # second connection for the third and fourth requests; the fourth never ended within its
+        # linger, so its connection was closed and the last request needed a new one.
+        assert len(peers) == 5
+        assert peers[1] == peers[2] == peers[3] and len({peers[0], peers[1], peers[4]}) == 3
+
+    asyncio.run(run())
