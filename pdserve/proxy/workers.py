@@ -55,6 +55,14 @@ MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"  # pdserve.proxy.metrics reads it (no
 RESTART_DELAY_S = 1.0
 
 
+def memory_dir() -> str | None:
+    """Where the run directory goes: /dev/shm when writable (a tmpfs in every container and pod),
+    so the metrics files the workers write on every request are memory, never written back to a
+    disk; else the system's temporary directory."""
+    shm = Path("/dev/shm")
+    return str(shm) if shm.is_dir() and os.access(shm, os.W_OK) else None
+
+
 def _worker_main(
     settings: ProxySettings, shared: SharedState, sockets: list[list[socket.socket]], index: int
 ) -> None:
@@ -65,6 +73,12 @@ def _worker_main(
             for sock in own:
                 sock.close()  # a sibling's socket: a dead sibling's must not stay open here
     shared.in_flight.bind(index)  # a restarted worker's region starts from 0
+    # From here this process's id never changes: its metric values need not ask the kernel for
+    # it on every update (prometheus_client's multiprocess values check for a fork each time).
+    from prometheus_client import values
+
+    pid = os.getpid()
+    values.ValueClass = values.MultiProcessValue(lambda: pid)  # type: ignore[no-untyped-call]
     from pdserve.proxy.server import run_server
 
     run_server(settings, shared, sockets[index])
@@ -73,7 +87,7 @@ def _worker_main(
 def run_workers(settings: ProxySettings) -> int:
     """Serve with ``settings.workers`` processes until SIGTERM/SIGINT; the exit status."""
     count = settings.workers
-    rundir = Path(tempfile.mkdtemp(prefix="pdserve-proxy-"))
+    rundir = Path(tempfile.mkdtemp(prefix="pdserve-proxy-", dir=memory_dir()))
     metrics_dir = rundir / "metrics"
     metrics_dir.mkdir()
     os.environ[MULTIPROC_ENV] = str(metrics_dir)  # before prometheus_client is imported
