@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from functools import cached_property
 
 from pdserve.routing.table import Endpoint, Instance, Role, RoutingTable
 
@@ -48,33 +49,36 @@ class Slot:
     instance: Instance
     dp_rank: int  # global: the slot's identity, whatever endpoint serves it
 
-    @property
+    # Computed once per slot (a slot lives as long as its table, and every request reads its
+    # key and address several times): the properties below are cached on the instance.
+
+    @cached_property
     def key(self) -> str:
         """Stable label for metrics and debug output: ``<instance>/<rank>``."""
         return slot_key(self.instance.name, self.dp_rank)
 
-    @property
+    @cached_property
     def endpoint(self) -> Endpoint | None:
         """The API server holding this rank (None: the instance's ``url`` serves every rank)."""
         return self.instance.endpoint_for(self.dp_rank) if self.instance.endpoints else None
 
-    @property
+    @cached_property
     def local_rank(self) -> int:
         """The rank as the serving API server numbers it (the global rank without endpoints)."""
         endpoint = self.endpoint
         return self.dp_rank - endpoint.first_rank if endpoint is not None else self.dp_rank
 
-    @property
+    @cached_property
     def rank_header(self) -> int | None:
         """The ``X-data-parallel-rank`` to send, or None when the instance has one engine."""
         return self.local_rank if self.instance.dp_size > 1 else None
 
-    @property
+    @cached_property
     def url(self) -> str:
         endpoint = self.endpoint
         return endpoint.url if endpoint is not None else self.instance.url
 
-    @property
+    @cached_property
     def kv_address(self) -> str | None:
         """The KV address of the node serving this rank (the endpoint's, else the instance's)."""
         endpoint = self.endpoint
@@ -82,13 +86,13 @@ class Slot:
             return endpoint.kv_address
         return self.instance.kv_address
 
-    @property
+    @cached_property
     def local_dp_size(self) -> int:
         """How many ranks the serving API server has (what a peer sees behind ``kv_address``)."""
         endpoint = self.endpoint
         return endpoint.ranks if endpoint is not None else self.instance.dp_size
 
-    @property
+    @cached_property
     def revision(self) -> str:
         return self.instance.revision
 
