@@ -144,7 +144,8 @@ class RelayStream:
 
     def _relayed(self, chunk: bytes) -> bytes:
         self._ends_event = chunk.endswith(b"\n\n")
-        seen = self._tail + chunk
+        # The chunk is not copied: only a chunk shorter than [DONE] is joined to the tail.
+        seen = chunk if len(chunk) >= len(SSE_DONE) else self._tail + chunk
         self._done_relayed = self._done_relayed or seen.endswith(SSE_DONE)
         self._tail = seen[-len(SSE_DONE) :]
         return chunk
