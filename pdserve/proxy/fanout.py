@@ -204,6 +204,9 @@ class MergedStream:
     def delivered(self) -> None:
         pass
 
+    def push_to(self, push: Callable[[bytes], bool]) -> None:
+        """Not taken: the parts are merged event by event, in the serving task."""
+
     def __aiter__(self) -> MergedStream:
         return self
 

@@ -46,6 +46,11 @@ WANTED_HEADERS = frozenset({"x-request-id", "content-length", "authorization"})
 
 ENDPOINTS: dict[str, Endpoint] = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}
 
+#: ASGI scope extension of a server that can write body chunks of a started response outside
+#: ``send``: ``scope["extensions"][PUSH_BODY](chunk)`` writes the chunk now and returns True, or
+#: returns False when it must go through ``send`` (pdserve.proxy.server offers it on uvicorn).
+PUSH_BODY = "pdserve.push_body"
+
 
 def client_key_problem(api_key: str | None, authorization: str | None) -> RequestError | None:
     """401 unless the client presents ``Bearer <api_key>`` (constant-time comparison)."""
@@ -127,7 +132,10 @@ class GenerationApp:
         watching.add_done_callback(hang_up)
         try:
             path = scope["path"]
-            await self._serve(send, ENDPOINTS[path], path, body, request_id, headers, client_id is not None)
+            push = scope["extensions"].get(PUSH_BODY) if "extensions" in scope else None
+            await self._serve(
+                send, push, ENDPOINTS[path], path, body, request_id, headers, client_id is not None
+            )
         except asyncio.CancelledError:
             if not disconnected:
                 raise  # the server's own cancel (shutdown), not the client's
@@ -177,6 +185,7 @@ class GenerationApp:
     async def _serve(
         self,
         send: Send,
+        push: Callable[[bytes], bool] | None,
         endpoint: Endpoint,
         path: str,
         raw: bytes,
@@ -198,7 +207,7 @@ class GenerationApp:
         except Exception:
             log.exception("unexpected error serving request %s", request_id)
             reply = Reply(500, codec.dumps(error_body(500, "internal proxy error")), reason="internal_error")
-        await _send_reply(send, reply, request_id)
+        await _send_reply(send, reply, request_id, push)
 
 
 def parse_request(raw: bytes, endpoint: Endpoint) -> Mapping[str, Any]:
@@ -242,7 +251,10 @@ def _log_refusal(request_id: str, path: str, exc: RequestError) -> None:
     )
 
 
-async def _send_reply(send: Send, reply: Reply, request_id: str) -> None:
+async def _send_reply(
+    send: Send, reply: Reply, request_id: str, push: Callable[[bytes], bool] | None = None
+) -> None:
+    """``push``: the server's writer of body chunks between sends (:data:`PUSH_BODY`), if any."""
     headers = [
         (b"content-type", reply.content_type.encode()),
         (b"x-request-id", request_id.encode("latin-1")),
@@ -259,6 +271,8 @@ async def _send_reply(send: Send, reply: Reply, request_id: str) -> None:
     try:
         headers.append((b"cache-control", b"no-cache"))
         await send({"type": "http.response.start", "status": reply.status, "headers": headers})
+        if push is not None:
+            relay.push_to(push)
         async for chunk in relay:
             if relay.complete:  # the [DONE] event ends the response, in the same write
                 await send({"type": "http.response.body", "body": chunk, "more_body": False})

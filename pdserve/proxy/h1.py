@@ -23,6 +23,7 @@ import asyncio
 import ssl
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import httptools
@@ -94,6 +95,9 @@ class Response:
         self._waiter: asyncio.Future[None] | None = None
         self._deadline: asyncio.TimerHandle | None = None
         self._lingering = False  # released before its end: give the connection back at the end
+        #: Takes a chunk as it arrives while the reader waits with nothing buffered; True when it
+        #: took it (the reader is not woken), False to buffer it for the reader as usual.
+        self.sink: Callable[[bytes], bool] | None = None
 
     def expire_in(self, seconds: float) -> None:
         """Fail the pending and later reads with :class:`DeadlineExceeded` unless the answer is
@@ -179,6 +183,25 @@ class Response:
         self._buffered += len(data)
         if self._buffered > HIGH_WATER and self._conn is not None:
             self._conn.transport.pause_reading()
+        if self.sink is None:
+            self._wake()
+        # else: _arrived, once the connection's bytes are parsed, offers them to the sink at once
+
+    def _arrived(self) -> None:
+        """The end of one read from the connection: what it brought goes to the sink in one
+        piece if the reader waits with nothing else buffered, else to the reader."""
+        if not self._chunks:
+            return
+        waiter = self._waiter
+        if self.sink is not None and waiter is not None and not waiter.done():
+            data = self._chunks.popleft() if len(self._chunks) == 1 else b"".join(self._chunks)
+            self._chunks.clear()
+            if self.sink(data):
+                if self._buffered > HIGH_WATER and self._conn is not None:
+                    self._conn.transport.resume_reading()
+                self._buffered = 0
+                return
+            self._chunks.append(data)
         self._wake()
 
     def _got_end(self) -> None:
@@ -228,12 +251,16 @@ class _Connection(asyncio.Protocol):
         if self.response is None:  # bytes nobody asked for: the connection is not reusable
             self.transport.close()
             return
+        response = self.response
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserError as exc:
             self.transport.close()
             if self.response is not None:
                 self.response._failed(Disconnected(f"malformed answer: {exc}"))
+            return
+        if response.sink is not None:
+            response._arrived()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.lost = True

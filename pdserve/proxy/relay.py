@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from pdserve.proxy import codec, h1
@@ -22,6 +23,10 @@ def sse_error_event(status: int, message: str) -> bytes:
     """An error event in the stream, shaped as vLLM shapes its own mid-stream errors."""
     event = codec.dumps(error_body(status, message))
     return b"data: " + event + b"\n\ndata: [DONE]\n\n"
+
+
+def _refuse(_: bytes) -> bool:
+    return False
 
 
 class StreamIdle(Exception):
@@ -102,6 +107,25 @@ class RelayStream:
         self._done_relayed = False  # [DONE] was returned to the HTTP layer
         self._client_has_all = False  # ... and the HTTP layer sent it (it asked for more)
         self._idle = IdleDeadline(opened.response, dispatcher.deadlines.stream_idle)
+        self._push: Callable[[bytes], bool] = _refuse
+
+    def push_to(self, push: Callable[[bytes], bool]) -> None:
+        """Hand each chunk that arrives while the relay waits straight to ``push`` (the client
+        connection's writer, from the decode connection's callback): no wake-up of the serving
+        task per chunk. ``push`` refuses (False) when the client is slow or gone; the chunk is
+        then buffered and goes the usual way. ``[DONE]`` always goes the usual way: it ends the
+        client's response."""
+        self._push = push
+        self._response.sink = self._pushed
+
+    def _pushed(self, chunk: bytes) -> bool:
+        seen = chunk if len(chunk) >= len(SSE_DONE) else self._tail + chunk
+        if seen.endswith(SSE_DONE) or not self._push(chunk):
+            return False
+        self._ends_event = chunk.endswith(b"\n\n")
+        self._tail = seen[-len(SSE_DONE) :]
+        self._idle.reading()  # the decode sent something: the idle period starts again
+        return True
 
     @property
     def complete(self) -> bool:
@@ -175,6 +199,7 @@ class RelayStream:
             return
         self._done = True
         self._idle.stop()
+        self._response.sink = None
         if outcome == "ok":  # the engine's end of body may still be on its way: wait for it
             self._response.release(linger=self._idle.seconds)
         else:

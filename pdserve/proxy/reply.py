@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -18,12 +19,17 @@ class ReplyStream(Protocol):
     ``[DONE]`` event): the HTTP layer then ends the response with that chunk, in one write,
     instead of waiting for the engine's end of body, and says so with ``delivered`` once it
     is sent (``aclose`` then finishes the stream as a success).
+
+    ``push_to`` offers a writer that takes chunks as they arrive, outside the iteration (see
+    pdserve.proxy.generation.PUSH_BODY); a stream may ignore it.
     """
 
     @property
     def complete(self) -> bool: ...
 
     def delivered(self) -> None: ...
+
+    def push_to(self, push: Callable[[bytes], bool]) -> None: ...
 
     def __aiter__(self) -> ReplyStream: ...
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import gc
 import logging
 import math
@@ -22,10 +23,10 @@ from collections.abc import Awaitable, Callable, Iterator, Sequence
 import uvicorn
 from hypercorn.asyncio import serve as hypercorn_serve
 from hypercorn.config import Config as HypercornConfig
-from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
 
 from pdserve.proxy.app import Lifecycle, create_app
-from pdserve.proxy.generation import GenerationApp
+from pdserve.proxy.generation import PUSH_BODY, GenerationApp
 from pdserve.proxy.settings import ProxySettings
 from pdserve.proxy.shared import SharedState
 
@@ -109,10 +110,39 @@ class _HeadWithBody:
 
 
 class _HttpToolsProtocol(HttpToolsProtocol):
-    """uvicorn's httptools protocol on :class:`_HeadWithBody`."""
+    """uvicorn's httptools protocol on :class:`_HeadWithBody`, offering :data:`PUSH_BODY`."""
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(_HeadWithBody(transport))  # type: ignore[arg-type]
+
+    def on_headers_complete(self) -> None:
+        super().on_headers_complete()
+        cycle = self.cycle
+        if cycle is not None and cycle.scope is self.scope:  # this request's (not an upgrade)
+            extensions: dict[str, object] = self.scope.setdefault("extensions", {})  # type: ignore[assignment]
+            extensions[PUSH_BODY] = functools.partial(_push_body, cycle)
+
+
+def _push_body(cycle: RequestResponseCycle, chunk: bytes) -> bool:
+    """Write ``chunk`` of a started chunked response now, framed as uvicorn's ``send`` frames it.
+
+    A relayed stream's chunks arrive in the decode connection's callback; handing each to the
+    serving task costs a future, a wake-up and an ASGI message per chunk, the largest share of
+    the CPU per streamed chunk. False (nothing written) whenever ``send`` must decide: the
+    response not started or not chunked, or complete, or the client gone or going, or slow
+    (uvicorn's flow control then holds the task in ``send`` until the client catches up).
+    """
+    if (
+        cycle.disconnected
+        or cycle.flow.write_paused
+        or cycle.transport.is_closing()
+        or not cycle.chunked_encoding
+        or not cycle.response_started
+        or cycle.response_complete
+    ):
+        return False
+    cycle.transport.write(b"%x\r\n%b\r\n" % (len(chunk), chunk))
+    return True
 
 
 def uvicorn_config(app: GenerationApp, settings: ProxySettings) -> uvicorn.Config:

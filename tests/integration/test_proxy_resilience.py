@@ -29,12 +29,18 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PDStack]:
         for name, role in (("p0", "prefill"), ("p1", "prefill"), ("d0", "decode"), ("d1", "decode")):
             pd.sim(name, role, wait=False)
         pd.sim("dlong", "decode", extra=["--itl-ms", "100", "--tokens", "30"], wait=False)  # a 3 s stream
+        bulk = ["--itl-ms", "0", "--tokens", str(BULK_TOKENS)]  # megabytes as fast as it can
+        pd.sim("dbulk", "decode", extra=bulk, wait=False)
         pd.wait_sims()
         pd.write(pd.table([pd.sims["p0"]], [pd.sims["d0"]]), wait=False)
         pd.start_proxy()
         yield pd
     finally:
         group.stop_all()
+
+
+BULK_TOKENS = 40000  # about 10 MB of events: past every buffer between the decode and the client
+STALL_EVERY = 1 << 20  # the slow client stops reading after each MB it gets, a few times
 
 
 def proxy_debug(proxy: Proc) -> dict[str, Any]:
@@ -167,9 +173,15 @@ def test_killed_backends_are_retried_and_ejected(stack: PDStack) -> None:
     stack.route([s["p0"]], [s["d0"]])
 
 
-def raw_request(port: int, body: dict[str, Any]) -> socket.socket:
+def raw_request(port: int, body: dict[str, Any], receive_buffer: int | None = None) -> socket.socket:
+    """A request on a socket of its own; ``receive_buffer`` fixes the client's TCP window (set
+    before the connect, so the kernel does not grow it)."""
     data = json.dumps(body).encode()
-    sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    if receive_buffer is not None:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, receive_buffer)
+    sock.settimeout(10)
+    sock.connect(("127.0.0.1", port))
     head = (
         "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
         f"Content-Length: {len(data)}\r\n\r\n"
@@ -192,6 +204,63 @@ def test_client_disconnect_mid_stream_cancels_the_decode(stack: PDStack) -> None
     eventually(lambda: stack.metric("pdserve_proxy_in_flight") == 0)
     assert stack.debug()["slots"]["decode"][0]["in_flight"] == 0
     assert stack.metric("pdserve_proxy_requests_total", outcome="cancelled") >= 1
+
+
+def read_chunked(sock: socket.socket, stalls: int, stall_s: float) -> tuple[bytes, bytes]:
+    """The head and the de-chunked body of one HTTP/1.1 response, read by a client that stops
+    reading for ``stall_s`` seconds, ``stalls`` times, spread over the response's first MBs."""
+    buffer = b""
+    received = 0
+
+    def more() -> None:
+        nonlocal buffer, received
+        data = sock.recv(65536)
+        assert data, "the proxy closed the connection mid-response"
+        buffer += data
+        before, received = received, received + len(data)
+        if before // STALL_EVERY < min(stalls, received // STALL_EVERY):
+            time.sleep(stall_s)
+
+    while b"\r\n\r\n" not in buffer:
+        more()
+    head, _, buffer = buffer.partition(b"\r\n\r\n")
+    assert b"transfer-encoding: chunked" in head.lower(), head
+    body = []
+    while True:
+        while b"\r\n" not in buffer:
+            more()
+        size_line, _, buffer = buffer.partition(b"\r\n")
+        size = int(size_line, 16)
+        while len(buffer) < size + 2:
+            more()
+        assert buffer[size : size + 2] == b"\r\n", "chunk framing broken"
+        if size == 0:
+            return head, b"".join(body)
+        body.append(buffer[:size])
+        buffer = buffer[size + 2 :]
+
+
+def test_a_slow_client_gets_a_long_stream_whole_and_in_order(stack: PDStack) -> None:
+    """Chunks go to the client straight from the decode's connection while it keeps up, and
+    through the serving task (uvicorn's flow control, then the decode's connection paused)
+    while it does not: nothing is lost, repeated or reordered when the path switches, and the
+    response is framed right. Each stall outlasts what the kernel buffers (4 MB here): the switch happens."""
+    dbulk = stack.sims["dbulk"]
+    stack.route([stack.sims["p0"]], [dbulk])
+    assert stack.proxy is not None
+    request = {"prompt": "x", "max_tokens": BULK_TOKENS, "stream": True}
+    sock = raw_request(stack.proxy.port, request, receive_buffer=65536)
+    try:
+        head, body = read_chunked(sock, stalls=2, stall_s=1.5)
+    finally:
+        sock.close()
+    assert head.startswith(b"HTTP/1.1 200"), head
+    events = sse_events(body)
+    assert events[-1] == "[DONE]" and events.count("[DONE]") == 1
+    text = "".join(json.loads(e)["choices"][0]["text"] for e in events[:-1])
+    assert text == "".join(f" tok{i}" for i in range(BULK_TOKENS))
+    eventually(lambda: dbulk.stats()["in_flight"] == 0)
+    assert dbulk.stats()["completed"] == 1
 
 
 def test_client_disconnect_during_prefill_cancels_it_and_sends_no_decode(stack: PDStack) -> None:

@@ -178,3 +178,55 @@ def test_deadline_fails_a_late_answer_and_a_lingering_release_reuses_the_connect
         assert peers[1] == peers[2] == peers[3] and len({peers[0], peers[1], peers[4]}) == 3
 
     asyncio.run(run())
+
+
+def test_a_sink_takes_only_what_arrives_while_the_reader_waits_with_nothing_buffered() -> None:
+    """The order of a relayed stream rests on this: a chunk goes to the sink only when every
+    earlier chunk has been read; a chunk the sink refuses goes to the reader."""
+    release: list[asyncio.Event] = []
+    parts = (b"data: a\n\n", b"data: b\n\n", b"data: c\n\n")
+    taken: list[bytes] = []
+    refusing = [False]
+
+    def sink(chunk: bytes) -> bool:
+        taken.append(chunk)
+        return not refusing[0]
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        await request.read()
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        for part, go in zip(parts, release, strict=False):
+            await go.wait()
+            await resp.write(part)
+        await release[-1].wait()
+        await resp.write_eof()
+        return resp
+
+    async def run() -> None:
+        release.extend(asyncio.Event() for _ in range(len(parts) + 1))  # the parts, then the end
+        app = web.Application()
+        app.router.add_post("/v1/completions", handler)
+        async for base in _server(app):
+            pool = h1.Pool(connect_timeout=2, keepalive=30)
+            resp = await pool.post(base + "/v1/completions", b"{}", {})
+            resp.sink = sink
+            release[0].set()  # arrives while nobody reads: buffered for the reader
+            await asyncio.sleep(0.2)
+            assert taken == []
+            assert await resp.readany() == parts[0]
+            reading = asyncio.ensure_future(resp.readany())
+            await asyncio.sleep(0.05)
+            release[1].set()  # arrives while the reader waits with nothing buffered: the sink's
+            await asyncio.sleep(0.2)
+            assert taken == [parts[1]] and not reading.done()
+            refusing[0] = True
+            release[2].set()  # offered to the sink, refused: the reader gets it
+            assert await asyncio.wait_for(reading, 2) == parts[2]
+            assert taken == [parts[1], parts[2]]
+            release[3].set()
+            assert await resp.readany() == b""  # the end still reaches the reader
+            resp.release()
+            pool.close()
+
+    asyncio.run(run())
