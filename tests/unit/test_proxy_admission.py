@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from pathlib import Path
 
 from pdserve.proxy.admission import (
     SHED_QUEUE_FULL,
@@ -13,7 +14,7 @@ from pdserve.proxy.admission import (
     room_first,
     shed_reply,
 )
-from pdserve.proxy.cpus import quota_cpus
+from pdserve.proxy.cpus import cgroup_v1_quota, quota_cpus, v1_quota_cpus
 from pdserve.proxy.health import SlotBook
 from pdserve.proxy.metrics import ProxyMetrics
 from pdserve.routing import Instance, Role, interleaved_slots
@@ -49,6 +50,31 @@ def test_cgroup_quota_parsing() -> None:
     assert quota_cpus("150000 100000") == 1.5
     assert quota_cpus("max 100000") is None
     assert quota_cpus("garbage") is None
+    assert v1_quota_cpus("200000\n", "100000\n") == 2.0
+    assert v1_quota_cpus("-1", "100000") is None
+    assert v1_quota_cpus("", "100000") is None
+
+
+def test_cgroup_v1_quota_is_read_from_the_process_cgroup_or_the_mount(tmp_path: Path) -> None:
+    """Nodes still on cgroup v1: a container's CPU limit is cpu.cfs_quota_us / cpu.cfs_period_us
+    of its cgroup (under a namespaced mount, the mount's own files)."""
+
+    def cgroup(directory: Path, quota: int) -> None:
+        directory.mkdir(parents=True, exist_ok=True)
+        (directory / "cpu.cfs_quota_us").write_text(f"{quota}\n")
+        (directory / "cpu.cfs_period_us").write_text("100000\n")
+
+    proc = tmp_path / "cgroup"
+    proc.write_text("12:memory:/kubepods/pod1\n4:cpu,cpuacct:/kubepods/pod1/c1\n0::/\n")
+    cgroup(tmp_path / "cpu,cpuacct" / "kubepods/pod1/c1", 150000)
+    cgroup(tmp_path / "cpu,cpuacct", -1)
+    assert cgroup_v1_quota(tmp_path, proc) == 1.5
+    proc.write_text("4:cpu,cpuacct:/elsewhere\n")  # a namespaced mount: the mount is the cgroup
+    assert cgroup_v1_quota(tmp_path, proc) is None
+    cgroup(tmp_path / "cpu,cpuacct", 300000)
+    assert cgroup_v1_quota(tmp_path, proc) == 3.0
+    proc.write_text("0::/\n")  # cgroup v2 only: not v1's business
+    assert cgroup_v1_quota(tmp_path, proc) is None
 
 
 def test_queue_is_fifo_bounded_and_has_a_deadline() -> None:
