@@ -26,7 +26,6 @@ latest.png. This is a benchmark, not a test: it prints figures side by side and 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import resource
 import shutil
@@ -40,7 +39,9 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from bench.report import Summary, chart, markdown, ratios, summarize, table, targets
+from bench import cpulimit
+from bench.cpulimit import CpuLimit
+from bench.report import Summary, ratios, summarize, table, targets, write_results
 from bench.servers import Server, free_port, http_json, http_post_json, log, profile, run_load, start
 from pdserve.routing.table import Connector, Instance, RoutingTable
 
@@ -96,8 +97,10 @@ def routing_file(prefill: Server, decode: Server, dp_size: int, path: Path) -> P
     return path
 
 
-def start_system(system: str, prefill: Server, decode: Server, dp_size: int, logs: Path) -> Server | None:
-    """The proxy under test, or None for ``direct``."""
+def start_system(
+    system: str, prefill: Server, decode: Server, dp_size: int, logs: Path, limit: CpuLimit | None = None
+) -> Server | None:
+    """The proxy under test (inside ``limit`` if given), or None for ``direct``."""
     if system == "direct":
         return None
     port = free_port()
@@ -105,7 +108,8 @@ def start_system(system: str, prefill: Server, decode: Server, dp_size: int, log
         table = routing_file(prefill, decode, dp_size, logs / "routing.json")
         argv = [sys.executable, "-m", "pdserve.cli", "proxy", "--routing-file", str(table)]
         argv += [*PDSERVE_SYSTEMS[system], "--log-level", LOG_LEVEL]
-        return start(system, [*argv, "--host", "127.0.0.1", "--port", str(port)], port, "/ready", logs)
+        argv += ["--host", "127.0.0.1", "--port", str(port)]
+        return start(system, argv, port, "/ready", logs, limit=limit)
     router = shutil.which("vllm-router", path=str(Path(sys.executable).parent)) or "vllm-router"
     argv = [
         router,
@@ -118,7 +122,7 @@ def start_system(system: str, prefill: Server, decode: Server, dp_size: int, log
         "--host", "127.0.0.1",
         "--port", str(port),
     ]  # fmt: skip
-    return start("vllm-router", argv, port, "/health", logs)
+    return start("vllm-router", argv, port, "/health", logs, limit=limit)
 
 
 @dataclass
@@ -138,7 +142,15 @@ def bench_system(
     system: str, round_: int, prefill: Server, decode: Server, args: argparse.Namespace, logs: Path
 ) -> tuple[list[Measured], list[str]]:
     notes: list[str] = []
-    proxy = start_system(system, prefill, decode, args.dp_size, logs)
+    limit = None
+    if args.router_cpus is not None and system != "direct":
+        limit = cpulimit.create(args.router_cpus, f"pdserve-bench-{os.getpid()}-{system}")
+    try:
+        proxy = start_system(system, prefill, decode, args.dp_size, logs, limit)
+    except BaseException:
+        if limit is not None:
+            limit.remove()
+        raise
     url = proxy.url if proxy is not None else decode.url
     measured = []
     try:
@@ -183,6 +195,7 @@ def bench_system(
             measured.append(Measured(system, load.name, round_, result, cpu, spread if proxy else "", chunks))
             summary = summarize(system, load.name, result, cpu, chunks)
             profiled = args.profile and not args.no_write and system in PDSERVE_SYSTEMS and round_ == 1
+            profiled = profiled and args.router_cpus is None  # the flame graphs are the main layout's
             if load.name == "stream-c64" and proxy is not None and profiled:
                 RESULTS.mkdir(parents=True, exist_ok=True)
                 notes.append(profile(proxy, args, RESULTS / f"flame-{system}-{args.stamp}.svg"))
@@ -196,6 +209,8 @@ def bench_system(
     finally:
         if proxy is not None:
             proxy.stop()
+        if limit is not None:
+            limit.remove()
     return measured, notes
 
 
@@ -254,6 +269,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--rounds", type=int, default=2, help="rounds, each in the reverse order of the last (default 2)"
     )
+    parser.add_argument(
+        "--router-cpus",
+        type=float,
+        default=None,
+        help="run each router in a cgroup limited to this many CPUs, as a pod's limits.cpu (pdserve's "
+        "default --workers and vllm-router's threads follow it; needs root); results go to "
+        "bench/results/cpu<N>-latest.md and cpu<N>-<timestamp>.json/.png",
+    )
     parser.add_argument("--no-write", action="store_true", help="print only; write nothing to bench/results")
     parser.add_argument(
         "--no-profile",
@@ -267,6 +290,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     args.stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
+    if args.router_cpus is not None:
+        try:  # fail now, not after the simulators have started
+            cpulimit.create(args.router_cpus, f"pdserve-bench-{os.getpid()}-check").remove()
+        except cpulimit.CpuLimitUnavailable as exc:
+            parser.error(str(exc))
 
     # Children inherit the limit: a burst needs a socket per connection in every process.
     _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
@@ -357,11 +385,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.no_write or not summaries:
         return 0
 
-    stamp = args.stamp
     meta = {
-        "timestamp": stamp,
+        "timestamp": args.stamp,
         "cpus": os.cpu_count(),
         "load_average": [round(load_before, 2), round(os.getloadavg()[0], 2)],
+        "layout": (
+            "both routers share the machine's CPUs with the simulators and the load client"
+            if args.router_cpus is None
+            else f"each router runs in a cgroup limited to {args.router_cpus:g} CPU(s), as a pod's "
+            "limits.cpu: pdserve's default --workers and vllm-router's worker threads follow the limit; "
+            "the simulators and the load client are not limited"
+        ),
         "backends": (
             f"1 prefill + 1 decode `pdserve sim`, DP{args.dp_size} each, ttft {args.ttft_ms} ms, "
             f"itl {args.itl_ms} ms, {args.tokens} tokens per answer"
@@ -384,18 +418,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         "ratios": ratio_pairs,
         "notes": notes,
     }
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    chart(summaries, RESULTS / f"{stamp}.png")
-    shutil.copyfile(RESULTS / f"{stamp}.png", RESULTS / "latest.png")
-    document = {
-        **{k: v for k, v in meta.items() if k != "ratios"},
-        "ratios": {f"{n}/{d}": r for (n, d), r in ratio_pairs.items()},
-        "args": vars(args),
-        "results": [s.to_dict() for s in summaries],
-    }
-    (RESULTS / f"{stamp}.json").write_text(json.dumps(document, indent=2) + "\n")
-    (RESULTS / "latest.md").write_text(markdown(summaries, meta, "latest.png"))
-    log(f"wrote bench/results/{stamp}.json, {stamp}.png, latest.md, latest.png")
+    prefix = "" if args.router_cpus is None else f"cpu{args.router_cpus:g}-"
+    written = write_results(RESULTS, prefix, summaries, meta, vars(args))
+    log(f"wrote {', '.join(f'bench/results/{name}' for name in written)}")
     return 0
 
 

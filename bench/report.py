@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import math
+import shutil
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -142,6 +144,7 @@ def markdown(summaries: Sequence[Summary], meta: Mapping[str, Any], chart_name: 
         f"Run {meta['timestamp']} on {meta['cpus']} CPU(s), 1-minute load average {meta['load_average'][0]} "
         f"before and {meta['load_average'][1]} after (other work shares the machine; req/s move with it, "
         "proxy CPU per request much less); `make bench` (`python -m bench.proxy_bench`).",
+        f"Layout: {meta['layout']}." if meta.get("layout") else "",
         f"Backends: {meta['backends']}.",
         f"Loads: {meta['loads']}.",
         "`direct` is the floor: clients talking to the decode simulator without any proxy.",
@@ -246,3 +249,22 @@ def chart(summaries: Sequence[Summary], path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+def write_results(
+    results: Path, prefix: str, summaries: Sequence[Summary], meta: Mapping[str, Any], args: Mapping[str, Any]
+) -> list[str]:
+    """``<prefix><timestamp>.json`` and ``.png``, ``<prefix>latest.md`` and ``.png``; their names."""
+    results.mkdir(parents=True, exist_ok=True)
+    stamp = f"{prefix}{meta['timestamp']}"
+    chart(summaries, results / f"{stamp}.png")
+    shutil.copyfile(results / f"{stamp}.png", results / f"{prefix}latest.png")
+    document = {
+        **{k: v for k, v in meta.items() if k != "ratios"},
+        "ratios": {f"{n}/{d}": r for (n, d), r in meta["ratios"].items()},
+        "args": dict(args),
+        "results": [s.to_dict() for s in summaries],
+    }
+    (results / f"{stamp}.json").write_text(json.dumps(document, indent=2) + "\n")
+    (results / f"{prefix}latest.md").write_text(markdown(summaries, meta, f"{prefix}latest.png"))
+    return [f"{stamp}.json", f"{stamp}.png", f"{prefix}latest.md", f"{prefix}latest.png"]

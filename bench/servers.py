@@ -19,6 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from bench.cpulimit import CpuLimit
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -78,11 +80,24 @@ class Server:
 
 
 def start(
-    name: str, argv: Sequence[str], port: int, ready_path: str, logs: Path, timeout: float = 60
+    name: str,
+    argv: Sequence[str],
+    port: int,
+    ready_path: str,
+    logs: Path,
+    timeout: float = 60,
+    limit: CpuLimit | None = None,
 ) -> Server:
+    """Start a server and wait until ``ready_path`` answers 200; ``limit``: inside that CPU limit."""
     log_path = logs / f"{name}.log"
     with log_path.open("wb") as out:
-        popen = subprocess.Popen(list(argv), stdout=out, stderr=subprocess.STDOUT, cwd=REPO)
+        popen = subprocess.Popen(
+            list(argv),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            cwd=REPO,
+            preexec_fn=limit.enter if limit is not None else None,  # the bench runs no threads
+        )
     server = Server(name, port, popen, log_path)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
