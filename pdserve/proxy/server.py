@@ -28,7 +28,7 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResp
 from pdserve.proxy.app import Lifecycle, create_app
 from pdserve.proxy.generation import PUSH_BODY, GenerationApp
 from pdserve.proxy.settings import ProxySettings
-from pdserve.proxy.shared import SharedState
+from pdserve.proxy.shared import SharedConnections, SharedState
 
 log = logging.getLogger("pdserve.proxy")
 
@@ -47,8 +47,13 @@ def hypercorn_config(settings: ProxySettings) -> HypercornConfig:
 
 
 async def _serve_hypercorn(
-    app: GenerationApp, settings: ProxySettings, stop: asyncio.Event, sockets: Sequence[socket.socket]
+    app: GenerationApp,
+    settings: ProxySettings,
+    stop: asyncio.Event,
+    sockets: Sequence[socket.socket],
+    shared: SharedState | None,
 ) -> None:
+    """Hypercorn: connections stay where the kernel put them (no :class:`SharedConnections`)."""
     config = hypercorn_config(settings)
     if sockets:  # a worker's own SO_REUSEPORT sockets (pdserve.proxy.workers)
         config.bind = [f"fd://{sock.fileno()}" for sock in sockets]
@@ -110,10 +115,21 @@ class _HeadWithBody:
 
 
 class _HttpToolsProtocol(HttpToolsProtocol):
-    """uvicorn's httptools protocol on :class:`_HeadWithBody`, offering :data:`PUSH_BODY`."""
+    """uvicorn's httptools protocol on :class:`_HeadWithBody`, offering :data:`PUSH_BODY`; with
+    worker processes, counting this worker's connections and closing one, after its response,
+    while the worker holds more than its share (:class:`SharedConnections`)."""
+
+    worker_connections: SharedConnections | None = None  # set by protocol_class
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(_HeadWithBody(transport))  # type: ignore[arg-type]
+        if self.worker_connections is not None:
+            self.worker_connections.add(1)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        super().connection_lost(exc)
+        if self.worker_connections is not None:
+            self.worker_connections.add(-1)
 
     def on_headers_complete(self) -> None:
         super().on_headers_complete()
@@ -121,6 +137,16 @@ class _HttpToolsProtocol(HttpToolsProtocol):
         if cycle is not None and cycle.scope is self.scope:  # this request's (not an upgrade)
             extensions: dict[str, object] = self.scope.setdefault("extensions", {})  # type: ignore[assignment]
             extensions[PUSH_BODY] = functools.partial(_push_body, cycle)
+            counted = self.worker_connections
+            if cycle.keep_alive and counted is not None and counted.over_share():
+                cycle.keep_alive = False  # "Connection: close" on the response, then closed
+
+
+def protocol_class(connections: SharedConnections | None) -> type[HttpToolsProtocol]:
+    """The protocol uvicorn runs, counting its connections in ``connections`` (with workers)."""
+    if connections is None:
+        return _HttpToolsProtocol
+    return type("_WorkerHttpToolsProtocol", (_HttpToolsProtocol,), {"worker_connections": connections})
 
 
 def _push_body(cycle: RequestResponseCycle, chunk: bytes) -> bool:
@@ -145,12 +171,14 @@ def _push_body(cycle: RequestResponseCycle, chunk: bytes) -> bool:
     return True
 
 
-def uvicorn_config(app: GenerationApp, settings: ProxySettings) -> uvicorn.Config:
+def uvicorn_config(
+    app: GenerationApp, settings: ProxySettings, connections: SharedConnections | None = None
+) -> uvicorn.Config:
     return uvicorn.Config(
         app,
         host=settings.host,
         port=settings.port,
-        http=_HttpToolsProtocol,
+        http=protocol_class(connections),
         ws="none",
         loop="none",  # the caller's loop (uvloop) is the one served on
         lifespan="on",  # Quart's before_serving/after_serving start and stop the upstream client
@@ -198,9 +226,13 @@ def listen(host: str, port: int, backlog: int, reuse_port: bool = False) -> sock
 
 
 async def _serve_uvicorn(
-    app: GenerationApp, settings: ProxySettings, stop: asyncio.Event, given: Sequence[socket.socket]
+    app: GenerationApp,
+    settings: ProxySettings,
+    stop: asyncio.Event,
+    given: Sequence[socket.socket],
+    shared: SharedState | None,
 ) -> None:
-    server = _UvicornServer(uvicorn_config(app, settings))
+    server = _UvicornServer(uvicorn_config(app, settings, shared.connections if shared else None))
     # One server on every port (one lifespan, one app); uvicorn binds a single host:port itself.
     sockets = list(given) or [listen(host, port, settings.backlog) for host, port in binds(settings)]
 
@@ -217,9 +249,11 @@ async def _serve_uvicorn(
             sock.close()
 
 
-SERVERS: dict[
-    str, Callable[[GenerationApp, ProxySettings, asyncio.Event, Sequence[socket.socket]], Awaitable[None]]
-] = {
+Serve = Callable[
+    [GenerationApp, ProxySettings, asyncio.Event, Sequence[socket.socket], SharedState | None],
+    Awaitable[None],
+]
+SERVERS: dict[str, Serve] = {
     "hypercorn": _serve_hypercorn,
     "uvicorn": _serve_uvicorn,
 }
@@ -274,7 +308,7 @@ async def serve_until_signalled(
         settings.source,
     )
     try:
-        await serve(app, settings, stop, sockets)
+        await serve(app, settings, stop, sockets, shared)
     finally:
         for handle in delayed:
             handle.cancel()

@@ -20,6 +20,10 @@ processes one router:
   before every worker serves it.
 * **One view.** Metrics use Prometheus's multiprocess mode (files in a private run directory);
   ``/routing/served`` and ``/debug/routing`` are merged from every worker's view (fanin.py).
+* **Even shares.** The kernel's hash can give one worker most of a few long-lived connections
+  (a gateway's pool); a worker holding more than its share of the open connections closes one
+  after its response (uvicorn), and the client's reconnection is spread again
+  (pdserve.proxy.shared.SharedConnections).
 * **One life.** The supervisor forwards SIGTERM/SIGINT to the workers (each drains its own
   requests for the grace period) and exits when they have; a worker that dies otherwise is
   started again on the same socket, so its share of the connections is served again.
@@ -73,6 +77,7 @@ def _worker_main(
             for sock in own:
                 sock.close()  # a sibling's socket: a dead sibling's must not stay open here
     shared.in_flight.bind(index)  # a restarted worker's region starts from 0
+    shared.connections.bind(index)
     # From here this process's id never changes: its metric values need not ask the kernel for
     # it on every update (prometheus_client's multiprocess values check for a fork each time).
     from prometheus_client import values

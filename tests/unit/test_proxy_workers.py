@@ -9,7 +9,15 @@ from pdserve.proxy.counters import LocalCounters
 from pdserve.proxy.health import SlotBook
 from pdserve.proxy.merge import merge_debug, merge_served
 from pdserve.proxy.policies import make_policy
-from pdserve.proxy.shared import SharedCounters, SharedInFlight, SharedState, key_hash, probe
+from pdserve.proxy.shared import (
+    SharedConnections,
+    SharedCounters,
+    SharedInFlight,
+    SharedState,
+    key_hash,
+    over_share,
+    probe,
+)
 from pdserve.routing import Instance, Role, interleaved_slots
 
 
@@ -184,3 +192,33 @@ def test_a_collision_can_only_over_count_and_the_smaller_row_wins() -> None:
     assert in_flight.total("decode", "a/0") == 1  # the second row has a alone
     assert in_flight.total("decode", other) == 5
     assert SharedInFlight.CELLS**2 > 1000 * 1000  # a thousand busy slots: double collisions are rare
+
+
+def test_over_share_allows_rounding_and_a_margin_then_sheds() -> None:
+    assert not over_share(1, 1, 2)  # one connection: someone has to hold it
+    assert over_share(2, 2, 2) and not over_share(1, 2, 2)
+    assert not over_share(2, 3, 2)  # 2 of 3: as even as 3 gets
+    assert over_share(5, 8, 2) and not over_share(4, 8, 2)
+    assert not over_share(33, 64, 2) and over_share(34, 64, 2)  # 5 % of a share: no churn at scale
+    assert not over_share(3, 8, 3) and over_share(4, 8, 3)
+
+
+def _open(connections: SharedConnections, worker: int, n: int) -> None:
+    connections.bind(worker)
+    connections.add(n)
+
+
+def test_connection_counts_are_per_worker_and_seen_by_every_worker() -> None:
+    context = multiprocessing.get_context("fork")
+    connections = SharedState(context.Lock(), workers=2).connections
+    procs = [context.Process(target=_open, args=(connections, w, n)) for w, n in ((0, 6), (1, 2))]
+    for proc in procs:
+        proc.start()
+        proc.join(10)
+    assert connections.counts() == [6, 2]
+    connections.bind(0)  # a restarted worker 0: its connections died with it
+    assert connections.counts() == [0, 2] and not connections.over_share()
+    connections.add(5)
+    assert connections.over_share()
+    connections.add(-2)
+    assert not connections.over_share()  # 3 of 5
