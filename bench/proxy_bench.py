@@ -145,15 +145,11 @@ def bench_system(
     limit = None
     if args.router_cpus is not None and system != "direct":
         limit = cpulimit.create(args.router_cpus, f"pdserve-bench-{os.getpid()}-{system}")
-    try:
-        proxy = start_system(system, prefill, decode, args.dp_size, logs, limit)
-    except BaseException:
-        if limit is not None:
-            limit.remove()
-        raise
-    url = proxy.url if proxy is not None else decode.url
+    proxy: Server | None = None
     measured = []
     try:
+        proxy = start_system(system, prefill, decode, args.dp_size, logs, limit)
+        url = proxy.url if proxy is not None else decode.url
         warm = run_load(url, "stream", 200, 16, args.tokens, 60)
         if warm["failures"]:
             notes.append(f"{system} round {round_}: warm-up failures {warm['failures']}")

@@ -144,7 +144,7 @@ def markdown(summaries: Sequence[Summary], meta: Mapping[str, Any], chart_name: 
         f"Run {meta['timestamp']} on {meta['cpus']} CPU(s), 1-minute load average {meta['load_average'][0]} "
         f"before and {meta['load_average'][1]} after (other work shares the machine; req/s move with it, "
         "proxy CPU per request much less); `make bench` (`python -m bench.proxy_bench`).",
-        f"Layout: {meta['layout']}." if meta.get("layout") else "",
+        *([f"Layout: {meta['layout']}."] if meta.get("layout") else []),
         f"Backends: {meta['backends']}.",
         f"Loads: {meta['loads']}.",
         "`direct` is the floor: clients talking to the decode simulator without any proxy.",

@@ -18,13 +18,7 @@ CGROUP_ROOT = Path("/sys/fs/cgroup")
 def quota_cpus(cpu_max: str) -> float | None:
     """CPUs of a cgroup v2 ``cpu.max`` line (``"200000 100000"`` is 2.0); None for ``max``."""
     parts = cpu_max.split()
-    if len(parts) != 2 or parts[0] == "max":
-        return None
-    try:
-        quota, period = int(parts[0]), int(parts[1])
-    except ValueError:
-        return None
-    return quota / period if quota > 0 and period > 0 else None
+    return v1_quota_cpus(parts[0], parts[1]) if len(parts) == 2 else None
 
 
 def cgroup_cpu_max(root: Path = CGROUP_ROOT, proc_cgroup: Path = Path("/proc/self/cgroup")) -> str | None:
@@ -46,7 +40,8 @@ def cgroup_cpu_max(root: Path = CGROUP_ROOT, proc_cgroup: Path = Path("/proc/sel
 
 
 def v1_quota_cpus(quota_us: str, period_us: str) -> float | None:
-    """CPUs of a cgroup v1 CFS quota (``200000`` per ``100000`` is 2.0); None for ``-1`` (none)."""
+    """CPUs of a CFS quota and period (``200000`` per ``100000`` is 2.0), as cgroup v1 keeps them
+    in two files and v2 in one line; None when there is no quota (``-1``, ``max``)."""
     try:
         quota, period = int(quota_us), int(period_us)
     except ValueError:

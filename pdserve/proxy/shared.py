@@ -306,7 +306,7 @@ class SharedConnections:
     def over_share(self) -> bool:
         if self._own < 0:
             return False
-        counts = self._words.tolist()
+        counts = self.counts()
         return over_share(counts[self._own], sum(counts), len(counts))
 
 
