@@ -13,9 +13,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from pdserve.sim.tokenizer import Endpoint
 from pdserve.wire.openai import RequestError
 
-Endpoint = Literal["completions", "chat"]
 Leg = Literal["prefill", "decode", "plain"]
 
 #: vLLM's default KV-cache block size; block ids per prompt follow from it.
@@ -65,30 +65,6 @@ def num_output_tokens(body: Mapping[str, Any], default_tokens: int) -> int:
 def finish_reason(num_tokens: int, body: Mapping[str, Any]) -> str:
     cap = body.get("max_tokens") or body.get("max_completion_tokens")
     return "length" if cap is not None and num_tokens >= int(cap) else "stop"
-
-
-def count_prompt_tokens(body: Mapping[str, Any], endpoint: Endpoint) -> int:
-    """A stand-in for tokenisation: words of a text prompt, ids of a token prompt (at least 1)."""
-    if endpoint == "chat":
-        total = 0
-        for message in body.get("messages") or []:
-            if not isinstance(message, Mapping):
-                continue
-            content = message.get("content")
-            if isinstance(content, str):
-                total += len(content.split())
-            elif isinstance(content, list):
-                total += sum(len(str(p.get("text", "")).split()) for p in content if isinstance(p, Mapping))
-            total += 1  # the role marker
-        return max(1, total)
-    prompt = body.get("prompt")
-    if isinstance(prompt, str):
-        return max(1, len(prompt.split()))
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
-        return len(prompt)
-    if isinstance(prompt, list):
-        return max(1, sum(count_prompt_tokens({"prompt": p}, "completions") for p in prompt))
-    return 1
 
 
 def sequences(body: Mapping[str, Any], endpoint: Endpoint) -> int:

@@ -45,8 +45,9 @@ from pdserve.sim.group import (
     forward,
     resolve_rank,
 )
-from pdserve.sim.payloads import Endpoint, Identity, Leg
+from pdserve.sim.payloads import Identity, Leg
 from pdserve.sim.stats import SimStats
+from pdserve.sim.tokenizer import Endpoint, count_prompt_tokens
 from pdserve.wire.headers import AUTHORIZATION, DP_RANK, REQUEST_ID
 from pdserve.wire.kv import moriio_handoff_problems, nixl_handoff_problems, parse_moriio_request_id
 from pdserve.wire.openai import RequestError, error_body
@@ -266,7 +267,7 @@ class Simulator:
         try:
             validation.check_schema(body, endpoint)
             identity = self.config.identity
-            prompt_tokens = payloads.count_prompt_tokens(body, endpoint)
+            prompt_tokens = count_prompt_tokens(body, endpoint)
             validation.check_request(body, endpoint, identity.model, identity.max_model_len, prompt_tokens)
         except RequestError as exc:
             return self._reject("model_not_found" if exc.status == 404 else "invalid_request", exc)
@@ -467,7 +468,7 @@ class Simulator:
             index=rank - self.first_rank,
             base_id=base,
             engine_request_id=engine_request_id,
-            prompt_tokens=payloads.count_prompt_tokens(body, endpoint),
+            prompt_tokens=count_prompt_tokens(body, endpoint),
             num_tokens=payloads.num_output_tokens(body, self.config.tokens),
             record=record,
         )

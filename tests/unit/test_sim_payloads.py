@@ -33,11 +33,7 @@ def test_finish_reason_is_length_only_when_the_cap_is_reached() -> None:
     assert payloads.finish_reason(4, {}) == "stop"
 
 
-def test_prompt_tokens_and_blocks() -> None:
-    assert payloads.count_prompt_tokens({"prompt": "a b c"}, "completions") == 3
-    assert payloads.count_prompt_tokens({"prompt": [5, 6, 7, 8]}, "completions") == 4
-    assert payloads.count_prompt_tokens({"prompt": ["a b", "c"]}, "completions") == 3
-    assert payloads.count_prompt_tokens({"messages": [{"role": "user", "content": "a b"}]}, "chat") == 3
+def test_prompt_blocks() -> None:
     assert payloads.block_ids(1, 1) == [[1]]
     assert payloads.block_ids(16, 1) == [[1]]
     assert payloads.block_ids(17, 5) == [[5, 6]]
