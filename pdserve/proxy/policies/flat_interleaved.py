@@ -2,7 +2,7 @@
 
 Over k·S consecutive requests each of the S slots gets exactly k (the routing-table
 property), because every slot appears once per cycle of the list. With several worker
-processes the counter lives in shared memory (pdserve.proxy.counters), so it is still the
+processes the counter lives in shared memory (pdserve.proxy.policies.counters), so it is still the
 router's only counter and the property holds for the router as a whole.
 """
 
@@ -11,9 +11,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import ClassVar
 
-from pdserve.proxy.counters import Counters, LocalCounters
-from pdserve.proxy.health import SlotBook
 from pdserve.proxy.policies.base import healthy_first, rotation
+from pdserve.proxy.policies.counters import Counters, LocalCounters
+from pdserve.proxy.state.health import SlotBook
 from pdserve.routing import Role, Slot
 
 

@@ -26,13 +26,13 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from pdserve.proxy.health import SlotBook
-from pdserve.proxy.reply import Reply, error_reply
-from pdserve.proxy.upstream import LegError
+from pdserve.proxy.engine.upstream import LegError
+from pdserve.proxy.flow.reply import Reply, error_reply
+from pdserve.proxy.state.health import SlotBook
 from pdserve.routing import Role, Slot, SlotTable
 
 if TYPE_CHECKING:
-    from pdserve.proxy.shared import SharedDeadlines
+    from pdserve.proxy.state.shared import SharedDeadlines
 
 #: Outcomes that are the connection's failure, not one engine rank's: the whole instance is ejected.
 TRANSPORT_OUTCOMES = frozenset({"connect_error", "dropped"})

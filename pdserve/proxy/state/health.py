@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 from pdserve.routing import Role
 
 if TYPE_CHECKING:
-    from pdserve.proxy.shared import SharedDeadlines, SharedInFlight
+    from pdserve.proxy.state.shared import SharedDeadlines, SharedInFlight
 
 
 @dataclass
