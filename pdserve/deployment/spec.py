@@ -22,6 +22,7 @@ from typing import Any
 import yaml
 
 from pdserve import __version__
+from pdserve.deployment.autoscaling import AutoscalingSpec, parse_autoscaling
 from pdserve.deployment.multinode import (
     API_SERVERS,
     BACKENDS,
@@ -237,6 +238,8 @@ class PDDeploymentSpec:
     #: GPUs of one node; None: unknown here (the operator reads the nodes; render: one pod per instance).
     gpus_per_node: int | None = None
     multi_node: MultiNodeSpec = field(default_factory=MultiNodeSpec)
+    #: None: the instance counts are the spec's; else the autoscaler's, ``instances`` the start.
+    autoscaling: AutoscalingSpec | None = None
 
     @property
     def engine_image(self) -> str:
@@ -353,6 +356,7 @@ def parse_spec(spec: Mapping[str, Any] | object) -> PDDeploymentSpec:
             "engineApiKeySecretRef",
             "gpusPerNode",
             "multiNode",
+            "autoscaling",
         ),
     )
     model = parse_model(_string(doc, "model", path, required=True), f"{path}.model")
@@ -394,6 +398,7 @@ def parse_spec(spec: Mapping[str, Any] | object) -> PDDeploymentSpec:
         ),
         gpus_per_node=gpus_per_node,
         multi_node=multi_node,
+        autoscaling=parse_autoscaling(doc.get("autoscaling"), f"{path}.autoscaling"),
     )
     for role in (Role.PREFILL, Role.DECODE):  # shapes that cannot be split over nodes of gpusPerNode
         parsed.group_shape(role)

@@ -36,19 +36,21 @@ from pdserve.proxy.serving.server import Lifecycle
 from pdserve.proxy.serving.worker_views import Views, WorkerViewsError, gather_views, serve_views
 from pdserve.proxy.settings import ProxySettings
 from pdserve.proxy.state.health import SlotBook
+from pdserve.proxy.state.load import DEFAULT_LOAD_WINDOW_S, HISTORY_SECONDS
 from pdserve.proxy.state.shared import SharedState
 from pdserve.proxy.table.file import RoutingWatcher
 from pdserve.proxy.table.served import ServedTable, SlotBuilder, endpoint_fields, served_view
 from pdserve.routing import Instance, Role, build_slot_table
 from pdserve.routing.sidecar import build_sidecar_slot_table
 from pdserve.wire.headers import AUTHORIZATION, ERROR_REASON, REQUEST_ID
+from pdserve.wire.load import merge_views
 from pdserve.wire.openai import RequestError, error_body
 
 log = logging.getLogger("pdserve.proxy")
 
 # Probes, scraping and the served-table report stay open when --api-key is set (kubelet,
 # Prometheus and the operator carry no key); none of them shows a secret.
-OPEN_PATHS = frozenset({"/health", "/ready", "/metrics", "/routing/served"})
+OPEN_PATHS = frozenset({"/health", "/ready", "/metrics", "/routing/served", "/load"})
 ADMIN_TIMEOUT_S = 10.0
 
 _HTTP_REASONS = {
@@ -268,35 +270,59 @@ def create_app(
         return out
 
     local_views: Views = {
-        "served": lambda: {
+        "served": lambda _: {
             **served_view(served, book),
             "worker": worker.index if worker else 0,
             "requests": dispatcher.served_requests,
         },
-        "debug": lambda: {
+        "debug": lambda _: {
             **debug_view(),
             "worker": worker.index if worker else 0,
             "loaded_at": served.loaded_at,
         },
+        "load": lambda window: {
+            **dispatcher.load.view(float(window or DEFAULT_LOAD_WINDOW_S)),
+            "deployment": served.current.slots.table.deployment if served.current else None,
+            # this process's own legs and queue: the workers' views add up
+            "in_flight": {role.value: sum(n for r, _, n in book.busy_slots() if r is role) for role in Role},
+            "queued": dispatcher.admission.depth,
+        },
     }
 
-    async def router_view(name: str, merge: Callable[[list[dict[str, Any]]], dict[str, Any]]) -> Response:
+    async def router_view(
+        name: str, merge: Callable[[list[dict[str, Any]]], dict[str, Any]], argument: str = ""
+    ) -> Response:
         """This worker's view, or with several workers every worker's, merged (fanin.py)."""
         if worker is None or worker.count == 1:
-            view = local_views[name]()
+            view = local_views[name](argument)
             view.pop("worker", None)
-            view.pop("requests", None)
+            if name == "served":
+                view.pop("requests", None)
             if name == "debug":
                 view.pop("loaded_at", None)
             return json_response(view)
         try:
-            return json_response(merge(await gather_views(worker, name, local_views[name])))
+            return json_response(merge(await gather_views(worker, name, local_views[name], argument)))
         except WorkerViewsError as exc:
             return openai_error(503, f"cannot answer for the whole router: {exc}", "fan_in_failed")
 
     @app.get("/routing/served")
     async def routing_served() -> Response:
         return await router_view("served", merge_served)
+
+    @app.get("/load")
+    async def load() -> Response:
+        """Latency histograms and outcomes of the last ``window`` seconds, legs in flight and
+        queued now (pdserve.wire.load); the autoscaler's signal."""
+        raw = request.args.get("window", str(DEFAULT_LOAD_WINDOW_S))
+        try:
+            window = float(raw)
+        except ValueError:
+            window = -1.0
+        if not 1 <= window <= HISTORY_SECONDS:
+            message = f"window must be a number of seconds from 1 to {HISTORY_SECONDS}, got {raw!r}"
+            return openai_error(400, message, "invalid_request")
+        return await router_view("load", merge_views, f"{window:g}")
 
     @app.get("/metrics")
     async def prometheus() -> Response:

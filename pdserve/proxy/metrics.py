@@ -17,6 +17,7 @@ M = TypeVar("M", Counter, Gauge, Histogram)
 
 # Streams run for minutes: the buckets reach 10 min.
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1, 2.5)
 
 
 class _Silent:
@@ -55,6 +56,21 @@ class ProxyMetrics:
             "pdserve_proxy_ttft_seconds",
             "Time from the client's request to the first byte sent back to it",
             ["endpoint"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.itl = Histogram(
+            "pdserve_proxy_itl_seconds",
+            "Mean time between two events of a decode's stream, one sample per streamed request",
+            ["endpoint"],
+            buckets=_ITL_BUCKETS,
+            registry=r,
+        )
+        self.leg_ttfb = Histogram(
+            "pdserve_proxy_leg_first_byte_seconds",
+            "Time from sending a leg to its first byte: the prefill's whole answer, the decode's first "
+            "chunk (after its KV pull)",
+            ["role"],
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )

@@ -23,6 +23,12 @@ VERSION = CRD["spec"]["versions"][0]
 ROOT = VERSION["schema"]["openAPIV3Schema"]
 SPEC_SCHEMA = ROOT["properties"]["spec"]
 BASE: dict[str, Any] = {"model": "m", "image": "vllm/vllm-openai:v0.11.0"}
+#: The least spec.autoscaling there is (wide bounds, so any ratio bound within the CRD's is reachable).
+AUTOSCALING: dict[str, Any] = {
+    "prefill": {"maxInstances": 1024},
+    "decode": {"maxInstances": 1024},
+    "objectives": {"ttftMilliseconds": 2000, "itlMilliseconds": 50},
+}
 
 
 def walk(
@@ -49,6 +55,8 @@ def attribute(spec: object, path: tuple[str, ...]) -> Any:
 def with_value(path: tuple[str, ...], value: Any) -> dict[str, Any]:
     """BASE with ``spec.<path> = value``, plus what the rest of the spec needs for that field to be legal."""
     doc = copy.deepcopy(BASE)
+    if path[0] == "autoscaling":
+        doc["autoscaling"] = copy.deepcopy(AUTOSCALING)
     if path[0] == "kvTransfer" and path[-1] == "transferMode":
         doc["kvTransfer"] = {"connector": "MoRIIOConnector"}
     node = doc
@@ -81,9 +89,17 @@ def test_parser_applies_the_crd_default(path: tuple[str, ...], schema: dict[str,
     doc = copy.deepcopy(BASE)
     if doc.pop(path[0], None) is not None and path[0] == "image":
         doc["engine"] = "sim"  # an empty image is legal only there
+    if path[0] == "autoscaling":  # a section whose presence turns autoscaling on: its leaves default
+        doc["autoscaling"] = copy.deepcopy(AUTOSCALING)
+        node = doc["autoscaling"]
+        for part in path[1:-1]:
+            node = node.get(part, {})
+        node.pop(path[-1], None)
     value = attribute(parse_spec(doc), path)
     default = schema["default"]
-    if isinstance(default, list):
+    if path[-1] == "policies":  # ScalingPolicy values as the CRD writes them
+        value = [{"type": v.type, "value": v.value, "periodSeconds": v.period_seconds} for v in value]
+    elif isinstance(default, list):
         value = list(value)
     elif isinstance(default, dict):
         value = dict(value)
@@ -91,8 +107,12 @@ def test_parser_applies_the_crd_default(path: tuple[str, ...], schema: dict[str,
 
 
 def test_every_section_defaults_to_an_object_so_its_defaults_apply() -> None:
-    """Optional sections without defaults below them (modelCache, Secret references) stay absent."""
+    """Optional sections without defaults below them (modelCache, Secret references) stay absent,
+    and so does one whose presence turns a feature on (autoscaling, with required fields)."""
     for name, sub in SPEC_SCHEMA["properties"].items():
+        if name == "autoscaling":
+            assert "default" not in sub and sub["required"]
+            continue
         if "properties" in sub and any("default" in s for _, s in walk(sub)):
             assert sub.get("default") == {}, name
 

@@ -56,6 +56,8 @@ from pdserve.routing import Role, Slot, SlotTable
 log = logging.getLogger("pdserve.proxy.request")
 
 SHED_REASONS = frozenset({SHED_QUEUE_FULL, SHED_QUEUE_TIMEOUT})
+#: Request outcomes that are no failure of the deployment's (the load view counts the others).
+NOT_FAILED = frozenset({"ok", "cancelled", "client_error"})
 
 
 class Dispatcher(LegRunner):
@@ -338,8 +340,11 @@ class Dispatcher(LegRunner):
         self.metrics.in_flight.dec()
         self.metrics.child(self.metrics.requests, endpoint, outcome).inc()
         self.metrics.child(self.metrics.total, endpoint).observe(now - trace.started)
+        load = self.load
+        load.ended(outcome in NOT_FAILED)
         if trace.first_byte is not None:
             self.metrics.child(self.metrics.ttft, endpoint).observe(trace.first_byte - trace.started)
+            load.observe("ttft", trace.first_byte - trace.started)
         if not log.isEnabledFor(logging.INFO):
             return
         ttft_ms = "-" if trace.first_byte is None else f"{(trace.first_byte - trace.started) * 1000:.1f}"

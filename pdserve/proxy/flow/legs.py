@@ -30,6 +30,7 @@ from pdserve.proxy.flow.reply import JSON, Reply
 from pdserve.proxy.flow.trace import Deadlines, Trace
 from pdserve.proxy.metrics import ProxyMetrics
 from pdserve.proxy.state.health import SlotBook
+from pdserve.proxy.state.load import LoadWindow
 from pdserve.proxy.table.served import RoutingState
 from pdserve.routing import Role, Slot
 from pdserve.wire.headers import AUTHORIZATION, DP_RANK, REQUEST_ID
@@ -56,6 +57,8 @@ class LegRunner:
         self.deadlines = deadlines
         self.backend_api_key = backend_api_key
         self.unreachable = book.unreachable
+        #: The latencies and outcomes of the last minutes, for ``GET /load`` (the autoscaler's window).
+        self.load = LoadWindow()
 
     def _close(self, trace: Trace, status: int, outcome: str) -> None:
         """The end of a request (the dispatcher counts and logs it)."""
@@ -129,6 +132,7 @@ class LegRunner:
         """Run the prefill leg; the handoff it returns has passed the connector's validation."""
         outcome = "cancelled"
         self._leg_started(Role.PREFILL, slot)
+        sent = time.monotonic()
         try:
             payload = codec.dumps(plan.body)
             headers = self._headers(request_id, plan, auth)
@@ -155,6 +159,7 @@ class LegRunner:
                 )
                 raise LegFailure(Role.PREFILL, slot, LegError("bad_handoff", detail, tuple(problems)))
             outcome = "ok"
+            self._first_byte(Role.PREFILL, time.monotonic() - sent)
             return handoff
         finally:
             self._leg_finished(Role.PREFILL, slot, outcome)
@@ -171,6 +176,7 @@ class LegRunner:
     ) -> Reply:
         outcome = "cancelled"
         self._leg_started(Role.DECODE, slot)
+        sent = time.monotonic()
         try:
             payload = codec.dumps(plan.body)
             headers = self._headers(request_id, plan, auth)
@@ -191,6 +197,7 @@ class LegRunner:
                 outcome = f"http_{refusal.status // 100}xx"
                 raise
             trace.first_byte = time.monotonic()
+            self._first_byte(Role.DECODE, trace.first_byte - sent)
             if background is not None:
                 background.add_done_callback(self._observe_background_prefill)
             if plan.body.get("stream") is not True:
@@ -214,6 +221,10 @@ class LegRunner:
             log.warning("prefill failed while its decode was already streaming: %r", exc)
 
     # --- bookkeeping ----------------------------------------------------------------------------
+
+    def _first_byte(self, role: Role, seconds: float) -> None:
+        self.metrics.child(self.metrics.leg_ttfb, role.value).observe(seconds)
+        self.load.observe("prefill" if role is Role.PREFILL else "decode_first", seconds)
 
     def _leg_started(self, role: Role, slot: Slot) -> None:
         self.book.started(role, slot.key)

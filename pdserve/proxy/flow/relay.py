@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import Callable
 from typing import Any, NoReturn, Protocol
 
@@ -16,6 +17,7 @@ from pdserve.proxy.engine import codec, h1
 from pdserve.proxy.engine.upstream import OpenStream
 from pdserve.proxy.flow.trace import Deadlines, Trace
 from pdserve.proxy.metrics import ProxyMetrics
+from pdserve.proxy.state.load import LoadWindow
 from pdserve.routing import Role, Slot
 from pdserve.wire.openai import error_body
 
@@ -25,6 +27,7 @@ class LegOwner(Protocol):
 
     deadlines: Deadlines
     metrics: ProxyMetrics
+    load: LoadWindow
 
     def _leg_finished(self, role: Role, slot: Slot, outcome: str) -> None: ...
 
@@ -34,6 +37,8 @@ class LegOwner(Protocol):
 
 
 SSE_DONE = b"data: [DONE]\n\n"
+#: A stream with fewer gaps between its token events gives no inter-token latency sample.
+MIN_ITL_GAPS = 2
 
 
 def sse_error_event(status: int, message: str) -> bytes:
@@ -125,6 +130,7 @@ class RelayStream:
         self._client_has_all = False  # ... and the HTTP layer sent it (it asked for more)
         self._idle = IdleDeadline(opened.response, dispatcher.deadlines.stream_idle)
         self._push: Callable[[bytes], bool] = _refuse
+        self._events = 0  # "data:" lines relayed: the stream's mean inter-token gap at its end
 
     def push_to(self, push: Callable[[bytes], bool]) -> None:
         """Hand each chunk that arrives while the relay waits straight to ``push`` (the client
@@ -141,6 +147,7 @@ class RelayStream:
             return False
         self._ends_event = chunk.endswith(b"\n\n")
         self._tail = seen[-len(SSE_DONE) :]
+        self._events += chunk.count(b"data:")
         self._idle.reading()  # the decode sent something: the idle period starts again
         return True
 
@@ -185,6 +192,7 @@ class RelayStream:
 
     def _relayed(self, chunk: bytes) -> bytes:
         self._ends_event = chunk.endswith(b"\n\n")
+        self._events += chunk.count(b"data:")
         # The chunk is not copied: only a chunk shorter than [DONE] is joined to the tail.
         seen = chunk if len(chunk) >= len(SSE_DONE) else self._tail + chunk
         self._done_relayed = self._done_relayed or seen.endswith(SSE_DONE)
@@ -219,6 +227,7 @@ class RelayStream:
         self._response.sink = None
         if outcome == "ok":  # the engine's end of body may still be on its way: wait for it
             self._response.release(linger=self._idle.seconds)
+            self._observe_itl()
         else:
             self._response.close()  # the decode sees the disconnect and frees the request's KV
             if self._background is not None and not self._background.done():
@@ -227,6 +236,18 @@ class RelayStream:
         status = 200
         request_outcome = {"ok": "ok", "cancelled": "cancelled"}.get(outcome, "stream_error")
         self._d._close(self._trace, status if request_outcome != "cancelled" else 499, request_outcome)
+
+    def _observe_itl(self) -> None:
+        """The mean gap between the stream's token events: from the first chunk to now over the
+        events between, less ``[DONE]`` (a usage-only event, when asked for, counts as a token)."""
+        first = self._trace.first_byte
+        gaps = self._events - 2
+        if first is None or gaps < MIN_ITL_GAPS:
+            return
+        itl = (time.monotonic() - first) / gaps
+        endpoint = "chat" if self._trace.endpoint.endswith("chat/completions") else "completions"
+        self._d.metrics.child(self._d.metrics.itl, endpoint).observe(itl)
+        self._d.load.observe("itl", itl)
 
     def __del__(self) -> None:
         if not self._done:

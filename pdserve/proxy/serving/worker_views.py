@@ -2,7 +2,8 @@
 
 The kernel hands a connection to any worker (SO_REUSEPORT), and each worker only knows its own
 requests. So every worker also listens on a Unix socket of its own in the router's run
-directory, where it answers one word (``served``, ``debug``) with its local view as JSON; the
+directory, where it answers one line (a view's name, ``served``, ``debug`` or ``load``, and its
+argument, e.g. ``load 60``) with its local view as JSON; the
 worker that took an admin request asks every other worker and merges the views
 (pdserve.proxy.admin.merge). Only admin requests take this path, never a generation request.
 
@@ -44,17 +45,18 @@ class WorkerViewsError(Exception):
     """A worker did not answer for its share of an admin view."""
 
 
-Views = dict[str, Callable[[], dict[str, Any]]]
+#: View name -> the view of this process, given the argument that came with the name ("" if none).
+Views = dict[str, Callable[[str], dict[str, Any]]]
 
 
 async def serve_views(worker: WorkerInfo, views: Views) -> asyncio.AbstractServer:
-    """Answer ``<name>\\n`` with the JSON of ``views[name]()`` on this worker's socket."""
+    """Answer ``<name> <argument>\\n`` with the JSON of ``views[name](argument)`` on this worker's socket."""
 
     async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
-            name = (await reader.readline()).decode().strip()
+            name, _, argument = (await reader.readline()).decode().strip().partition(" ")
             view = views.get(name)
-            payload = {"worker": worker.index, "view": view() if view else None}
+            payload = {"worker": worker.index, "view": view(argument) if view else None}
             writer.write(json.dumps(payload).encode())
             await writer.drain()
         except Exception:  # an admin view must never take the worker down
@@ -69,10 +71,10 @@ async def serve_views(worker: WorkerInfo, views: Views) -> asyncio.AbstractServe
     return await asyncio.start_unix_server(answer, path=str(path), limit=MAX_VIEW_BYTES)
 
 
-async def _ask(path: Path, name: str) -> dict[str, Any]:
+async def _ask(path: Path, name: str, argument: str) -> dict[str, Any]:
     reader, writer = await asyncio.open_unix_connection(str(path), limit=MAX_VIEW_BYTES)
     try:
-        writer.write(name.encode() + b"\n")
+        writer.write(f"{name} {argument}".strip().encode() + b"\n")
         await writer.drain()
         raw = await reader.read()
     finally:
@@ -85,16 +87,16 @@ async def _ask(path: Path, name: str) -> dict[str, Any]:
 
 
 async def gather_views(
-    worker: WorkerInfo, name: str, local: Callable[[], dict[str, Any]]
+    worker: WorkerInfo, name: str, local: Callable[[str], dict[str, Any]], argument: str = ""
 ) -> list[dict[str, Any]]:
     """Every worker's ``name`` view, this one's first; WorkerViewsError if one does not answer."""
     others = [i for i in range(worker.count) if i != worker.index]
-    own = local()
+    own = local(argument)
 
     async def one(i: int) -> dict[str, Any]:
         try:
             async with asyncio.timeout(VIEWS_TIMEOUT_S):
-                return await _ask(worker.socket_path(i), name)
+                return await _ask(worker.socket_path(i), name, argument)
         except (OSError, TimeoutError, ValueError, WorkerViewsError) as exc:
             raise WorkerViewsError(
                 f"worker {i} did not answer for {name}: {exc or type(exc).__name__}"
