@@ -164,17 +164,15 @@ def plot(
     lat.grid(True, which="both", alpha=0.3)
     lat.legend(loc="upper left", fontsize=8)
     bins = results.get("timeline") or []
-    t = [b["t_s"] for b in bins]
-    load.step(t, [b["in_flight"] for b in bins], where="post", label="client: in flight", color="black")
     width = results["config"].get("bin_s", 1.0)
-    load.step(
-        t,
-        [b["sent"] / width for b in bins],
-        where="post",
-        label="client: sent per s",
-        color="tab:green",
-        alpha=0.6,
-    )
+    t = [b["t_s"] for b in bins] + [bins[-1]["t_s"] + width] if bins else []  # up to the last bin's end
+
+    def steps(key: str, scale: float = 1.0) -> list[float]:
+        values = [b[key] / scale for b in bins]
+        return values + values[-1:]
+
+    load.step(t, steps("in_flight"), where="post", label="client: in flight", color="black")
+    load.step(t, steps("sent", width), where="post", label="client: sent per s", color="tab:green", alpha=0.6)
     series = results.get("load") or []
     for key, color in (
         ("prefill_running", "tab:orange"),
