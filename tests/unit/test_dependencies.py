@@ -50,6 +50,16 @@ RULES = {
     "pdserve.sim.server": ("kopf", "kubernetes", "pdserve.proxy", "pdserve.deployment"),
     "pdserve.sim.process": ("kopf", "kubernetes", "pdserve.proxy", "pdserve.routing", "pdserve.deployment"),
     "pdserve.deployment.objects": ("kopf", "kubernetes", "pdserve.proxy", "pdserve.sim", "pdserve.operator"),
+    # a client of any server: wire formats and the routing table's parser, nothing of the components
+    "pdserve.loadgen.replay": (
+        "kopf",
+        "kubernetes",
+        "pdserve.proxy",
+        "pdserve.operator",
+        "pdserve.local",
+        "pdserve.deployment",
+        "pdserve.sim",
+    ),
     "pdserve.local.runner": ("kopf", "kubernetes", "pdserve.operator", "pdserve.proxy.", "pdserve.sim."),
 }
 
