@@ -3,6 +3,7 @@ is sent, and the Poisson generator makes records of the same shape."""
 
 from __future__ import annotations
 
+import itertools
 import json
 from pathlib import Path
 
@@ -113,7 +114,7 @@ def test_poisson_arrivals_lengths_and_shared_prefixes() -> None:
     requests = poisson_trace(spec)
     assert requests == poisson_trace(spec), "the same seed gives the same workload"
     assert len(requests) == 2000 and requests[0].timestamp_ms == 0
-    gaps = [b.timestamp_ms - a.timestamp_ms for a, b in zip(requests, requests[1:], strict=False)]
+    gaps = [b.timestamp_ms - a.timestamp_ms for a, b in itertools.pairwise(requests)]
     assert min(gaps) >= 0
     assert 45 < sum(gaps) / len(gaps) < 55  # 1/20 s
     assert all(1024 <= r.input_length <= 3072 and 32 <= r.output_length <= 96 for r in requests)
