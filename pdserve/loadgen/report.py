@@ -71,7 +71,12 @@ def markdown(results: Mapping[str, Any], title: str = "Replay") -> str:
         f"CPU {client['cpu_s']:.2f} s ({client['cpu_ms_per_request']:.2f} ms per request), "
         f"at most {client['max_in_flight']} requests in flight; sent late by p50 {_ms(lag.get('p50'))} ms, "
         f"p99 {_ms(lag.get('p99'))} ms, max {_ms(lag.get('max'))} ms"
-        + (" (the client was a limit: read the figures above with care)" if client.get("saturated") else "")
+        + (
+            " (requests left late: the client was short of CPU, on a busy machine or at its limit; "
+            "latencies above include that delay only from the send on)"
+            if client.get("saturated")
+            else ""
+        )
         + ".",
         "",
     ]
@@ -202,8 +207,9 @@ def write_results(
     records: Sequence[RequestRecord],
     title: str = "Replay",
     stem: str = "results",
+    per_request: bool = True,
 ) -> list[Path]:
-    """``<stem>.json``, ``<stem>.md``, ``<stem>.png`` and ``requests.jsonl`` (one line per request)."""
+    """``<stem>.json``, ``<stem>.png``, ``<stem>.md`` and ``requests.jsonl`` (one line per request)."""
     directory.mkdir(parents=True, exist_ok=True)
     written = []
     json_path = directory / f"{stem}.json"
@@ -220,7 +226,8 @@ def write_results(
     md = directory / f"{stem}.md"
     md.write_text(text, encoding="utf-8")
     written.append(md)
-    per_request = directory / "requests.jsonl"
-    per_request.write_text("".join(json.dumps(r.to_dict()) + "\n" for r in records), encoding="utf-8")
-    written.append(per_request)
+    if per_request:
+        lines = directory / "requests.jsonl"
+        lines.write_text("".join(json.dumps(r.to_dict()) + "\n" for r in records), encoding="utf-8")
+        written.append(lines)
     return written
