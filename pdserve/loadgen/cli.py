@@ -85,7 +85,6 @@ def configure_replay(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--api-key",
-        default=os.environ.get("OPENAI_API_KEY"),
         help="sent as Authorization: Bearer (default: $OPENAI_API_KEY)",
     )
     p.add_argument(
@@ -224,7 +223,7 @@ def replay_command(args: argparse.Namespace) -> int:
         url=args.url.rstrip("/"),
         endpoint=args.endpoint,
         model=args.model,
-        api_key=args.api_key,
+        api_key=args.api_key or os.environ.get("OPENAI_API_KEY") or None,
         speedup=args.speedup,
         workload=workload,
         slo=Slo(args.slo_ttft_ms, args.slo_itl_ms),
