@@ -145,6 +145,7 @@ async def run_replay(
         with contextlib.suppress(NotImplementedError, RuntimeError):
             loop.add_signal_handler(signal.SIGINT, stop.set)
         expected = arrivals[-1].at_s if arrivals else None
+        started = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
         cpu_before, wall_before = _cpu_seconds(), time.perf_counter()
         start = time.perf_counter()
         snapshots = [first]
@@ -187,7 +188,7 @@ async def run_replay(
             "slo_itl_ms": options.slo.itl_ms,
             "interrupted": stop.is_set(),
             "bin_s": options.bin_s,
-            "started": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+            "started": started,
             **options.extra,
         },
         "summary": summary,
