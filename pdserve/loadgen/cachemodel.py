@@ -46,17 +46,30 @@ class CacheCounts:
 
 
 class PrefixCache:
-    """One engine's cache: ``capacity`` blocks in all (None: unbounded)."""
+    """One engine's KV pool of ``capacity`` usable blocks (None: unbounded), as vLLM's block pool:
+    one free queue of every block not in use, hashed or not, taken from the head (the least
+    recently freed first, evicting what it held) and refilled at the tail."""
 
     def __init__(self, block_size: int, capacity: int | None = None) -> None:
         self.block_size = block_size
         self.capacity = capacity
-        self.free: OrderedDict[BlockKey, None] = OrderedDict()  # cached blocks, LRU first
+        # Free blocks, LRU first: a BlockKey for a block that can still be hit, an int for one that
+        # holds nothing findable (never used, a partial block, or a second copy of a cached one).
+        self.free: OrderedDict[BlockKey | int, None] = OrderedDict()
+        self.cached: set[BlockKey] = set()
+        self._blank = 0
+        if capacity is not None:
+            for _ in range(capacity):
+                self._add_blank()
         self.counts = CacheCounts()
 
+    def _add_blank(self) -> None:
+        self.free[self._blank] = None
+        self._blank += 1
+
     def serve(self, request: TraceRequest, extra_tokens: int = 0) -> int:
-        """Run ``request`` (holding room for ``extra_tokens`` more, e.g. 1 for a prefill's one
-        output token); returns its cached prompt tokens."""
+        """Run ``request`` alone (holding room for ``extra_tokens`` more, e.g. a decode's output)
+        and free its blocks; returns its cached prompt tokens."""
         keys = block_keys(request, self.block_size)
         needed = math.ceil((request.input_length + extra_tokens) / self.block_size)
         self.counts.queries += request.input_length
@@ -66,16 +79,29 @@ class PrefixCache:
             return 0
         limit = (request.input_length - 1) // self.block_size
         hit = 0
-        while hit < min(len(keys), limit) and keys[hit] in self.free:
+        while hit < min(len(keys), limit) and keys[hit] in self.cached:
             hit += 1
-        for key in keys[:hit]:  # in use now: not evictable
+        for key in keys[:hit]:  # in use now: out of the free queue
             del self.free[key]
-        if self.capacity is not None:
-            while self.free and len(self.free) + needed > self.capacity:
-                self.free.popitem(last=False)
-        for key in reversed(keys):  # freed in reverse order: the head is evicted last
-            self.free.pop(key, None)
-            self.free[key] = None
+        for _ in range(needed - hit):  # new blocks from the head of the free queue
+            if self.capacity is None:
+                break
+            entry, _ = self.free.popitem(last=False)
+            if not isinstance(entry, int):
+                self.cached.discard(entry)  # evicted
+        held: list[BlockKey | int] = list(keys[:hit])
+        for key in keys[hit:]:  # filled now: findable, unless a copy is already cached
+            if key in self.cached:
+                held.append(self._blank)
+                self._blank += 1
+            else:
+                self.cached.add(key)
+                held.append(key)
+        while len(held) < needed:  # the partial last block, room for extra tokens
+            held.append(self._blank)
+            self._blank += 1
+        for entry in reversed(held):  # freed tail first: the prompt's head is evicted last
+            self.free[entry] = None
         tokens = hit * self.block_size
         self.counts.hits += tokens
         return tokens

@@ -21,6 +21,7 @@ import orjson
 from pdserve.loadgen.prompts import BodyOptions, request_body
 from pdserve.loadgen.results import RequestRecord
 from pdserve.loadgen.schedule import Arrival
+from pdserve.wire.headers import REQUEST_ID
 
 DONE = b"[DONE]"
 
@@ -31,6 +32,9 @@ class ClientConfig:
     body: BodyOptions
     headers: Mapping[str, str]
     timeout_s: float = 600.0
+    #: Requests carry ``X-Request-Id: <run_id>-<index>`` (vLLM's request id, in its logs and a
+    #: pdserve router's legs as ``<id>-p1``/``<id>-d1``), so a run's requests can be found server-side.
+    run_id: str = ""
 
     @property
     def generate_url(self) -> str:
@@ -98,7 +102,8 @@ async def send_one(
     record.sent_s = clock()
     finished = False
     try:
-        async with session.post(config.generate_url, data=body, headers=config.headers) as resp:
+        headers = {**config.headers, REQUEST_ID: f"{config.run_id}-{record.index}"}
+        async with session.post(config.generate_url, data=body, headers=headers) as resp:
             if resp.status != 200:
                 record.error = f"http-{resp.status}: {_error_message(await resp.read())}"
                 return

@@ -14,6 +14,7 @@ import resource
 import signal
 import sys
 import time
+import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, TextIO
@@ -136,8 +137,13 @@ async def run_replay(
         first = await watch.snapshot(0.0)
         engines_note = _engines_note(first, options)
         err.write(f"engines: {engines_note}\n")
+        run_id = f"replay-{uuid.uuid4().hex[:8]}"
         config = ClientConfig(
-            options.url, BodyOptions(options.endpoint, model, options.ignore_eos), headers, options.timeout_s
+            options.url,
+            BodyOptions(options.endpoint, model, options.ignore_eos),
+            headers,
+            options.timeout_s,
+            run_id,
         )
         counts = Counts(len(arrivals))
         stop = asyncio.Event()
@@ -181,6 +187,7 @@ async def run_replay(
             "model": model,
             "endpoint": options.endpoint,
             "workload": options.workload,
+            "run_id": run_id,
             "speedup": options.speedup,
             "requests": len(arrivals),
             "offered_rate": offered_rate(arrivals),

@@ -120,6 +120,10 @@ def test_trace_slice_replay_writes_results_that_match_the_engines(up: str, tmp_p
         min(SIM_TOKENS, a.request.output_length) for a in arrivals
     ]
     assert results["trace"]["ideal_hit_ratio"] == round(ideal_hit_ratio(a.request for a in arrivals), 4)
+    # each request carries X-Request-Id <run_id>-<index>: the prefill saw it on its leg
+    prefill_url = _get(up + "/debug/routing")["table"]["prefill"][0]["url"]
+    seen = {r["request_id"] for r in _get(prefill_url + "/sim/stats")["recent"]}
+    assert {f"{results['config']['run_id']}-{i}-p1" for i in range(limit)} <= seen
 
     md = (out / "results.md").read_text()
     assert "| TTFT |" in md and "## Load per slot" in md and "goodput (TTFT <= 5000 ms" in md

@@ -42,7 +42,7 @@ def test_lru_evicts_the_least_recent_tail_first() -> None:
 def test_a_request_larger_than_the_pool_never_runs() -> None:
     cache = PrefixCache(block_size=16, capacity=10)
     assert cache.serve(_req((1,))) == 0
-    assert cache.counts.too_large == 1 and not cache.free
+    assert cache.counts.too_large == 1 and not cache.cached
 
 
 def test_one_cache_per_rank() -> None:
@@ -50,3 +50,14 @@ def test_one_cache_per_rank() -> None:
     counts = hit_counts(requests, ranks=[0, 1, 0, 1], block_size=16)
     assert counts[0].hits == 496 and counts[1].hits == 0
     assert ideal_hit_ratio(requests) == pytest.approx(2 * 496 / 2048)
+
+
+def test_blocks_holding_nothing_findable_are_in_the_same_lru_queue() -> None:
+    cache = PrefixCache(block_size=256, capacity=4)
+    cache.serve(_req((1,), 700))  # (1,0) (1,1) and a partial block, freed tail first
+    assert list(cache.free)[1:] == [4, (1, 1), (1, 0)]  # the never-used block 3, then the partial one
+    cache.serve(_req((2,), 256))  # one block: the never-used one
+    cache.serve(_req((3,), 256))  # one block: the partial one, freed before (1,*)
+    assert cache.cached == {(1, 0), (1, 1), (2, 0), (3, 0)}
+    cache.serve(_req((4,), 256))  # now (1,1) goes
+    assert cache.serve(_req((1,), 700)) == 256
