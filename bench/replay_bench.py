@@ -41,6 +41,7 @@ from pdserve.loadgen.report import write_results
 from pdserve.loadgen.results import Slo
 from pdserve.loadgen.schedule import schedule
 from pdserve.loadgen.trace import read_trace
+from tests.support.procs import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results"
@@ -62,14 +63,6 @@ def find_trace(given: Path | None) -> Path:
     )
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _slots_ready(url: str) -> bool:
     try:
         with urllib.request.urlopen(url + "/debug/routing", timeout=2) as resp:
@@ -84,7 +77,7 @@ def _slots_ready(url: str) -> bool:
 @contextmanager
 def deployment(manifest: Path, up_args: list[str], log: Path) -> Iterator[str]:
     """``pdserve up`` on a free port until every instance is routable; stopped (SIGTERM) after."""
-    port = _free_port()
+    port = free_port()
     argv = [
         sys.executable,
         "-m",
