@@ -105,7 +105,12 @@ def _cache_lines(results: Mapping[str, Any]) -> list[str]:
     if usage:
         lines.append(
             f"Per request (usage.prompt_tokens_details): {_ratio(usage['hit_ratio'])} of "
-            f"{usage['prompt_tokens']:,} prompt tokens cached, over {usage['requests']} requests."
+            f"{usage['prompt_tokens']:,} prompt tokens cached, over {usage['requests']} requests"
+            + (
+                " (the decode's count, as vLLM's: the KV it pulled from the prefill counts as cached)."
+                if "decode" in by_role
+                else "."
+            )
         )
     if ideal is not None:
         lines.append(f"The trace's own prefix reuse (one unbounded cache, in order): {_ratio(ideal)}.")
