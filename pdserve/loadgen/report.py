@@ -68,7 +68,13 @@ def markdown(results: Mapping[str, Any], title: str = "Replay") -> str:
     lines += [
         "## The client",
         "",
-        f"CPU {client['cpu_s']:.2f} s ({client['cpu_ms_per_request']:.2f} ms per request), "
+        f"CPU {client['cpu_s']:.2f} s ({client['cpu_ms_per_request']:.2f} ms per request"
+        + (
+            f", {client['cpu_us_per_chunk']:.0f} us per streamed chunk"
+            if client.get("cpu_us_per_chunk")
+            else ""
+        )
+        + "), "
         f"at most {client['max_in_flight']} requests in flight; sent late by p50 {_ms(lag.get('p50'))} ms, "
         f"p99 {_ms(lag.get('p99'))} ms, max {_ms(lag.get('max'))} ms"
         + (
