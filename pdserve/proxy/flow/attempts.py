@@ -38,9 +38,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from pdserve.proxy.health import Unreachable
-from pdserve.proxy.reply import Reply, error_reply
-from pdserve.proxy.upstream import LegError
+from pdserve.proxy.engine.upstream import LegError
+from pdserve.proxy.flow.reply import Reply, error_reply
+from pdserve.proxy.state.health import Unreachable
 from pdserve.routing import Role, Slot, SlotTable
 
 #: Outcomes that are the connection's failure, not one engine rank's: the whole instance is ejected.

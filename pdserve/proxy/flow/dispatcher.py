@@ -1,11 +1,11 @@
 """One client request through the proxy: its parts, their attempts, and its one log line.
 
 A request that makes one sequence is served as one *part*; one that makes several (a batched
-prompt, ``n > 1``) as independent parts merged in OpenAI's shape (pdserve.proxy.fanout). A
+prompt, ``n > 1``) as independent parts merged in OpenAI's shape (pdserve.proxy.flow.sequences). A
 part is a series of *attempts*: a prefill leg plus a decode leg, or a decode leg alone that
-reuses the previous attempt's KV handoff. The legs are run by pdserve.proxy.legs, and the
+reuses the previous attempt's KV handoff. The legs are run by pdserve.proxy.flow.legs, and the
 retry policy (which instances an attempt may use, when a handoff may be reused, what the
-client sees when the attempts run out) is pdserve.proxy.attempts's; this module walks the
+client sees when the attempts run out) is pdserve.proxy.flow.attempts's; this module walks the
 candidates the routing policy gives, under that retry policy.
 
 Prefill and decode are paired by revision: the prefill slot comes from the flat order over
@@ -22,7 +22,8 @@ import time
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from pdserve.proxy.admission import (
+from pdserve.proxy.engine.upstream import BackendRefusal, Upstream
+from pdserve.proxy.flow.admission import (
     SHED_QUEUE_FULL,
     SHED_QUEUE_TIMEOUT,
     AdmissionGate,
@@ -30,7 +31,7 @@ from pdserve.proxy.admission import (
     room_first,
     shed_reply,
 )
-from pdserve.proxy.attempts import (
+from pdserve.proxy.flow.attempts import (
     UNREACHABLE_OUTCOME,
     Handoff,
     LegFailure,
@@ -40,20 +41,17 @@ from pdserve.proxy.attempts import (
     no_slot_detail,
     no_slot_reply,
 )
-from pdserve.proxy.fanout import FanOut, MergedStream, merge_answers
-from pdserve.proxy.health import SlotBook
-from pdserve.proxy.legs import Deadlines, LegRunner, Trace
+from pdserve.proxy.flow.legs import LegRunner
+from pdserve.proxy.flow.reply import JSON, Reply, ReplyStream, error_reply
+from pdserve.proxy.flow.sequences import MergedStream, Split, merge_answers
+from pdserve.proxy.flow.trace import Deadlines, Trace
 from pdserve.proxy.metrics import ProxyMetrics
 from pdserve.proxy.policies import Policy
-from pdserve.proxy.relay import RelayStream
-from pdserve.proxy.reply import JSON, Reply, ReplyStream, error_reply
-from pdserve.proxy.served import RoutingState, ServedTable
 from pdserve.proxy.settings import DEFAULT_KV_LEASE_S, DEFAULT_MAX_FAN_OUT
-from pdserve.proxy.shared import SharedState
-from pdserve.proxy.upstream import BackendRefusal, Upstream
+from pdserve.proxy.state.health import SlotBook
+from pdserve.proxy.state.shared import SharedState
+from pdserve.proxy.table.served import RoutingState, ServedTable
 from pdserve.routing import Role, Slot, SlotTable
-
-__all__ = ["Deadlines", "Dispatcher", "LegFailure", "RelayStream", "Reply"]
 
 log = logging.getLogger("pdserve.proxy.request")
 
@@ -95,7 +93,7 @@ class Dispatcher(LegRunner):
         body: Mapping[str, Any],
         request_id: str,
         client_auth: str | None,
-        fan: FanOut | None = None,
+        split: Split | None = None,
         client_id: bool = True,
     ) -> Reply:
         """``client_id``: the id came from the client (X-Request-Id), so another request may carry
@@ -107,10 +105,10 @@ class Dispatcher(LegRunner):
         self.metrics.in_flight.inc()
         state = self.served.current  # this request's table, whatever reloads happen meanwhile
         try:
-            if fan is None:
+            if split is None:
                 reply = await self._serve(state, path, body, trace, client_auth)
             else:
-                reply = await self._fan_out(state, path, fan, trace, client_auth)
+                reply = await self._serve_split(state, path, split, trace, client_auth)
         except asyncio.CancelledError:
             self._close(trace, 499, "cancelled")
             raise
@@ -236,17 +234,17 @@ class Dispatcher(LegRunner):
         )
         return False
 
-    async def _fan_out(
-        self, state: RoutingState | None, path: str, fan: FanOut, trace: Trace, auth: str | None
+    async def _serve_split(
+        self, state: RoutingState | None, path: str, split: Split, trace: Trace, auth: str | None
     ) -> Reply:
         """Every part at once; the first part that fails (after its own retries) fails the request."""
         trace.parts = [
             Trace(trace.request_id, path, trace.stream, engine_base=f"{trace.engine_base}-{k}", part_of=trace)
-            for k in range(len(fan.parts))
+            for k in range(len(split.parts))
         ]
         tasks: list[asyncio.Future[Reply]] = [
             asyncio.ensure_future(self._serve(state, path, part.body, part_trace, auth))
-            for part, part_trace in zip(fan.parts, trace.parts, strict=True)
+            for part, part_trace in zip(split.parts, trace.parts, strict=True)
         ]
         replies: dict[int, Reply] = {}
         failed: Reply | None = None
@@ -277,12 +275,12 @@ class Dispatcher(LegRunner):
         trace.first_byte = time.monotonic()
         if trace.stream:
             merged = MergedStream(
-                fan, streams, trace.request_id, lambda outcome: self._close_merged(trace, outcome)
+                split, streams, trace.request_id, lambda outcome: self._close_merged(trace, outcome)
             )
             return Reply(200, merged, "text/event-stream")
         answers = [r.body for r in ordered if isinstance(r.body, bytes)]
         try:
-            return Reply(200, merge_answers(fan, answers, trace.request_id))
+            return Reply(200, merge_answers(split, answers, trace.request_id))
         except ValueError as exc:
             return error_reply(502, f"cannot merge the decodes' answers: {exc}", "upstream_error")
 

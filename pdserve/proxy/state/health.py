@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 from pdserve.routing import Role, Slot
 
 if TYPE_CHECKING:
-    from pdserve.proxy.shared import SharedDeadlines, SharedInFlight
+    from pdserve.proxy.state.shared import SharedDeadlines, SharedInFlight
 
 
 @dataclass

@@ -2,8 +2,8 @@
 
 A session per request (what vLLM's toy proxies do) pays a TCP handshake per leg and caps
 throughput; one pool keeps connections to every instance alive across requests and carries
-thousands of concurrent streams. The legs go through the lean client of pdserve.proxy.h1;
-the admin requests (model listing, profiler fan-out, the sidecar's engine check) through one
+thousands of concurrent streams. The legs go through the lean client of pdserve.proxy.engine.h1;
+the admin requests (model listing, profiler broadcast, the sidecar's engine check) through one
 aiohttp session.
 """
 
@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import aiohttp
 
-from pdserve.proxy import h1
+from pdserve.proxy.engine import h1
 
 # Idle pooled connections are kept this long; a connection the
 # engine closed meanwhile is seen closed when taken from the pool and not used.
