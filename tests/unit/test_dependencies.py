@@ -99,7 +99,7 @@ FLOORS: tuple[frozenset[str], ...] = (
     frozenset({"routing", "wire", "kv"}),
     frozenset({"deployment"}),
     frozenset({"proxy", "sim"}),
-    frozenset({"operator", "local"}),
+    frozenset({"operator", "local", "loadgen"}),  # loadgen: a client (pdserve bench), above what it loads
     frozenset({"cli"}),  # ``pdserve`` itself: loads a component by name, never by import
 )
 
