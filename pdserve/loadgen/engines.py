@@ -31,7 +31,10 @@ class Target:
 
 
 class DiscoveryError(Exception):
-    pass
+    def __init__(self, message: str, passing: bool = False) -> None:
+        super().__init__(message)
+        #: The router answered 5xx (starting, its workers' views not merged yet): ask again soon.
+        self.passing = passing
 
 
 def targets_from_debug(debug: Mapping[str, Any]) -> tuple[list[Target], dict[str, int]]:
@@ -77,7 +80,7 @@ class EngineWatch:
             async with asyncio.timeout(SCRAPE_TIMEOUT_S):
                 async with self.session.get(url, headers=self.headers) as resp:
                     if resp.status != 200:
-                        raise DiscoveryError(f"GET {url} answered {resp.status}")
+                        raise DiscoveryError(f"GET {url} answered {resp.status}", passing=resp.status >= 500)
                     doc = await resp.json(content_type=None)
         except (TimeoutError, aiohttp.ClientError, ValueError) as exc:
             raise DiscoveryError(f"GET {url} failed: {exc or type(exc).__name__}") from None
@@ -105,6 +108,7 @@ class EngineWatch:
             targets, snap.router_requests = await self.targets()
         except DiscoveryError as exc:
             snap.unreachable.append(f"router: {exc}")
+            snap.retry = exc.passing
             return snap
         texts = await asyncio.gather(*(self._scrape(t) for t in targets))
         for target, text in zip(targets, texts, strict=True):

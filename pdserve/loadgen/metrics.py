@@ -88,6 +88,7 @@ class Snapshot:
     slots: dict[Slot, dict[str, float]] = field(default_factory=dict)
     router_requests: dict[str, int] = field(default_factory=dict)  # "role/instance/rank" -> requests
     unreachable: list[str] = field(default_factory=list)
+    retry: bool = False  # the router could not answer for now: worth asking again
 
 
 def _ratio(hits: float, queries: float) -> float | None:

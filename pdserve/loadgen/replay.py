@@ -32,6 +32,8 @@ from pdserve.loadgen.schedule import Arrival, offered_rate
 from pdserve.wire.headers import AUTHORIZATION
 
 PROBE_TIMEOUT_S = 10.0
+#: A router that answers /debug/routing with 5xx (still starting) is asked again, once a second.
+DISCOVERY_RETRIES = 5
 #: p99 send lag above this: the client could not keep the schedule (the figures say so).
 SATURATED_LAG_MS = 50.0
 
@@ -135,6 +137,11 @@ async def run_replay(
         metrics_headers = {} if options.engine_urls else headers
         watch = EngineWatch(session, metrics_headers, options.admin_url or options.url, options.engine_urls)
         first = await watch.snapshot(0.0)
+        for _ in range(DISCOVERY_RETRIES):
+            if not first.retry:
+                break
+            await asyncio.sleep(1.0)
+            first = await watch.snapshot(0.0)
         engines_note = _engines_note(first, options)
         err.write(f"engines: {engines_note}\n")
         run_id = f"replay-{uuid.uuid4().hex[:8]}"

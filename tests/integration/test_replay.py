@@ -8,7 +8,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,7 +19,7 @@ import yaml
 from pdserve.loadgen.cachemodel import ideal_hit_ratio
 from pdserve.loadgen.schedule import schedule
 from pdserve.loadgen.trace import read_trace
-from tests.support.procs import REPO, ProcessGroup
+from tests.support.procs import REPO, ProcessGroup, wait_routable
 
 SLICE = REPO / "tests" / "fixtures" / "mooncake" / "slice-3600.jsonl"
 SIM_TOKENS = 4
@@ -54,14 +53,7 @@ def up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     try:
         flags = ["--sim-ttft-ms", "5", "--sim-itl-ms", "1", "--sim-tokens", str(SIM_TOKENS)]
         proc = group.start("up", ["up", str(manifest), "--no-view", *flags], health="/ready", timeout=60)
-        deadline = time.monotonic() + 60
-        while True:  # every slot routable
-            debug = _get(proc.url + "/debug/routing")
-            slots = debug["slots"]
-            if len(slots["prefill"]) == 2 and len(slots["decode"]) == 2:
-                break
-            assert time.monotonic() < deadline, proc.log()
-            time.sleep(0.1)
+        wait_routable(proc.url, proc=proc.popen)
         yield proc.url
     finally:
         group.stop_all()
