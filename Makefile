@@ -51,7 +51,7 @@ bench: install
 bench-operator: install cluster-up
 	$(PY) -m bench.operator_bench
 
-## The Mooncake trace x10 through `pdserve up examples/sim/mooncake.yaml` (about 2 minutes);
+## The Mooncake trace x4 through `pdserve up examples/sim/mooncake.yaml` with an H200 profile (about 5 minutes);
 ## results in bench/results/replay-latest.md (docs/benchmarking.md).
 bench-replay: install
 	$(PY) -m bench.replay_bench

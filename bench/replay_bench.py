@@ -1,7 +1,8 @@
 """The Mooncake trace through a local deployment: latency, goodput, prefix-cache hits, load per slot.
 
-Starts ``pdserve up MANIFEST`` (simulated engines; default examples/sim/mooncake.yaml), replays the
-shared Mooncake trace time-compressed with ``pdserve bench replay``'s own code, stops the
+Starts ``pdserve up MANIFEST --sim-profile PROFILE`` (default examples/sim/mooncake.yaml with the
+step engine of h200-llama-3.1-8b, prefix caching on), replays the shared Mooncake trace
+time-compressed (x4 by default) with ``pdserve bench replay``'s own code, stops the
 deployment, and writes ``bench/results/replay-<label>-<timestamp>.json`` plus
 ``replay-<label>.md`` and ``.png`` (label ``latest`` by default: ``replay-latest.md``). A benchmark,
 not a test: it asserts nothing. Run with ``make bench-replay`` or ``python -m bench.replay_bench``.
@@ -46,6 +47,7 @@ from tests.support.procs import free_port
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results"
 DEFAULT_MANIFEST = REPO / "examples" / "sim" / "mooncake.yaml"
+DEFAULT_PROFILE = "h200-llama-3.1-8b"
 TRACE_IN_SHARED = Path("shared") / "data" / "mooncake" / "synthetic_trace.jsonl"
 
 
@@ -123,18 +125,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--manifest", type=Path, default=DEFAULT_MANIFEST, help="the deployment `pdserve up` runs"
     )
+    parser.add_argument(
+        "--profile",
+        default=DEFAULT_PROFILE,
+        help=f"the sims' performance profile (`pdserve up --sim-profile`; default: {DEFAULT_PROFILE}); "
+        "`none`: today's fixed-time sims",
+    )
     parser.add_argument("--up-arg", action="append", default=[], help="a flag for `pdserve up` (repeat)")
     parser.add_argument("--url", help="replay against this running deployment instead of starting one")
     parser.add_argument(
         "--label", default="latest", help="names the results: replay-<label>.md (default: latest)"
     )
-    parser.add_argument("--speedup", type=float, default=10.0, help="trace time compression (default: 10)")
+    parser.add_argument("--speedup", type=float, default=4.0, help="trace time compression (default: 4)")
     parser.add_argument("--limit", type=int, help="the first N requests only")
     parser.add_argument("--slo-ttft-ms", type=float, default=2000.0, help="goodput SLO (default: 2000)")
     parser.add_argument("--slo-itl-ms", type=float, default=100.0, help="goodput SLO (default: 100)")
     args = parser.parse_args(argv)
 
     trace = find_trace(args.trace)
+    up_args = [*(["--sim-profile", args.profile] if args.profile != "none" else []), *args.up_arg]
     arrivals = schedule(read_trace(trace), args.speedup, args.limit)
     stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
     manifest = "(running deployment)" if args.url else _portable(args.manifest)
@@ -143,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
         speedup=args.speedup,
         workload=f"Mooncake {trace.name}" + (f" (first {args.limit})" if args.limit else ""),
         slo=Slo(args.slo_ttft_ms, args.slo_itl_ms),
-        extra={"bench": {"label": args.label, "manifest": manifest, "up_args": args.up_arg, "run": stamp}},
+        extra={"bench": {"label": args.label, "manifest": manifest, "up_args": up_args, "run": stamp}},
     )
     print(
         f"replaying {len(arrivals)} requests of {trace.name} at x{args.speedup:g} through {manifest}",
@@ -151,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     log_dir = Path(tempfile.mkdtemp(prefix="replay-bench-"))
     with (
-        deployment(args.manifest, args.up_arg, log_dir / "up.log")
+        deployment(args.manifest, up_args, log_dir / "up.log")
         if not args.url
         else _given(args.url) as url
     ):
@@ -161,7 +170,8 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, Any] = outcome.results
     RESULTS.mkdir(parents=True, exist_ok=True)
     stem = f"replay-{args.label}"
-    title = f"Mooncake replay ({args.label}): {manifest}, x{args.speedup:g}"
+    profile = f", profile {args.profile}" if args.profile != "none" and not args.url else ""
+    title = f"Mooncake replay ({args.label}): {manifest}{profile}, x{args.speedup:g}"
     written = write_results(RESULTS, results, outcome.records, title, stem=stem, per_request=False)
     archive = RESULTS / f"replay-{args.label}-{stamp}.json"
     (RESULTS / f"{stem}.json").rename(archive)
