@@ -51,6 +51,7 @@ def create_app(
         settings.retries.eject_seconds,
         shared=shared.ejections if shared is not None else None,
         shared_in_flight=shared.in_flight if shared is not None else None,
+        shared_unreachable=shared.unreachable if shared is not None else None,
     )
     served = ServedTable(metrics, settings.table.source, build=slot_builder(settings.sidecar.local))
     upstream = Upstream(settings.deadlines.connect)

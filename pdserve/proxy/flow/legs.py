@@ -25,7 +25,6 @@ from pdserve.proxy.flow.attempts import (
     UNREACHABLE_OUTCOME,
     Handoff,
     LegFailure,
-    Unreachable,
 )
 from pdserve.proxy.flow.relay import RelayStream
 from pdserve.proxy.flow.reply import JSON, Reply
@@ -33,7 +32,6 @@ from pdserve.proxy.flow.trace import Trace
 from pdserve.proxy.metrics import ProxyMetrics
 from pdserve.proxy.settings import DeadlineSettings
 from pdserve.proxy.state.health import SlotBook
-from pdserve.proxy.state.shared import SharedState
 from pdserve.proxy.table.served import RoutingState
 from pdserve.routing import Role, Slot
 from pdserve.wire.headers import AUTHORIZATION, DP_RANK, REQUEST_ID
@@ -60,7 +58,6 @@ class LegRunner:
         engines: Engines,
         metrics: ProxyMetrics,
         admission: AdmissionGate | None = None,
-        shared: SharedState | None = None,
     ) -> None:
         self.book = book
         self.admission = admission or AdmissionGate(0, 0, 0.0, metrics)
@@ -68,9 +65,7 @@ class LegRunner:
         self.metrics = metrics
         self.deadlines = engines.deadlines
         self.backend_api_key = engines.backend_api_key
-        self.unreachable = Unreachable(
-            book.eject_seconds, shared=shared.unreachable if shared is not None else None
-        )
+        self.unreachable = book.unreachable
 
     def _close(self, trace: Trace, status: int, outcome: str) -> None:
         """The end of a request (the dispatcher counts and logs it)."""

@@ -53,7 +53,7 @@ from pdserve.proxy.serving.worker_views import WorkerInfo
 from pdserve.proxy.settings import ProxySettings
 from pdserve.proxy.state.shared import SharedState
 
-log = logging.getLogger("pdserve.proxy.workers")
+log = logging.getLogger("pdserve.proxy.serving.workers")
 
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"  # pdserve.proxy.metrics reads it (not imported here)
 RESTART_DELAY_S = 1.0
