@@ -14,8 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from pdserve.deployment.kvconfig import MORIIO
-from pdserve.deployment.objects import instance_pod
-from pdserve.deployment.spec import PDDeployment, load_manifest_file
+from pdserve.deployment.render.objects import instance_pod
+from pdserve.deployment.spec.pddeployment import PDDeployment, load_manifest_file
 from pdserve.local.plan import plan_local_run
 from pdserve.routing import Role
 from tests.e2e_vllm.common import HERE, REPO, check, python_of_venv, say

@@ -59,7 +59,13 @@ RULES = {
     "pdserve.sim.cli": ("kopf", "kubernetes", "pdserve.proxy", "pdserve.routing", "pdserve.deployment"),
     "pdserve.sim.server": ("kopf", "kubernetes", "pdserve.proxy", "pdserve.deployment"),
     "pdserve.sim.process": ("kopf", "kubernetes", "pdserve.proxy", "pdserve.routing", "pdserve.deployment"),
-    "pdserve.deployment.objects": ("kopf", "kubernetes", "pdserve.proxy", "pdserve.sim", "pdserve.operator"),
+    "pdserve.deployment.render.objects": (
+        "kopf",
+        "kubernetes",
+        "pdserve.proxy",
+        "pdserve.sim",
+        "pdserve.operator",
+    ),
     "pdserve.local.runner": ("kopf", "kubernetes", "pdserve.operator", "pdserve.proxy.", "pdserve.sim."),
 }
 
@@ -96,8 +102,17 @@ FLOORS: tuple[frozenset[str], ...] = (
 #: Inside a package the same rule, by its subpackages and top modules: a part imports only parts
 #: of lower floors. The router: the engine client, shared state, connectors and metrics at its
 #: ground; the table and the policies; the settings; the request flow; serving; admin; on top the
-#: composition root (app) and the command (cli).
+#: composition root (app) and the command (cli). The deployment: the spec; the KV connectors'
+#: settings and the rollout planning; rendering; the checks that need rendered pods; the tools.
 INNER_FLOORS: dict[str, tuple[frozenset[str], ...]] = {
+    "deployment": (
+        frozenset({"spec"}),
+        frozenset({"kvconfig", "plan"}),
+        frozenset({"kvpod"}),
+        frozenset({"render"}),
+        frozenset({"validate"}),
+        frozenset({"cli", "docgen"}),
+    ),
     "proxy": (
         frozenset({"engine", "state", "connectors", "metrics"}),
         frozenset({"policies", "table"}),
