@@ -159,11 +159,8 @@ def main(argv: list[str] | None = None) -> int:
         flush=True,
     )
     log_dir = Path(tempfile.mkdtemp(prefix="replay-bench-"))
-    with (
-        deployment(args.manifest, up_args, log_dir / "up.log")
-        if not args.url
-        else _given(args.url) as url
-    ):
+    serving = _given(args.url) if args.url else deployment(args.manifest, up_args, log_dir / "up.log")
+    with serving as url:
         outcome = _run(arrivals, options, url)
     shutil.rmtree(log_dir, ignore_errors=True)
 
