@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.deployment.signals import parse_load
+from pdserve.deployment.plan.signals import parse_load
 from pdserve.wire.load import percentile
 from tests.support.pdstack import PDStack, http
 from tests.support.procs import ProcessGroup

@@ -1,4 +1,4 @@
-"""The autoscaler's pure decision (pdserve.deployment.autoscale): each rule on its own, then
+"""The autoscaler's pure decision (pdserve.deployment.plan.autoscale): each rule on its own, then
 properties over simulated half hours: noise does not make it flap, bounds and the ratio always
 hold, scale-down waits its window, limited capacity stops the asking."""
 
@@ -15,9 +15,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pdserve.deployment.autoscale import MIN_SAMPLES, Decision, Memory, RoleState, decide, initial_count
-from pdserve.deployment.autoscaling import AutoscalingSpec, parse_autoscaling
-from pdserve.deployment.signals import Signals
+from pdserve.deployment.plan.autoscale import MIN_SAMPLES, Decision, Memory, RoleState, decide, initial_count
+from pdserve.deployment.plan.signals import Signals
+from pdserve.deployment.spec.autoscaling import AutoscalingSpec, parse_autoscaling
 from pdserve.wire.load import bucket_of
 
 
@@ -239,7 +239,7 @@ def test_out_of_bounds_counts_move_in_at_once() -> None:
 def test_the_decode_base_is_where_its_latency_line_meets_no_load() -> None:
     """ITL = step time + time per sequence: the line through (sequences, ratio) pairs gives the
     step's share; too few pairs, too alike or sloping down give none (and no shrinking)."""
-    from pdserve.deployment.autoscale import decode_base
+    from pdserve.deployment.plan.autoscale import decode_base
 
     assert decode_base(KNOWN.samples) == pytest.approx(0.2)
     assert decode_base(KNOWN.samples[:3]) is None

@@ -1,5 +1,5 @@
 """The load view a router reports (pdserve.wire.load, pdserve.proxy.state.load) and how the
-autoscaler reads it and the engines' metrics (pdserve.deployment.signals)."""
+autoscaler reads it and the engines' metrics (pdserve.deployment.plan.signals)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pdserve.deployment.signals import (
+from pdserve.deployment.plan.signals import (
     EngineLoad,
     RouterLoad,
     combine,

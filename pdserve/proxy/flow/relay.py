@@ -15,8 +15,9 @@ from typing import Any, NoReturn, Protocol
 
 from pdserve.proxy.engine import codec, h1
 from pdserve.proxy.engine.upstream import OpenStream
-from pdserve.proxy.flow.trace import Deadlines, Trace
+from pdserve.proxy.flow.trace import Trace
 from pdserve.proxy.metrics import ProxyMetrics
+from pdserve.proxy.settings import DeadlineSettings
 from pdserve.proxy.state.load import LoadWindow
 from pdserve.routing import Role, Slot
 from pdserve.wire.openai import error_body
@@ -25,7 +26,7 @@ from pdserve.wire.openai import error_body
 class LegOwner(Protocol):
     """The leg runner that opened the stream: its deadlines and metrics, and how a leg ends."""
 
-    deadlines: Deadlines
+    deadlines: DeadlineSettings
     metrics: ProxyMetrics
     load: LoadWindow
 

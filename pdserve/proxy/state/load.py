@@ -18,7 +18,6 @@ from pdserve.wire.load import LATENCIES, OUTCOMES, Counts, add_counts, bucket_of
 
 #: Longest window a reader may ask for.
 HISTORY_SECONDS = 600
-DEFAULT_LOAD_WINDOW_S = 60
 
 
 @dataclass

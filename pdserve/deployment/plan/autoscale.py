@@ -1,0 +1,543 @@
+"""The autoscaler's decision: one for both roles, every ``syncPeriodSeconds`` (pure).
+
+Inputs: ``spec.autoscaling``, what each role runs now (:class:`RoleState`), the signals of the
+last window (:class:`~pdserve.deployment.plan.signals.Signals`) and the memory of earlier decisions
+(:class:`Memory`). Output: the new counts, why, what limited them, and the memory to pass next
+time. The operator and ``pdserve up`` call it alike.
+
+How a count is decided, per role, then for the pair:
+
+1. **The role's objective ratio** ``q``: its percentile over its objective, of the requests that
+   ended in the window. Prefill answers for TTFT, decode for ITL. A missed TTFT is the decode's
+   when its leg's time to first byte (the KV pull and its queue) is the larger part; then decode
+   takes that ratio and prefill holds. Fewer than :data:`MIN_SAMPLES` samples: no ratio (the
+   count holds), unless the deployment is idle (nothing ended, in flight or queued), when the
+   traffic needs the minimum.
+2. **The recommendation**, once ``q`` leaves ``[1 - scaleDown.tolerance, 1 + scaleUp.tolerance]``:
+   the instances the role's traffic needs to sit at its objective. Latency is not proportional to
+   the count (HPA's ``ceil(ready x q)`` assumes it is): both roles behave like a queue, ``q = a /
+   (1 - u)``, where ``a`` is the ratio at no load and ``u`` the share of the role's capacity the
+   traffic uses. A prefill rank shares its steps among the prompts it holds (processor sharing),
+   so ``u = N / (1 + N)`` from ``N``, the prefill legs in flight per slot over the window (Little's
+   law on the routers' counts); a decode step costs a fixed time plus a time per sequence, so
+   ``a`` is where the line through the recent (sequences per slot, ``q``) pairs meets zero
+   sequences (:func:`decode_base`). The traffic needs ``ready x u / (1 - a)`` instances: grown to at
+   least one more when the objective is missed (by ``ready x q`` when missed twice over), shrunk
+   when met. Without ``a`` (a fresh memory, a load that never varied) a role does not shrink: the
+   conservative side, where HPA's rule would shrink a queue into overload and flap.
+3. **Stabilisation**, HPA's: a count grows to the lowest recommendation of the scale-up window and
+   shrinks to the highest of the scale-down window (so scale-down waits its window).
+4. **Step limits**, HPA's policies (``Instances`` or ``Percent`` per ``periodSeconds``, counted
+   from the count at the period's start; ``selectPolicy`` picks the largest or smallest step).
+5. **Holds**: a role does not grow while pods of its last scale-up are still starting (their
+   capacity is not in the latencies yet), nor while any of its pods is Unschedulable (the
+   cluster has no room: condition ``ScalingLimited``, naming the resource).
+6. **Bounds and ratio**: each count within ``[minInstances, maxInstances]``; then the pair
+   nearest to both targets whose ratio holds: never below a target when avoidable (the ratio
+   pulls the other role up, never a role below its need), then the fewest instances.
+
+Every decision carries its reason: which objective, measured against target, and which rule
+moved or held each count.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+
+from pdserve.deployment.plan.signals import Signals
+from pdserve.deployment.spec.autoscaling import AutoscalingSpec, ScalingRules, prefill_range
+from pdserve.wire.load import mean, percentile
+
+ROLES = ("prefill", "decode")
+#: Fewer samples in the window than this, and a percentile says too little to act on.
+MIN_SAMPLES = 10
+#: How far back the (sequences per slot, ITL ratio) pairs of the decode count for its base latency.
+BASELINE_SECONDS = 600.0
+#: Pairs needed, and how far apart their loads must be, to draw a line through them.
+MIN_FIT_SAMPLES = 4
+MIN_FIT_SPREAD = 1.25
+#: A ratio is capped here: a stuck queue must not ask for a hundred-fold count (the policies cap it too).
+MAX_RATIO = 10.0
+#: A missed objective by this factor or more grows by it (HPA's rule), not by the queue's estimate.
+SEVERE = 2.0
+
+
+@dataclass(frozen=True)
+class RoleState:
+    """One role as it runs now."""
+
+    desired: int  # the count the last decision wanted (or the spec's start)
+    ready: int  # routable instances
+    starting: int = 0  # instances created and not Ready yet (within their startup timeout)
+    unschedulable: int = 0  # of those, pods the scheduler reports it cannot place
+    slots: int = 0  # routable slots (ready instances x their DP ranks); 0: the ready count
+    #: What the scheduler says is missing ("nvidia.com/gpu" from "Insufficient nvidia.com/gpu"),
+    #: or its message when it names no resource.
+    unschedulable_reason: str = ""
+
+
+@dataclass(frozen=True)
+class Recommendation:
+    time: float
+    counts: Mapping[str, int]
+
+
+@dataclass(frozen=True)
+class ScaleEvent:
+    time: float
+    role: str
+    change: int  # instances added (> 0) or removed (< 0)
+
+
+@dataclass(frozen=True)
+class Memory:
+    """What a decision leaves for the next: recommendations (stabilisation), scale events (step
+    limits) and objective ratios (the base latency). An empty memory (a restarted operator) makes
+    the first scale-down wait a whole window, the safe side."""
+
+    recommendations: tuple[Recommendation, ...] = ()
+    events: tuple[ScaleEvent, ...] = ()
+    samples: tuple[tuple[float, float, float], ...] = ()  # (time, decode sequences per slot, ITL ratio)
+    started: float | None = None  # when this memory began
+
+
+@dataclass(frozen=True)
+class Limit:
+    """A condition ScalingLimited=True: which role, the reason (CamelCase) and the message."""
+
+    role: str
+    reason: str  # TooManyInstances, TooFewInstances, InsufficientResources
+    message: str
+
+
+@dataclass(frozen=True)
+class RoleDecision:
+    role: str
+    before: int
+    after: int
+    ratio: float | None  # q: measured percentile / objective; None: too few samples
+    recommendation: int
+    why: str
+
+
+@dataclass(frozen=True)
+class Decision:
+    prefill: RoleDecision
+    decode: RoleDecision
+    measured: Mapping[str, float | None]  # ttft_ms, itl_ms (the objectives' percentile)
+    limits: tuple[Limit, ...]
+    memory: Memory
+
+    @property
+    def counts(self) -> dict[str, int]:
+        return {"prefill": self.prefill.after, "decode": self.decode.after}
+
+    @property
+    def changed(self) -> bool:
+        return any(d.after != d.before for d in (self.prefill, self.decode))
+
+    def role(self, role: str) -> RoleDecision:
+        return self.prefill if role == "prefill" else self.decode
+
+    @property
+    def reason(self) -> str:
+        """One line: each role's move (or hold) and why."""
+        return "; ".join(_describe(d) for d in (self.prefill, self.decode))
+
+
+def initial_count(spec: AutoscalingSpec, role: str, instances: int) -> int:
+    """Where a role starts: the spec's instances, within the bounds."""
+    return spec.bounds(role).clamp(instances)
+
+
+def decide(
+    spec: AutoscalingSpec,
+    now: float,
+    roles: Mapping[str, RoleState],
+    signals: Signals,
+    memory: Memory,
+) -> Decision:
+    memory = _pruned(spec, memory, now)
+    objectives = spec.objectives
+    p = objectives.percentile
+    ttft = _ratio(signals, "ttft", p, objectives.ttft_milliseconds / 1000)
+    itl = _ratio(signals, "itl", p, objectives.itl_milliseconds / 1000)
+    measured = {
+        "ttft_ms": _ms(signals, "ttft", p),
+        "itl_ms": _ms(signals, "itl", p),
+    }
+    ratios, notes = _role_ratios(signals, p, ttft, itl)
+    decode_load = _per_slot(signals.in_flight.get("decode", 0), roles["decode"])
+    if itl is not None and signals.known:
+        memory = replace(memory, samples=(*memory.samples, (now, decode_load, itl)))
+    base = {
+        "prefill": _prefill_base(signals, roles["prefill"], ratios["prefill"]),
+        "decode": decode_base(memory.samples),
+    }
+    raw: dict[str, int] = {}
+    wanted: dict[str, int | None] = {}
+    whys: dict[str, list[str]] = {}
+    for role in ROLES:
+        state = roles[role]
+        bounds = spec.bounds(role)
+        current = state.desired
+        q = ratios[role]
+        why = [notes[role]] if notes[role] else []
+        if not signals.known:
+            rec = current
+            why.append("no router answered: holding")
+        elif signals.idle and signals.covered_seconds >= signals.window_seconds / 2:
+            rec = bounds.min_instances
+            why.append(f"no traffic in the last {signals.window_seconds:g} s")
+        elif q is None:
+            rec = current
+            why.append(f"fewer than {MIN_SAMPLES} requests measured: holding")
+        else:
+            rec, how = _recommend(spec, state.ready or current, q, base[role])
+            wanted[role] = rec
+            if how:
+                why.append(how)
+        raw[role] = bounds.clamp(rec)
+        whys[role] = why
+
+    recommendation = Recommendation(now, dict(raw))
+    targets: dict[str, int] = {}
+    limits: list[Limit] = []
+    held_up: dict[str, bool] = {}
+    for role in ROLES:
+        state = roles[role]
+        bounds = spec.bounds(role)
+        current = bounds.clamp(state.desired)
+        if current != state.desired:
+            whys[role].append(
+                f"moved within minInstances-maxInstances {bounds.min_instances}-{bounds.max_instances}"
+            )
+        stable, note = _stabilised(spec, memory, role, current, raw[role], now)
+        if note:
+            whys[role].append(note)
+        target, note = _step_limited(spec, memory, role, current, stable, now)
+        if note:
+            whys[role].append(note)
+        held = False
+        if target > current and state.unschedulable:
+            what = state.unschedulable_reason or "no node fits"
+            limits.append(
+                Limit(
+                    role,
+                    "InsufficientResources",
+                    f"{role}: {state.unschedulable} pod(s) cannot be placed ({what}); not asking for more "
+                    f"than {current} instance(s)",
+                )
+            )
+            whys[role].append(f"held at {current}: pods cannot be placed ({what})")
+            target, held = current, True
+        elif target > current and state.starting:
+            whys[role].append(f"held at {current}: {state.starting} instance(s) still starting")
+            target, held = current, True
+        asked = wanted.get(role)
+        if asked is not None and asked > bounds.max_instances and target >= bounds.max_instances:
+            limits.append(
+                Limit(
+                    role,
+                    "TooManyInstances",
+                    f"{role}: its objective needs about {asked} instances, maxInstances is "
+                    f"{bounds.max_instances}",
+                )
+            )
+        elif asked is not None and asked < bounds.min_instances and target <= bounds.min_instances:
+            limits.append(
+                Limit(
+                    role,
+                    "TooFewInstances",
+                    f"{role}: its traffic needs about {asked} instances, minInstances is "
+                    f"{bounds.min_instances}",
+                )
+            )
+        targets[role] = target
+        held_up[role] = held
+
+    counts, pulled = _with_ratio(spec, targets, {r: roles[r].desired for r in ROLES}, held_up)
+    for role, note in pulled.items():
+        whys[role].append(note)
+    decisions = {
+        role: RoleDecision(
+            role,
+            roles[role].desired,
+            counts[role],
+            ratios[role],
+            raw[role],
+            "; ".join([_measured(spec, role, measured), *whys[role]]).strip("; "),
+        )
+        for role in ROLES
+    }
+    events = tuple(
+        ScaleEvent(now, role, counts[role] - roles[role].desired)
+        for role in ROLES
+        if counts[role] != roles[role].desired
+    )
+    memory = replace(
+        memory,
+        recommendations=(*memory.recommendations, recommendation),
+        events=(*memory.events, *events),
+        started=memory.started if memory.started is not None else now,
+    )
+    return Decision(decisions["prefill"], decisions["decode"], measured, tuple(limits), memory)
+
+
+# --- step 1: the objective ratios ------------------------------------------------------------------
+
+
+def _ms(signals: Signals, kind: str, p: float) -> float | None:
+    counts = signals.latency.get(kind, {})
+    if sum(counts.values()) < MIN_SAMPLES:
+        return None
+    value = percentile(counts, p)
+    return None if value is None else value * 1000
+
+
+def _ratio(signals: Signals, kind: str, p: float, objective_s: float) -> float | None:
+    ms = _ms(signals, kind, p)
+    return None if ms is None else min(MAX_RATIO, ms / 1000 / objective_s)
+
+
+def _role_ratios(
+    signals: Signals, p: float, ttft: float | None, itl: float | None
+) -> tuple[dict[str, float | None], dict[str, str]]:
+    """Prefill answers for TTFT and decode for ITL; a missed TTFT goes to the leg that takes longer."""
+    ratios: dict[str, float | None] = {"prefill": ttft, "decode": itl}
+    notes = {"prefill": "", "decode": ""}
+    if ttft is None or ttft <= 1:
+        return ratios, notes
+    prefill_leg = _ms(signals, "prefill", p)
+    decode_first = _ms(signals, "decode_first", p)
+    if prefill_leg is not None and decode_first is not None and decode_first > prefill_leg:
+        ratios["prefill"] = 1.0
+        ratios["decode"] = max(itl or 0.0, ttft)
+        notes["prefill"] = (
+            f"TTFT missed at the decode (its first byte p{p:g} {decode_first:.0f} ms > prefill leg "
+            f"{prefill_leg:.0f} ms)"
+        )
+        notes["decode"] = notes["prefill"]
+    return ratios, notes
+
+
+# --- step 2: the recommendation ------------------------------------------------------------------
+
+
+def _per_slot(count: float, state: RoleState) -> float:
+    return count / max(state.slots or state.ready, 1)
+
+
+def _prefill_base(signals: Signals, state: RoleState, q: float | None) -> float | None:
+    """The prefill's ratio at no load, ``q / (1 + N)``: N, its legs in flight per slot over the
+    window, is the completed legs' rate times their mean time (Little's law)."""
+    legs = signals.latency.get("prefill", {})
+    done = sum(legs.values())
+    average = mean(legs)
+    if q is None or done < MIN_SAMPLES or average is None or signals.covered_seconds <= 0:
+        return None
+    in_flight = done / signals.covered_seconds * average
+    return q / (1 + _per_slot(in_flight, state))
+
+
+def decode_base(samples: Sequence[tuple[float, float, float]]) -> float | None:
+    """The decode's ITL ratio at no load: where the least-squares line through the recent
+    (sequences per slot, ratio) pairs meets zero sequences; None while the loads are too alike
+    to draw it (or it slopes the wrong way). Never above 90 % of the lowest ratio seen."""
+    if len(samples) < MIN_FIT_SAMPLES:
+        return None
+    loads = [b for _, b, _ in samples]
+    ratios = [q for _, _, q in samples]
+    if min(loads) <= 0 or max(loads) / min(loads) < MIN_FIT_SPREAD:
+        return None
+    n = len(samples)
+    mean_b, mean_q = sum(loads) / n, sum(ratios) / n
+    spread = sum((b - mean_b) ** 2 for b in loads)
+    slope = sum((b - mean_b) * (q - mean_q) for b, q in zip(loads, ratios, strict=True)) / spread
+    if slope <= 0:
+        return None
+    return min(max(mean_q - slope * mean_b, 0.0), 0.9 * min(ratios))
+
+
+def _recommend(spec: AutoscalingSpec, running: int, q: float, base: float | None) -> tuple[int, str]:
+    """The instances the traffic needs at the objective, and how that was reckoned."""
+    up, down = spec.behavior.scale_up, spec.behavior.scale_down
+    if 1 - down.tolerance <= q <= 1 + up.tolerance:
+        return running, ""
+    a = min(base, 0.95 * q, 0.95) if base is not None else None
+    need = running * (1 - a / q) / (1 - a) if a is not None else float(running)
+    shown = (
+        "" if a is None else f"traffic uses {1 - a / q:.0%} of {running}, needs {need:.1f} at the objective"
+    )
+    if q > 1:
+        rec = max(math.ceil(need - 1e-9), running + 1)
+        if q >= SEVERE:
+            rec = max(rec, math.ceil(running * q - 1e-9))
+        return rec, shown
+    if a is None:
+        return running, "no base latency known yet: not shrinking"
+    return max(1, min(math.ceil(need - 1e-9), running)), shown
+
+
+# --- steps 3 and 4: stabilisation and step limits ---------------------------------------------------
+
+
+def _stabilised(
+    spec: AutoscalingSpec, memory: Memory, role: str, current: int, rec: int, now: float
+) -> tuple[int, str]:
+    """HPA's rule: up to the lowest recommendation of the up window, down to the highest of the
+    down window."""
+    up_window = spec.behavior.scale_up.stabilization_window_seconds
+    down_window = spec.behavior.scale_down.stabilization_window_seconds
+    up_rec = down_rec = rec
+    for past in memory.recommendations:
+        value = past.counts[role]
+        if past.time > now - up_window:
+            up_rec = min(up_rec, value)
+        if past.time > now - down_window:
+            down_rec = max(down_rec, value)
+    if memory.started is None or memory.started > now - down_window:
+        down_rec = max(down_rec, current)  # too little memory: the window starts now
+    out = current
+    if out < up_rec:
+        out = up_rec
+    if out > down_rec:
+        out = down_rec
+    note = ""
+    if rec < current and out > rec:
+        note = f"scale-down waits its {down_window} s window (highest recommendation in it: {out})"
+    elif rec > current and out < rec:
+        note = f"scale-up waits its {up_window} s window (lowest recommendation in it: {out})"
+    return out, note
+
+
+def _step_limited(
+    spec: AutoscalingSpec, memory: Memory, role: str, current: int, target: int, now: float
+) -> tuple[int, str]:
+    if target == current:
+        return target, ""
+    up = target > current
+    rules = spec.behavior.scale_up if up else spec.behavior.scale_down
+    limit = _limit(rules, memory, role, current, now, up)
+    if up and target > limit:
+        return limit, f"step limited to {limit} by scaleUp policies"
+    if not up and target < limit:
+        return limit, f"step limited to {limit} by scaleDown policies"
+    return target, ""
+
+
+def _limit(rules: ScalingRules, memory: Memory, role: str, current: int, now: float, up: bool) -> int:
+    """HPA's per-period limit: from the count at each policy period's start, the policies' steps."""
+    if rules.select_policy == "Disabled":
+        return current
+    limits = []
+    for policy in rules.policies:
+        moved = sum(
+            e.change
+            for e in memory.events
+            if e.role == role and e.time > now - policy.period_seconds and (e.change > 0) == up
+        )
+        start = current - moved
+        if policy.type == "Instances":
+            limits.append(start + policy.value if up else start - policy.value)
+        elif up:
+            limits.append(math.ceil(start * (1 + policy.value / 100)))
+        else:
+            limits.append(math.ceil(start * (1 - policy.value / 100)))
+    pick = max if (rules.select_policy == "Max") == up else min
+    return pick(limits)
+
+
+# --- step 6: the pair ------------------------------------------------------------------------------
+
+
+def _with_ratio(
+    spec: AutoscalingSpec,
+    targets: Mapping[str, int],
+    current: Mapping[str, int],
+    held_up: Mapping[str, bool],
+) -> tuple[dict[str, int], dict[str, str]]:
+    """The feasible pair nearest the targets: least shortfall, then fewest instances, then least
+    movement; a role held at its count grows only when nothing else meets the ratio."""
+    ratio = spec.prefill_per_decode
+    p_target, d_target = targets["prefill"], targets["decode"]
+    if ratio.holds(p_target, d_target):
+        return dict(targets), {}
+
+    def best(hold: bool) -> tuple[int, int] | None:
+        choice: tuple[tuple[int, int, int], tuple[int, int]] | None = None
+        d_high = spec.decode.max_instances
+        if hold and held_up["decode"]:
+            d_high = max(d_target, min(current["decode"], d_high))
+        for d in range(spec.decode.min_instances, d_high + 1):
+            low, high = prefill_range(spec, d)
+            if hold and held_up["prefill"]:
+                high = min(high, max(p_target, current["prefill"]))
+            if low > high:
+                continue
+            p = min(max(p_target, low), high)
+            key = (max(0, p_target - p) + max(0, d_target - d), p + d, abs(p - p_target) + abs(d - d_target))
+            if choice is None or key < choice[0]:
+                choice = (key, (p, d))
+        return None if choice is None else choice[1]
+
+    pair = best(hold=True) or best(hold=False)
+    assert pair is not None  # the parser refused ratio bounds no counts within the bounds meet
+    counts = {"prefill": pair[0], "decode": pair[1]}
+    notes = {}
+    shown = _ratio_text(spec)
+    for role, other in (("prefill", "decode"), ("decode", "prefill")):
+        if counts[role] > targets[role]:
+            notes[role] = f"pulled up to {counts[role]} by prefillPerDecode {shown} ({other} {counts[other]})"
+        elif counts[role] < targets[role]:
+            notes[role] = f"kept at {counts[role]} by prefillPerDecode {shown} ({other} {counts[other]})"
+    return counts, notes
+
+
+def _ratio_text(spec: AutoscalingSpec) -> str:
+    r = spec.prefill_per_decode
+    low = "-" if r.min is None else f"{r.min:g}"
+    high = "-" if r.max is None else f"{r.max:g}"
+    return f"[{low}, {high}]"
+
+
+# --- memory and words --------------------------------------------------------------------------------
+
+
+def _pruned(spec: AutoscalingSpec, memory: Memory, now: float) -> Memory:
+    behavior = spec.behavior
+    keep = max(
+        behavior.scale_up.stabilization_window_seconds, behavior.scale_down.stabilization_window_seconds
+    )
+    periods = [p.period_seconds for p in (*behavior.scale_up.policies, *behavior.scale_down.policies)]
+    return replace(
+        memory,
+        recommendations=tuple(r for r in memory.recommendations if r.time > now - keep),
+        events=tuple(e for e in memory.events if e.time > now - max(periods, default=0)),
+        samples=tuple(x for x in memory.samples if x[0] > now - BASELINE_SECONDS),
+    )
+
+
+def _measured(spec: AutoscalingSpec, role: str, measured: Mapping[str, float | None]) -> str:
+    """``TTFT p90 3200 ms > objective 2000 ms`` (prefill) or the ITL's (decode)."""
+    o = spec.objectives
+    name, value, target = (
+        ("TTFT", measured["ttft_ms"], o.ttft_milliseconds)
+        if role == "prefill"
+        else ("ITL", measured["itl_ms"], o.itl_milliseconds)
+    )
+    if value is None:
+        return ""
+    sign = ">" if value > target else "<="
+    return f"{name} p{o.percentile:g} {_ms_text(value)} {sign} objective {_ms_text(target)}"
+
+
+def _ms_text(ms: float) -> str:
+    return f"{ms:.1f} ms" if ms < 10 else f"{ms:.0f} ms"
+
+
+def _describe(d: RoleDecision) -> str:
+    move = f"{d.before} -> {d.after}" if d.after != d.before else f"stays {d.after}"
+    return f"{d.role} {move}" + (f" ({d.why})" if d.why else "")
