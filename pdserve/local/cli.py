@@ -36,6 +36,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from pdserve.deployment.plan.autoscale import ROLES
+from pdserve.deployment.plan.scaling import with_counts
 from pdserve.deployment.spec.pddeployment import SpecError, load_manifest_file
 from pdserve.deployment.validate import problems
 from pdserve.local.plan import (
@@ -51,6 +53,7 @@ from pdserve.local.plan import (
 )
 from pdserve.local.proctree import port_free
 from pdserve.local.runner import LocalRunner, Reporter, describe_table
+from pdserve.local.scaler import LocalScaler
 from pdserve.local.view import LiveView, SummaryLines
 from pdserve.local.vllm_env import find_vllm, gpus_present
 from pdserve.local.vllm_env import problems as vllm_problems
@@ -116,6 +119,15 @@ def run(args: argparse.Namespace) -> int:
     found = problems(pdd, None)
     if found:
         return _refuse(f"{args.file}: invalid PDDeployment: " + "; ".join(found))
+    scaler = LocalScaler.of(pdd)
+    if scaler is not None:
+        if args.engine != "sim":
+            return _refuse(
+                "spec.autoscaling runs locally with --engine sim only (it starts and stops simulator "
+                "instances); remove spec.autoscaling to run vLLM, or run it on a cluster"
+            )
+        # every instance the autoscaler may want is planned (its ports reserved); it runs some
+        pdd = with_counts(pdd, {role: scaler.spec.bounds(role).max_instances for role in ROLES})
     device = "gpu"
     if args.engine == "vllm":
         install = find_vllm()
@@ -181,7 +193,7 @@ def run(args: argparse.Namespace) -> int:
                 flush=True,
             )
 
-    runner = LocalRunner(plan, routing_file, log_dir, reporter=reporter, on_ready=announce)
+    runner = LocalRunner(plan, routing_file, log_dir, reporter=reporter, on_ready=announce, scaler=scaler)
     code = asyncio.run(_run_with_view(runner, reporter))
     if code == 0 and not keep_logs:
         shutil.rmtree(log_dir, ignore_errors=True)

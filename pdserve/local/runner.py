@@ -30,11 +30,12 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import aiohttp
 
+from pdserve.deployment.plan.autoscale import ROLES, RoleState
 from pdserve.deployment.render.routing_table import ObservedInstance, build_routing_table
 from pdserve.local.front import Front, SidecarEndpoint
 from pdserve.local.observe import observed_instances
@@ -49,7 +50,9 @@ from pdserve.local.proctree import (
     scan,
     socket_holders,
 )
-from pdserve.routing import Instance, RoutingTable
+from pdserve.local.scaler import Instance, LocalScaler, gather, served_reports
+from pdserve.routing import Instance as TableInstance
+from pdserve.routing import Role, RoutingTable
 
 #: How often engines' /health is polled (a pod readiness probe is 2-5 s; locally we can be quicker).
 POLL_SECONDS = 0.25
@@ -72,6 +75,9 @@ class Reporter:
 
     def event(self, text: str) -> None:
         print(f"[pdserve up {time.monotonic() - self._t0:6.1f}s] {text}", flush=True)
+
+    def scaling(self, lines: Sequence[str]) -> None:
+        """The autoscaler's state after a decision (the live view shows it above the slots)."""
 
 
 @dataclass
@@ -163,6 +169,8 @@ class LocalRunner:
     reporter: Reporter = field(default_factory=Reporter)
     stop_grace: float = 10.0
     on_ready: Callable[[RoutingTable], None] | None = None
+    #: spec.autoscaling: the plan has maxInstances of each role, this says which run (scaler.py).
+    scaler: LocalScaler | None = None
 
     def __post_init__(self) -> None:
         self.engines = {
@@ -181,6 +189,10 @@ class LocalRunner:
         self.failure: str | None = None
         self._announced = False
         self._tree_refreshed = 0.0
+        self._pending: set[str] = set()  # children to start once their ports are free
+        self._sidecar_of = {
+            r.name: _instance_of(self.plan, r.instance) for r in self.plan.routers if r.instance
+        }
 
     # --- the run ---------------------------------------------------------------------------------
 
@@ -199,12 +211,18 @@ class LocalRunner:
                 except OSError as exc:
                     self._fail(f"could not listen on {self.plan.url}: {exc}")
             if not self.stopping.is_set():
-                for child in [*self.engines.values(), *self.routers.values()]:
+                engines = [c for e, c in self._engine_children() if self._runs(e)]
+                for child in [*engines, *(c for c in self.routers.values() if self._router_runs(c))]:
                     child.start()
                 self.reporter.event(
-                    f"started {len(self.engines)} {self.plan.deployment.spec.engine} engine process(es) and "
+                    f"started {len(engines)} {self.plan.deployment.spec.engine} engine process(es) and "
                     f"{describe_routers(self.plan)}; logs in {self.log_dir}"
                 )
+                if self.scaler is not None:
+                    self.reporter.event(
+                        f"autoscaling between {_bounds(self.scaler)}; deciding every "
+                        f"{self.scaler.spec.sync_period_seconds} s"
+                    )
             timeout = aiohttp.ClientTimeout(total=2)
             async with aiohttp.ClientSession(timeout=timeout) as session:
                 while not self.stopping.is_set():
@@ -227,10 +245,11 @@ class LocalRunner:
 
     async def _tick(self, session: aiohttp.ClientSession) -> None:
         for router in self.routers.values():
-            if not router.running:
+            if not router.running and self._router_runs(router) and router.name not in self._pending:
                 code = router.popen.returncode if router.popen else None
                 self._fail(f"{router.name} exited with code {code}:\n{router.log_tail()}")
                 return
+        self._start_pending()
         self._restart_exited_engines()
         if self.stopping.is_set():
             return
@@ -242,15 +261,19 @@ class LocalRunner:
                 child = self.engines[e.name]
                 child.healthy_once = True
                 child.failed_starts = 0
+        if self.scaler is not None:
+            observed = self._scaled(observed)
         self._write_table(observed)
+        if self.scaler is not None:
+            await self._autoscale(session, health)
+        routers = [r for r in self.plan.routers if self._router_runs(self.routers[r.name])]
         routers_ready: list[bool] = []
         if self.front is not None or not self._announced:
-            routers_ready = await asyncio.gather(*(self._router_ready(session, r) for r in self.plan.routers))
+            routers_ready = await asyncio.gather(*(self._router_ready(session, r) for r in routers))
         if self.front is not None:  # the kubelet's readiness probes, for the Service's endpoints
-            self.front.set_ready(
-                [r.instance for r, ok in zip(self.plan.routers, routers_ready, strict=True) if ok]
-            )
-        if not self._announced and all(health) and all(routers_ready):
+            self.front.set_ready([r.instance for r, ok in zip(routers, routers_ready, strict=True) if ok])
+        running = [ok for e, ok in zip(self.plan.engines, health, strict=True) if self._runs(e)]
+        if not self._announced and all(running) and all(routers_ready):
             self._announced = True
             assert self.table is not None
             if self.on_ready is not None:
@@ -270,8 +293,8 @@ class LocalRunner:
 
     def _restart_exited_engines(self) -> None:
         now = time.monotonic()
-        for child in self.engines.values():
-            if child.running:
+        for engine, child in self._engine_children():
+            if child.running or not self._runs(engine) or child.popen is None or child.name in self._pending:
                 continue
             if child.exited_at is None:  # just noticed the exit
                 assert child.popen is not None
@@ -314,7 +337,7 @@ class LocalRunner:
     async def _healthy(self, session: aiohttp.ClientSession, engine: EngineProcess) -> bool:
         """/health answered 200 while the engine's main process runs, by one of its own processes."""
         child = self.engines[engine.name]
-        if not child.running or child.exited_at is not None:
+        if not child.running or child.exited_at is not None or not self._runs(engine):
             return False
         if not engine.serves_http:
             return True  # a --headless node answers no HTTP; its leader's /health covers the group
@@ -369,6 +392,111 @@ class LocalRunner:
             self.failure = message
         self.stopping.set()
 
+    # --- spec.autoscaling (scaler.py) ----------------------------------------------------------------
+
+    def _engine_children(self) -> list[tuple[EngineProcess, Child]]:
+        return [(e, self.engines[e.name]) for e in self.plan.engines]
+
+    def _runs(self, engine: EngineProcess) -> bool:
+        return self.scaler is None or self.scaler.runs((engine.role, engine.index))
+
+    def _router_runs(self, router: Child) -> bool:
+        """A decode sidecar runs while its decode instance does; the router always."""
+        instance = self._sidecar_of.get(router.name)
+        return self.scaler is None or instance is None or self.scaler.runs(instance)
+
+    def _scaled(self, observed: Sequence[ObservedInstance]) -> list[ObservedInstance]:
+        """The table's instances: those that run, the draining ones marked so."""
+        assert self.scaler is not None
+        out = []
+        for obs in observed:
+            instance = (obs.role, obs.index)
+            if self.scaler.runs(instance):
+                out.append(replace(obs, draining=instance in self.scaler.draining))
+        return out
+
+    async def _autoscale(self, session: aiohttp.ClientSession, health: Sequence[bool]) -> None:
+        """Finish the drains that are over, then decide when a decision is due."""
+        scaler = self.scaler
+        assert scaler is not None and self.table is not None
+        deployment = self.plan.deployment.name
+        routers = [(r.name, r.url) for r in self.plan.routers if self.routers[r.name].running]
+        for state in scaler.draining.values():
+            if state.left is None:
+                state.left = self.table.generation
+        if scaler.draining:
+            reports = await served_reports(session, deployment, routers)
+            drain_seconds = self.plan.deployment.spec.rollout.drain_seconds
+            for instance in list(scaler.draining):
+                name = _name_of(self.plan, instance)
+                if scaler.drained(name, instance, reports, time.time(), drain_seconds):
+                    del scaler.draining[instance]
+                    self._stop_instance(instance)
+                    self.reporter.event(f"{name} drained and stopped")
+        now = time.monotonic()
+        if not scaler.due(now):
+            return
+        # an instance is healthy when every process of it is (a group's nodes)
+        healthy: dict[Instance, bool] = {}
+        for e, ok in zip(self.plan.engines, health, strict=True):
+            healthy[(e.role, e.index)] = healthy.get((e.role, e.index), True) and ok
+        engines = [
+            (_name_of(self.plan, (e.role, e.index)), e.role.value, e.url)
+            for e, ok in zip(self.plan.engines, health, strict=True)
+            if ok and e.serves_http and self._runs(e)
+        ]
+        window = scaler.spec.objectives.window_seconds
+        signals = await gather(session, deployment, routers, engines, window)
+        roles = {}
+        for role in ROLES:
+            wanted = [i for i in healthy if i[0].value == role and scaler.wanted(i)]
+            ready = [i for i in wanted if healthy[i]]
+            dp = self.plan.deployment.spec.role(Role(role)).data_parallel
+            roles[role] = RoleState(
+                scaler.desired[role], len(ready), len(wanted) - len(ready), slots=len(ready) * dp
+            )
+        decision = scaler.decide(now, roles, signals)
+        before = {i for i in healthy if scaler.runs(i)}
+        scaler.apply(decision, now, time.time(), before)
+        for instance in sorted(i for i in healthy if scaler.runs(i) and i not in before):
+            self._start_instance(instance)
+        if decision.changed:
+            self.reporter.event(f"autoscaler: {decision.reason}")
+        self.reporter.scaling(scaler.lines())
+
+    def _start_instance(self, instance: Instance) -> None:
+        """Its engine processes (and a decode's sidecar router), once their ports are free."""
+        for engine, child in self._engine_children():
+            if (engine.role, engine.index) == instance:
+                child.failed_starts = child.restarts = 0
+                self._pending.add(child.name)
+        for name, of in self._sidecar_of.items():
+            if of == instance:
+                self._pending.add(name)
+
+    def _start_pending(self) -> None:
+        if not self._pending:
+            return
+        table = scan()
+        for name in sorted(self._pending):
+            child = self.engines.get(name) or self.routers[name]
+            if child.running or child.tree_alive(table):
+                continue
+            if all(port_free(port) for port in child.ports):
+                child.start()
+                self._pending.discard(name)
+
+    def _stop_instance(self, instance: Instance) -> None:
+        """SIGTERM to every process of the instance (and its sidecar); they are not restarted."""
+        for engine, child in self._engine_children():
+            if (engine.role, engine.index) == instance:
+                self._pending.discard(child.name)
+                child.signal_tree(signal.SIGTERM)
+        for name, of in self._sidecar_of.items():
+            if of == instance:
+                self._pending.discard(name)
+                self.routers[name].signal_tree(signal.SIGTERM)
+
     # --- stopping --------------------------------------------------------------------------------
 
     async def stop_all(self) -> None:
@@ -400,6 +528,24 @@ def _any_alive(children: Sequence[Child], running_too: bool = False) -> bool:
     return any(c.tree_alive(table) for c in children)
 
 
+def _instance_of(plan: LocalPlan, engine_name: str) -> Instance:
+    engine = next(e for e in plan.engines if e.name == engine_name)
+    return (engine.role, engine.index)
+
+
+def _name_of(plan: LocalPlan, instance: Instance) -> str:
+    """An instance's name in the table: its process's, or its group's (the leader's)."""
+    engine = next(e for e in plan.engines if (e.role, e.index) == instance)
+    return engine.group or engine.name
+
+
+def _bounds(scaler: LocalScaler) -> str:
+    return ", ".join(
+        f"{role} {scaler.spec.bounds(role).min_instances}-{scaler.spec.bounds(role).max_instances}"
+        for role in ROLES
+    )
+
+
 def describe_routers(plan: LocalPlan) -> str:
     """Which placement runs, in a few words (the first lines of output say it)."""
     if plan.sidecars:
@@ -411,7 +557,7 @@ def describe_routers(plan: LocalPlan) -> str:
 
 
 def describe_table(table: RoutingTable) -> str:
-    def role(instances: Sequence[Instance]) -> str:
+    def role(instances: Sequence[TableInstance]) -> str:
         ready = sum(i.dp_size for i in instances if i.routable)
         total = sum(i.dp_size for i in instances)
         return f"{ready}/{total} slots ready"

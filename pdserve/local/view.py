@@ -80,8 +80,11 @@ def instance_rows(debug: Mapping[str, Any]) -> list[InstanceRow]:
     return rows
 
 
-def render_frame(debug: Mapping[str, Any], events: Sequence[str], color: bool = True) -> list[str]:
-    """The full screen: a header, one block per instance (a column per DP rank), recent events."""
+def render_frame(
+    debug: Mapping[str, Any], events: Sequence[str], color: bool = True, scaling: Sequence[str] = ()
+) -> list[str]:
+    """The full screen: a header, the autoscaler's state (with spec.autoscaling), one block per
+    instance (a column per DP rank), recent events."""
 
     def style(code: str, text: str) -> str:
         return f"{code}{text}{_RESET}" if color else text
@@ -99,6 +102,8 @@ def render_frame(debug: Mapping[str, Any], events: Sequence[str], color: bool = 
         f"decode requests {total}   in flight {sum(c.in_flight for c in counters)}   errors {errors}",
         "",
     ]
+    if scaling:
+        lines += [style(_BOLD, scaling[0]), *scaling[1:], ""]
     for sidecar in sidecars:
         state = "ready" if sidecar.get("ready") else style(_RED, "not ready")
         lines.append(
@@ -154,6 +159,10 @@ class LiveView(Reporter):
         super().__init__()
         self.out = out
         self.events: deque[str] = deque(maxlen=keep_events)
+        self.scaling_lines: list[str] = []
+
+    def scaling(self, lines: Sequence[str]) -> None:
+        self.scaling_lines = list(lines)
 
     def event(self, text: str) -> None:
         self.events.append(f"{time.monotonic() - self._t0:6.1f}s  {text.splitlines()[0] if text else text}")
@@ -166,7 +175,11 @@ class LiveView(Reporter):
             async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2)) as session:
                 while not stop.is_set():
                     debug = await fetch_debug(session, router_url)
-                    frame = render_frame(debug, list(self.events)) if debug else self._waiting()
+                    frame = (
+                        render_frame(debug, list(self.events), scaling=self.scaling_lines)
+                        if debug
+                        else self._waiting()
+                    )
                     self.out.write(_HOME_AND_CLEAR + "\n".join(frame) + "\n")
                     self.out.flush()
                     with contextlib.suppress(TimeoutError):
@@ -180,7 +193,15 @@ class LiveView(Reporter):
 
 
 class SummaryLines(Reporter):
-    """For a stdout that is not a terminal: events as lines, plus a summary every few seconds."""
+    """For a stdout that is not a terminal: events as lines, plus a summary every few seconds
+    (with the autoscaler's measured latencies against its objectives, with spec.autoscaling)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scaling_lines: list[str] = []
+
+    def scaling(self, lines: Sequence[str]) -> None:
+        self.scaling_lines = list(lines)
 
     async def run(self, router_url: str, stop: asyncio.Event) -> None:
         last = ""
@@ -190,6 +211,8 @@ class SummaryLines(Reporter):
                     await asyncio.wait_for(stop.wait(), SUMMARY_SECONDS)
                 debug = await fetch_debug(session, router_url)
                 line = summary_line(debug) if debug else ""
+                if line and self.scaling_lines:
+                    line += "; " + "; ".join(x.strip() for x in self.scaling_lines[:2])
                 if line and line != last:
                     self.event(line)
                     last = line

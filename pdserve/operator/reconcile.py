@@ -61,6 +61,7 @@ from pdserve.deployment.spec.pddeployment import PDDeployment, SpecError, parse_
 from pdserve.deployment.validate import problems as spec_problems
 from pdserve.deployment.validate import with_node_default
 from pdserve.operator import metrics
+from pdserve.operator.autoscaler import Autoscaler
 from pdserve.operator.cache import Body, ClusterCache, version_number
 from pdserve.operator.kube import Kube, KubeError, NotLeader
 from pdserve.operator.nodes import NodeCache
@@ -111,6 +112,7 @@ class Reconciler:
         nodes: NodeCache | None = None,
         clock: Callable[[], float] = time.time,
         routers: Routers | None = None,
+        autoscaler: Autoscaler | None = None,
     ) -> None:
         self._kube = kube
         self._routers = routers or Routers(kube)
@@ -126,6 +128,7 @@ class Reconciler:
         self._io = ThreadPoolExecutor(max_workers=64, thread_name_prefix="kube-io")
         self._events = ThreadPoolExecutor(max_workers=1, thread_name_prefix="events")
         self._steps = Steps(kube, self._cache, self._io, clock)
+        self._autoscaler = autoscaler or Autoscaler(kube)
 
     def close(self) -> None:
         self._io.shutdown(wait=True, cancel_futures=True)
@@ -137,6 +140,7 @@ class Reconciler:
     def deployment_gone(self, namespace: str, name: str) -> None:
         self.forget(namespace, name)
         self._routers.forget((namespace, name))
+        self._autoscaler.forget((namespace, name))
 
     def reconcile(self, namespace: str, name: str, full: bool = True) -> Outcome:
         """One pass; ``full=False`` (pod and router events) plans from memory when it can."""
@@ -279,10 +283,14 @@ class Reconciler:
         if found:
             # Nothing is rendered for a spec that cannot be served; existing objects stay as they are.
             outcome.result = "invalid"
+            written = self._autoscaler.counts(written, body)
             roles = [self._role_observation(written, r, [p for p in pods if p.role is r]) for r in ROLES]
             self._write_status(body, Observation(generation, None, roles, 0, 0, problems=found), outcome)
             return
 
+        # With spec.autoscaling the counts are the autoscaler's (it decides every syncPeriodSeconds).
+        pdd, scaling = self._autoscaler.scale(pdd, body, pods, raw_pods, now)
+        outcome.events += scaling.events
         # Draining pods whose routers all let go of them (or have none) go before drainSeconds.
         draining = [
             Draining(p.observed.name, p.observed.draining_since)
@@ -353,6 +361,8 @@ class Reconciler:
             rechecks.append(gangs.recheck_after)
         if poll or rechecks:  # drains waiting for the routers, or a router catching up
             rechecks.append(POLL_SECONDS)
+        if scaling.recheck_after is not None:  # the autoscaler's next decision
+            rechecks.append(scaling.recheck_after)
         outcome.recheck_after = min(rechecks) if rechecks else None
         outcome.events += drained_events(pdd, plans, verdicts, self._routers.left_generation)
         routers = self._routers.summary(pdd, table.generation)
@@ -368,6 +378,8 @@ class Reconciler:
             unpaired=[u.describe() for u in build_slot_table(table).unpaired],
             routers=routers,
             replaced_groups=[f"group {u.observed.name}: {why}" for u, why in gangs.broken],
+            autoscaling=scaling.status,
+            scaling_limited=scaling.limited,
         )
         self._write_status(body, obs, outcome)
 

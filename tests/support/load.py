@@ -28,11 +28,15 @@ class Load:
         concurrency: int,
         max_tokens: int = 16,
         model: str = "sim-model",
+        prompt_words: int = 0,
     ) -> None:
+        """``prompt_words``: that many words after a number of the request's own (a longer prefill
+        that no prefix cache holds)."""
         self.targets = targets
         self.concurrency = concurrency
         self.max_tokens = max_tokens
         self.model = model
+        self.padding = " word" * prompt_words
         self.result = LoadResult()
         self._stop = threading.Event()
         self._current: list[str] = targets()
@@ -76,7 +80,7 @@ class Load:
             n += 1
             body = {
                 "model": self.model,
-                "prompt": f"hello {n}",
+                "prompt": f"hello {n}-{index}{self.padding}" if self.padding else f"hello {n}",
                 "max_tokens": self.max_tokens,
                 "stream": True,
             }

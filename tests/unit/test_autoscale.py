@@ -132,7 +132,7 @@ def test_ratio_bounds_pull_the_other_role_up() -> None:
 def test_ratio_never_takes_a_role_below_its_need() -> None:
     """Decode would shrink to 1, but 4 prefills need 2 decodes at most 2:1: decode stays 2."""
     spec = autoscaling(prefillPerDecode={"max": 2})
-    d = decide(spec, 0.0, states(4, 3), signals(ttft_ms=1900, itl_ms=11), KNOWN)
+    d = decide(spec, 0.0, states(4, 3), signals(ttft_ms=1900, itl_ms=10.7, in_flight=2), KNOWN)
     assert d.decode.recommendation == 1  # its own traffic needs one
     assert d.counts == {"prefill": 4, "decode": 2}
     assert "pulled up to 2 by prefillPerDecode [-, 2] (prefill 4)" in d.decode.why

@@ -80,3 +80,27 @@ def test_view_says_which_placement_runs_and_shows_each_sidecar() -> None:
     assert "2 sidecars (min 1, max 1 requests)" in summary_line(merged)
     plain = {k: v for k, v in merged.items() if k not in ("placement", "sidecars")}
     assert "placement deployment (one router)" in "\n".join(render_frame(plain, [], color=False))
+
+
+def test_view_shows_the_autoscalers_counts_and_measured_latencies() -> None:
+    """With spec.autoscaling the frame has the autoscaler's lines under the header (pdserve.local.scaler)."""
+    from pdserve.deployment.plan.autoscale import Memory, RoleState
+    from pdserve.local.scaler import LocalScaler
+    from tests.unit.test_autoscale import autoscaling, signals
+
+    scaler = LocalScaler(autoscaling(), {"prefill": 2, "decode": 3})
+    assert scaler.lines() == [
+        "autoscaling: prefill 2 wanted (1-16)  decode 3 wanted (1-16)",
+        "  no decision yet",
+    ]
+    roles = {"prefill": RoleState(2, 2), "decode": RoleState(3, 3)}
+    decision = scaler.decide(0.0, roles, signals(ttft_ms=2800, itl_ms=20))
+    scaler.apply(decision, 0.0, 0.0, [])
+    assert scaler.memory != Memory() and scaler.desired == {"prefill": 3, "decode": 3}
+    lines = scaler.lines()
+    assert lines[0] == "autoscaling: prefill 3 wanted (1-16)  decode 3 wanted (1-16)"
+    assert "p90 TTFT 2." in lines[1] and "/ 2.00 s" in lines[1] and "ITL 20 ms / 50 ms" in lines[1]
+    assert lines[2].startswith("  last decision: prefill 2 -> 3")
+    merged = merge_debug([(D0, _doc("d-0", 2, [("p-0/0", 1)], [1]))])
+    frame = render_frame(merged, [], color=False, scaling=lines)
+    assert frame[frame.index(lines[0]) + 1] == lines[1]

@@ -58,10 +58,14 @@ BASELINE_SECONDS = 600.0
 #: Pairs needed, and how far apart their loads must be, to draw a line through them.
 MIN_FIT_SAMPLES = 4
 MIN_FIT_SPREAD = 1.25
+#: The pairs within this factor of the lightest load anchor the line.
+LIGHT_LOAD = 1.25
 #: A ratio is capped here: a stuck queue must not ask for a hundred-fold count (the policies cap it too).
 MAX_RATIO = 10.0
 #: A missed objective by this factor or more grows by it (HPA's rule), not by the queue's estimate.
 SEVERE = 2.0
+#: The latency no instance count removes is taken as at most this share of the objective.
+MAX_BASE = 0.8
 
 
 @dataclass(frozen=True)
@@ -343,14 +347,16 @@ def _prefill_base(signals: Signals, state: RoleState, q: float | None) -> float 
 
 
 def decode_base(samples: Sequence[tuple[float, float, float]]) -> float | None:
-    """The decode's ITL ratio at no load: where the least-squares line through the recent
-    (sequences per slot, ratio) pairs meets zero sequences; None while the loads are too alike
-    to draw it (or it slopes the wrong way). Never above 90 % of the lowest ratio seen."""
+    """The decode's ITL ratio at no load, from the recent (sequences per slot, ratio) pairs: the
+    least-squares slope, through the pairs of the lightest load seen (the end the answer is
+    about: a busy machine bends the line up at the heavy end). None while the loads are too
+    alike to draw it, or it slopes the wrong way; never above 90 % of the lowest ratio seen."""
+    samples = [x for x in samples if x[1] > 0]  # a moment with no sequence in flight says nothing
     if len(samples) < MIN_FIT_SAMPLES:
         return None
     loads = [b for _, b, _ in samples]
     ratios = [q for _, _, q in samples]
-    if min(loads) <= 0 or max(loads) / min(loads) < MIN_FIT_SPREAD:
+    if max(loads) / min(loads) < MIN_FIT_SPREAD:
         return None
     n = len(samples)
     mean_b, mean_q = sum(loads) / n, sum(ratios) / n
@@ -358,7 +364,8 @@ def decode_base(samples: Sequence[tuple[float, float, float]]) -> float | None:
     slope = sum((b - mean_b) * (q - mean_q) for b, q in zip(loads, ratios, strict=True)) / spread
     if slope <= 0:
         return None
-    return min(max(mean_q - slope * mean_b, 0.0), 0.9 * min(ratios))
+    light = [q - slope * b for _, b, q in samples if b <= LIGHT_LOAD * min(loads)]
+    return min(max(sum(light) / len(light), 0.0), 0.9 * min(ratios))
 
 
 def _recommend(spec: AutoscalingSpec, running: int, q: float, base: float | None) -> tuple[int, str]:
@@ -366,7 +373,7 @@ def _recommend(spec: AutoscalingSpec, running: int, q: float, base: float | None
     up, down = spec.behavior.scale_up, spec.behavior.scale_down
     if 1 - down.tolerance <= q <= 1 + up.tolerance:
         return running, ""
-    a = min(base, 0.95 * q, 0.95) if base is not None else None
+    a = min(base, 0.95 * q, MAX_BASE) if base is not None else None
     need = running * (1 - a / q) / (1 - a) if a is not None else float(running)
     shown = (
         "" if a is None else f"traffic uses {1 - a / q:.0%} of {running}, needs {need:.1f} at the objective"

@@ -16,6 +16,10 @@ Conditions:
   left, and the router has an available replica: the deployment serves at its declared size.
 * ``Progressing``: the operator is still moving the cluster towards the spec (creating, rolling,
   scaling). False once Ready, and False while the spec is invalid (nothing will move).
+* ``ScalingLimited`` (with ``spec.autoscaling`` only), as HPA's: True when the autoscaler wanted
+  more than ``maxInstances`` (``TooManyInstances``), less than ``minInstances``
+  (``TooFewInstances``), or stopped asking because pods cannot be placed
+  (``InsufficientResources``, naming the resource); False (``DesiredWithinRange``) otherwise.
 * ``Degraded``: the spec cannot be served as written (problems beyond the schema), the last
   reconcile failed, a pod's node is NotReady (reason ``NodeNotReady``: since when, and when the
   pod is replaced), or the scheduler cannot place a pod (reason ``PodsUnschedulable``, with the
@@ -136,6 +140,10 @@ class Observation:
     routers: RoutersSummary | None = None  # what the Ready routers serve; None: not asked yet
     #: Multi-node groups deleted whole in this pass, and why (kept as ``lastGroupReplacement``).
     replaced_groups: Sequence[str] = ()
+    #: With spec.autoscaling: ``status.autoscaling`` (plan/scaling.py) and condition ScalingLimited
+    #: as (status, reason, message); None: no autoscaler (both are left out, an old one removed).
+    autoscaling: Mapping[str, Any] | None = None
+    scaling_limited: tuple[bool, str, str] | None = None
 
 
 def compute_status(obs: Observation, previous: Mapping[str, Any] | None, now: str) -> dict[str, Any]:
@@ -154,6 +162,10 @@ def compute_status(obs: Observation, previous: Mapping[str, Any] | None, now: st
         status.update({k: previous[k] for k in ("servedGeneration", "routers") if k in previous})
     for r in roles:
         status[r.role.value] = r.to_dict()
+    if obs.autoscaling is not None:
+        status["autoscaling"] = dict(obs.autoscaling)
+    elif previous and previous.get("autoscaling") is not None:
+        status["autoscaling"] = None  # the merge patch removes it: autoscaling was turned off
     if obs.replaced_groups:
         status["lastGroupReplacement"] = {"time": now, "message": "; ".join(obs.replaced_groups)}
     elif previous and "lastGroupReplacement" in previous:
@@ -163,6 +175,12 @@ def compute_status(obs: Observation, previous: Mapping[str, Any] | None, now: st
         _condition(kind, state, reason, message, obs.generation, old.get(kind), now)
         for kind, (state, reason, message) in zip(CONDITION_TYPES, _conditions(obs, roles), strict=True)
     ]
+    if obs.scaling_limited is not None:
+        state, reason, message = obs.scaling_limited
+        previous_limit = old.get("ScalingLimited")
+        status["conditions"].append(
+            _condition("ScalingLimited", state, reason, message, obs.generation, previous_limit, now)
+        )
     return status
 
 
