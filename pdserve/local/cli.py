@@ -92,6 +92,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sim-itl-ms", type=float, default=None, help="simulated inter-token latency, ms")
     parser.add_argument("--sim-tokens", type=int, default=None, help="simulated tokens per request")
     parser.add_argument(
+        "--sim-profile",
+        default=None,
+        metavar="FILE|NAME",
+        help="simulated engines time their answers with a step engine and this performance profile "
+        "(`pdserve sim --profile`, docs/simulator.md)",
+    )
+    parser.add_argument(
         "--log-dir",
         type=Path,
         default=None,
@@ -133,7 +140,7 @@ def run(args: argparse.Namespace) -> int:
     sidecars = pdd.spec.decode.instances if pdd.spec.router.decode_sidecar else 0
     try:
         side_channels = None
-        if args.engine == "vllm":
+        if args.engine == "vllm" or args.sim_profile:
             sizes = [pdd.spec.prefill.data_parallel] * pdd.spec.prefill.instances
             sizes += [pdd.spec.decode.data_parallel] * pdd.spec.decode.instances
             side_channels = _free_port_ranges(sizes)
@@ -144,7 +151,7 @@ def run(args: argparse.Namespace) -> int:
             ports[:processes],
             args.port,
             str(routing_file),
-            SimTimings(args.sim_ttft_ms, args.sim_itl_ms, args.sim_tokens),
+            SimTimings(args.sim_ttft_ms, args.sim_itl_ms, args.sim_tokens, args.sim_profile),
             device=device,
             cores=sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else [0],
             side_channel_ports=side_channels,

@@ -48,6 +48,23 @@ def _flag(argv: tuple[str, ...], flag: str) -> str:
     return argv[argv.index(flag) + 1]
 
 
+def test_sim_profile_gives_every_engine_the_profile_and_its_own_kv_port() -> None:
+    pdd = _example("sim/quickstart.yaml")
+    count = pdd.spec.prefill.instances + pdd.spec.decode.instances
+    plan = plan_local_run(
+        pdd,
+        "sim",
+        list(range(9001, 9001 + count)),
+        8000,
+        "/run/routing.json",
+        SimTimings(profile="cpu-tiny-llama"),
+        PYTHON,
+        side_channel_ports=[7100 + 10 * i for i in range(count)],
+    )
+    assert [_flag(e.argv, "--profile") for e in plan.engines] == ["cpu-tiny-llama"] * count
+    assert [e.argv[-2:] for e in plan.engines] == [("--kv-port", str(7100 + 10 * i)) for i in range(count)]
+
+
 def test_one_sim_process_per_instance_with_its_dp_size() -> None:
     pdd = _example("nixl/2p-dp8ep-4d-tp8.yaml")
     plan = _plan(pdd, sim=SimTimings(ttft_ms=1.5, itl_ms=0.0, tokens=4))
