@@ -267,11 +267,11 @@ def pdserve_proxy_available(tree: Path = REPO) -> bool:
 
 
 def describe_tree(tree: Path) -> str:
-    """The checkout's last commit, else its path."""
+    """The checkout's last commit, else its directory's name (no path of this machine)."""
     done = subprocess.run(
         ["git", "-C", str(tree), "log", "-1", "--format=%h %s"], capture_output=True, text=True, check=False
     )
-    return done.stdout.strip()[:100] if done.returncode == 0 and done.stdout.strip() else str(tree)
+    return done.stdout.strip()[:100] if done.returncode == 0 and done.stdout.strip() else tree.name
 
 
 def main(argv: Sequence[str] | None = None) -> int:

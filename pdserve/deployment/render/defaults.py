@@ -40,8 +40,8 @@ STARTUP_PERIOD_SECONDS = 10
 #: A pod deleted outside a rollout (by hand, an eviction) must first leave every router's
 #: table: the operator sees the deletionTimestamp on its pod watch and writes a table without
 #: the pod in one light pass (debounce 50 ms plus one ConfigMap write), and each router's watch
-#: delivers the new table in well under a second (bench/results/routing-lag-latest.md: pod
-#: NotReady to served by every router, p99 0.18 s on the test cluster). Five seconds covers
+#: delivers the new table in well under a second (bench/results/routing-lag-latest.md measures
+#: it from pod NotReady to served by every router). Five seconds covers
 #: that with room for a busy API server; in-flight requests keep running meanwhile and no new
 #: one arrives.
 ENGINE_PRESTOP_SECONDS = 5

@@ -1,8 +1,8 @@
 """Serving: uvicorn (default) or Hypercorn on uvloop, sized for bursts and multi-minute streams,
 graceful on SIGTERM.
 
-Quart's debug server listens with a backlog of 100 and reset about 16% of a 512-connection
-burst in vLLM's MoRIIO proxy; either server here listens with a deep backlog and queues them.
+Quart's debug server listens with a backlog of 100 and reset part of a 512-connection burst
+in vLLM's MoRIIO proxy; either server here listens with a deep backlog and queues them.
 uvicorn runs with httptools (never h11): its HTTP parsing and framing cost well under
 Hypercorn's per request, and on a shared machine CPU per request is what decides throughput.
 Both get the same app, the same backlog, keep-alive and grace period, and no access log.
@@ -285,8 +285,8 @@ async def serve_until_signalled(
     lifecycle = Lifecycle()
     app = build(settings, lifecycle, worker)
     # What exists now (the modules, the app) lives as long as the process: a full collection
-    # need not walk it again (some 57,000 objects, a pause of about 10 ms in the middle of
-    # requests, each time). Requests' objects are still collected as before.
+    # need not walk it again (a pause in the middle of requests, each time). Requests' objects
+    # are still collected as before.
     gc.freeze()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
