@@ -31,6 +31,7 @@ from tests.integration.test_e2e_cluster import get_json, ready_ips
 from tests.support.kube import eventually
 from tests.support.load import Load
 from tests.support.operator import Cluster, Operator, events
+from tests.support.specs import sim_manifest
 
 pytestmark = pytest.mark.cluster
 
@@ -63,36 +64,23 @@ PROFILE = {
 }
 
 
-def manifest(profile: Path, **change: Any) -> dict[str, Any]:
+def manifest(profile: Path, image: str | None = None, drain_seconds: int = 10) -> dict[str, Any]:
     args = ["--profile", str(profile)]
-    spec: dict[str, Any] = {
-        "model": "sim-model",
-        "engine": "sim",
-        "kvTransfer": {"connector": "NixlConnector"},
-        "prefill": {"instances": 1, "args": args},
-        "decode": {"instances": 1, "args": args},
-        "router": {"replicas": 1},
-        "rollout": {"maxUnavailable": 1, "drainSeconds": 10},
-        "autoscaling": {
+    return sim_manifest(
+        NAME,
+        image=image,
+        prefill={"instances": 1, "args": args},
+        decode={"instances": 1, "args": args},
+        router={"replicas": 1},
+        rollout={"maxUnavailable": 1, "drainSeconds": drain_seconds},
+        autoscaling={
             "prefill": {"minInstances": 1, "maxInstances": 4},
             "decode": {"minInstances": 1, "maxInstances": 4},
             "objectives": {"ttftMilliseconds": TTFT_MS, "itlMilliseconds": ITL_MS, "windowSeconds": 10},
             "syncPeriodSeconds": 2,
             "behavior": {"scaleDown": {"stabilizationWindowSeconds": 20}},
         },
-    }
-    for path, value in change.items():
-        node = spec
-        *head, last = path.split("__")
-        for part in head:
-            node = node[part]
-        node[last] = value
-    return {
-        "apiVersion": "pdserve.io/v1alpha1",
-        "kind": "PDDeployment",
-        "metadata": {"name": NAME},
-        "spec": spec,
-    }
+    )
 
 
 @pytest.fixture

@@ -17,34 +17,27 @@ from typing import Any
 
 import yaml
 
-from tests.integration.test_autoscale_cluster import MAX_TOKENS, PROFILE, PROMPT_WORDS
+from tests.integration.test_autoscale_cluster import ITL_MS, MAX_TOKENS, PROFILE, PROMPT_WORDS, TTFT_MS
 from tests.support.kube import eventually
 from tests.support.load import Load
 from tests.support.procs import REPO, free_port
-
-TTFT_MS, ITL_MS = 300, 27
+from tests.support.specs import sim_manifest
 
 
 def manifest(directory: Path) -> Path:
-    doc = {
-        "apiVersion": "pdserve.io/v1alpha1",
-        "kind": "PDDeployment",
-        "metadata": {"name": "local-scaled"},
-        "spec": {
-            "model": "sim-model",
-            "engine": "sim",
-            "prefill": {"instances": 1},
-            "decode": {"instances": 1},
-            "rollout": {"drainSeconds": 10},
-            "autoscaling": {
-                "prefill": {"minInstances": 1, "maxInstances": 3},
-                "decode": {"minInstances": 1, "maxInstances": 3},
-                "objectives": {"ttftMilliseconds": TTFT_MS, "itlMilliseconds": ITL_MS, "windowSeconds": 6},
-                "syncPeriodSeconds": 1,
-                "behavior": {"scaleDown": {"stabilizationWindowSeconds": 8}},
-            },
+    doc = sim_manifest(
+        "local-scaled",
+        prefill={"instances": 1},
+        decode={"instances": 1},
+        rollout={"drainSeconds": 10},
+        autoscaling={
+            "prefill": {"minInstances": 1, "maxInstances": 3},
+            "decode": {"minInstances": 1, "maxInstances": 3},
+            "objectives": {"ttftMilliseconds": TTFT_MS, "itlMilliseconds": ITL_MS, "windowSeconds": 6},
+            "syncPeriodSeconds": 1,
+            "behavior": {"scaleDown": {"stabilizationWindowSeconds": 8}},
         },
-    }
+    )
     path = directory / "scaled.yaml"
     path.write_text(yaml.safe_dump(doc))
     return path

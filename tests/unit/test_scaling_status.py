@@ -18,6 +18,7 @@ from pdserve.deployment.plan.scaling import (
 )
 from pdserve.deployment.plan.status import Observation, compute_status
 from pdserve.deployment.spec.pddeployment import PDDeployment, parse_pddeployment
+from tests.support.specs import sim_manifest
 from tests.unit.test_autoscale import OLD, signals
 
 
@@ -28,20 +29,10 @@ def deployment(prefill: int = 2, decode: int = 3, bounds: dict[str, Any] | None 
         "objectives": {"ttftMilliseconds": 1000, "itlMilliseconds": 40},
         **(bounds or {}),
     }
-    return parse_pddeployment(
-        {
-            "apiVersion": "pdserve.io/v1alpha1",
-            "kind": "PDDeployment",
-            "metadata": {"name": "d"},
-            "spec": {
-                "model": "m",
-                "engine": "sim",
-                "prefill": {"instances": prefill},
-                "decode": {"instances": decode},
-                "autoscaling": autoscaling,
-            },
-        }
+    doc = sim_manifest(
+        "d", prefill={"instances": prefill}, decode={"instances": decode}, autoscaling=autoscaling
     )
+    return parse_pddeployment(doc)
 
 
 def stored(prefill: int, decode: int, started: tuple[int, int] = (2, 3)) -> dict[str, Any]:
