@@ -175,9 +175,7 @@ def test_a_load_ramp_grows_both_roles_and_shrinks_them_back(
             # kubectl apply of the manifest (a new image: both roles roll onto a new revision) keeps
             # the autoscaler's counts
             before = desired(cluster)
-            kubectl_apply(
-                cluster, manifest(profile, image="example.com/pdserve-sim:rev2", rollout__drainSeconds=8)
-            )
+            kubectl_apply(cluster, manifest(profile, image="example.com/pdserve-sim:rev2", drain_seconds=8))
             spec_instances = cluster.get("pdd", NAME)["spec"]["prefill"]["instances"]  # type: ignore[index]
             assert spec_instances == 1
             time.sleep(6)  # three decisions
