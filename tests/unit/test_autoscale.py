@@ -16,6 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pdserve.deployment.plan.autoscale import MIN_SAMPLES, Decision, Memory, RoleState, decide, initial_count
+from pdserve.deployment.plan.behavior import History
 from pdserve.deployment.plan.signals import Signals
 from pdserve.deployment.spec.autoscaling import AutoscalingSpec, parse_autoscaling
 from pdserve.wire.load import bucket_of
@@ -77,7 +78,7 @@ def states(prefill: int, decode: int, **extra: Any) -> dict[str, RoleState]:
     return {"prefill": RoleState(prefill, prefill, **extra), "decode": RoleState(decode, decode)}
 
 
-OLD = Memory(started=-10_000.0)  # a memory older than every window: nothing waits for it
+OLD = Memory(History(started=-10_000.0))  # a memory older than every window: nothing waits for it
 #: ... that has also seen the decode at several loads: ITL ratio = 0.2 + 0.02 per sequence per slot.
 KNOWN = replace(OLD, samples=tuple((-100.0 + i, b, 0.2 + 0.02 * b) for i, b in enumerate((5, 10, 20, 40))))
 
@@ -140,7 +141,7 @@ def test_ratio_never_takes_a_role_below_its_need() -> None:
 
 def test_scale_down_waits_its_window() -> None:
     spec = autoscaling()
-    memory = replace(KNOWN, started=None)
+    memory = replace(KNOWN, history=History())
     low = signals(ttft_ms=500, itl_ms=12)
     counts = {"prefill": 8, "decode": 8}
     seen = []

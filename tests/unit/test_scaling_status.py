@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-from pdserve.deployment.plan.autoscale import Limit, Memory, RoleState, decide
+from pdserve.deployment.plan.autoscale import Limit, RoleState, decide
 from pdserve.deployment.plan.rollout import ObservedPod
 from pdserve.deployment.plan.scaling import (
     autoscaling_status,
@@ -140,4 +140,3 @@ def test_scaling_limited_is_a_condition_only_with_autoscaling() -> None:
     off = compute_status(Observation(1, 1, (), 0, 0), calm, "t3")
     assert off["autoscaling"] is None
     assert "ScalingLimited" not in [c["type"] for c in off["conditions"]]
-    assert Memory() == Memory()

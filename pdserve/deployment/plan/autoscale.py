@@ -25,8 +25,9 @@ How a count is decided, per role, then for the pair:
    least one more when the objective is missed (by ``ready x q`` when missed twice over), shrunk
    when met. Without ``a`` (a fresh memory, a load that never varied) a role does not shrink: the
    conservative side, where HPA's rule would shrink a queue into overload and flap.
-3. **Stabilisation**, HPA's: a count grows to the lowest recommendation of the scale-up window and
-   shrinks to the highest of the scale-down window (so scale-down waits its window).
+3. **Stabilisation**, HPA's (pdserve.deployment.plan.behavior): a count grows to the lowest
+   recommendation of the scale-up window and shrinks to the highest of the scale-down window (so
+   scale-down waits its window).
 4. **Step limits**, HPA's policies (``Instances`` or ``Percent`` per ``periodSeconds``, counted
    from the count at the period's start; ``selectPolicy`` picks the largest or smallest step).
 5. **Holds**: a role does not grow while pods of its last scale-up are still starting (their
@@ -44,10 +45,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
+from pdserve.deployment.plan.behavior import History, stabilised, step_limited
 from pdserve.deployment.plan.signals import Signals
-from pdserve.deployment.spec.autoscaling import AutoscalingSpec, ScalingRules, prefill_range
+from pdserve.deployment.spec.autoscaling import AutoscalingSpec, prefill_range
 from pdserve.wire.load import mean, percentile
 
 ROLES = ("prefill", "decode")
@@ -83,28 +85,14 @@ class RoleState:
 
 
 @dataclass(frozen=True)
-class Recommendation:
-    time: float
-    counts: Mapping[str, int]
-
-
-@dataclass(frozen=True)
-class ScaleEvent:
-    time: float
-    role: str
-    change: int  # instances added (> 0) or removed (< 0)
-
-
-@dataclass(frozen=True)
 class Memory:
-    """What a decision leaves for the next: recommendations (stabilisation), scale events (step
-    limits) and objective ratios (the base latency). An empty memory (a restarted operator) makes
-    the first scale-down wait a whole window, the safe side."""
+    """What a decision leaves for the next: HPA's history (stabilisation windows, step policies:
+    pdserve.deployment.plan.behavior) and the decode's (sequences per slot, ITL ratio) pairs (its
+    base latency). An empty memory (a restarted operator) makes the first scale-down wait a whole
+    window, the safe side."""
 
-    recommendations: tuple[Recommendation, ...] = ()
-    events: tuple[ScaleEvent, ...] = ()
+    history: History = field(default_factory=History)
     samples: tuple[tuple[float, float, float], ...] = ()  # (time, decode sequences per slot, ITL ratio)
-    started: float | None = None  # when this memory began
 
 
 @dataclass(frozen=True)
@@ -163,7 +151,11 @@ def decide(
     signals: Signals,
     memory: Memory,
 ) -> Decision:
-    memory = _pruned(spec, memory, now)
+    memory = replace(
+        memory,
+        history=memory.history.pruned(spec.behavior, now),
+        samples=tuple(x for x in memory.samples if x[0] > now - BASELINE_SECONDS),
+    )
     objectives = spec.objectives
     p = objectives.percentile
     ttft = _ratio(signals, "ttft", p, objectives.ttft_milliseconds / 1000)
@@ -206,7 +198,6 @@ def decide(
         raw[role] = bounds.clamp(rec)
         whys[role] = why
 
-    recommendation = Recommendation(now, dict(raw))
     targets: dict[str, int] = {}
     limits: list[Limit] = []
     held_up: dict[str, bool] = {}
@@ -218,10 +209,10 @@ def decide(
             whys[role].append(
                 f"moved within minInstances-maxInstances {bounds.min_instances}-{bounds.max_instances}"
             )
-        stable, note = _stabilised(spec, memory, role, current, raw[role], now)
+        stable, note = stabilised(spec.behavior, memory.history, role, current, raw[role], now)
         if note:
             whys[role].append(note)
-        target, note = _step_limited(spec, memory, role, current, stable, now)
+        target, note = step_limited(spec.behavior, memory.history, role, current, stable, now)
         if note:
             whys[role].append(note)
         held = False
@@ -276,17 +267,8 @@ def decide(
         )
         for role in ROLES
     }
-    events = tuple(
-        ScaleEvent(now, role, counts[role] - roles[role].desired)
-        for role in ROLES
-        if counts[role] != roles[role].desired
-    )
-    memory = replace(
-        memory,
-        recommendations=(*memory.recommendations, recommendation),
-        events=(*memory.events, *events),
-        started=memory.started if memory.started is not None else now,
-    )
+    moves = {role: counts[role] - roles[role].desired for role in ROLES}
+    memory = replace(memory, history=memory.history.recorded(now, raw, moves))
     return Decision(decisions["prefill"], decisions["decode"], measured, tuple(limits), memory)
 
 
@@ -388,75 +370,6 @@ def _recommend(spec: AutoscalingSpec, running: int, q: float, base: float | None
     return max(1, min(math.ceil(need - 1e-9), running)), shown
 
 
-# --- steps 3 and 4: stabilisation and step limits ---------------------------------------------------
-
-
-def _stabilised(
-    spec: AutoscalingSpec, memory: Memory, role: str, current: int, rec: int, now: float
-) -> tuple[int, str]:
-    """HPA's rule: up to the lowest recommendation of the up window, down to the highest of the
-    down window."""
-    up_window = spec.behavior.scale_up.stabilization_window_seconds
-    down_window = spec.behavior.scale_down.stabilization_window_seconds
-    up_rec = down_rec = rec
-    for past in memory.recommendations:
-        value = past.counts[role]
-        if past.time > now - up_window:
-            up_rec = min(up_rec, value)
-        if past.time > now - down_window:
-            down_rec = max(down_rec, value)
-    if memory.started is None or memory.started > now - down_window:
-        down_rec = max(down_rec, current)  # too little memory: the window starts now
-    out = current
-    if out < up_rec:
-        out = up_rec
-    if out > down_rec:
-        out = down_rec
-    note = ""
-    if rec < current and out > rec:
-        note = f"scale-down waits its {down_window} s window (highest recommendation in it: {out})"
-    elif rec > current and out < rec:
-        note = f"scale-up waits its {up_window} s window (lowest recommendation in it: {out})"
-    return out, note
-
-
-def _step_limited(
-    spec: AutoscalingSpec, memory: Memory, role: str, current: int, target: int, now: float
-) -> tuple[int, str]:
-    if target == current:
-        return target, ""
-    up = target > current
-    rules = spec.behavior.scale_up if up else spec.behavior.scale_down
-    limit = _limit(rules, memory, role, current, now, up)
-    if up and target > limit:
-        return limit, f"step limited to {limit} by scaleUp policies"
-    if not up and target < limit:
-        return limit, f"step limited to {limit} by scaleDown policies"
-    return target, ""
-
-
-def _limit(rules: ScalingRules, memory: Memory, role: str, current: int, now: float, up: bool) -> int:
-    """HPA's per-period limit: from the count at each policy period's start, the policies' steps."""
-    if rules.select_policy == "Disabled":
-        return current
-    limits = []
-    for policy in rules.policies:
-        moved = sum(
-            e.change
-            for e in memory.events
-            if e.role == role and e.time > now - policy.period_seconds and (e.change > 0) == up
-        )
-        start = current - moved
-        if policy.type == "Instances":
-            limits.append(start + policy.value if up else start - policy.value)
-        elif up:
-            limits.append(math.ceil(start * (1 + policy.value / 100)))
-        else:
-            limits.append(math.ceil(start * (1 - policy.value / 100)))
-    pick = max if (rules.select_policy == "Max") == up else min
-    return pick(limits)
-
-
 # --- step 6: the pair ------------------------------------------------------------------------------
 
 
@@ -511,20 +424,6 @@ def _ratio_text(spec: AutoscalingSpec) -> str:
 
 
 # --- memory and words --------------------------------------------------------------------------------
-
-
-def _pruned(spec: AutoscalingSpec, memory: Memory, now: float) -> Memory:
-    behavior = spec.behavior
-    keep = max(
-        behavior.scale_up.stabilization_window_seconds, behavior.scale_down.stabilization_window_seconds
-    )
-    periods = [p.period_seconds for p in (*behavior.scale_up.policies, *behavior.scale_down.policies)]
-    return replace(
-        memory,
-        recommendations=tuple(r for r in memory.recommendations if r.time > now - keep),
-        events=tuple(e for e in memory.events if e.time > now - max(periods, default=0)),
-        samples=tuple(x for x in memory.samples if x[0] > now - BASELINE_SECONDS),
-    )
 
 
 def _measured(spec: AutoscalingSpec, role: str, measured: Mapping[str, float | None]) -> str:
