@@ -34,11 +34,12 @@ import shutil
 import socket
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 from pdserve.deployment.plan.autoscale import ROLES
 from pdserve.deployment.plan.scaling import with_counts
-from pdserve.deployment.spec.pddeployment import SpecError, load_manifest_file
+from pdserve.deployment.spec.pddeployment import PDDeployment, SpecError, load_manifest_file
 from pdserve.deployment.validate import problems
 from pdserve.local.plan import (
     ENGINES,
@@ -110,7 +111,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def run(args: argparse.Namespace) -> int:
+def run(
+    args: argparse.Namespace, scaler_of: Callable[[PDDeployment], LocalScaler | None] = LocalScaler.of
+) -> int:
+    """``scaler_of``: what decides the counts with spec.autoscaling (the operator's decision; the
+    autoscaling bench passes another policy to compare with it)."""
     # Everything that can be refused is checked before the first process starts.
     try:
         pdd = load_manifest_file(args.file)
@@ -119,7 +124,7 @@ def run(args: argparse.Namespace) -> int:
     found = problems(pdd, None)
     if found:
         return _refuse(f"{args.file}: invalid PDDeployment: " + "; ".join(found))
-    scaler = LocalScaler.of(pdd)
+    scaler = scaler_of(pdd)
     if scaler is not None:
         if args.engine != "sim":
             return _refuse(

@@ -14,14 +14,16 @@ The view (one router, or several merged by :func:`merge_views`)::
 
     {"deployment": "d", "window_seconds": 60, "covered_seconds": 60.0,
      "requests": {"ok": 120, "failed": 0},
-     "latency": {"ttft": {...}, "itl": {...}, "prefill": {...}, "decode_first": {...}},
+     "latency": {"ttft": {...}, "itl": {...}, "prefill": {...}, "decode_first": {...}, "decode": {...}},
      "in_flight": {"prefill": 3, "decode": 12}, "queued": 0}
 
 ``requests`` counts client requests that ended within the window, ``latency`` their samples:
 ``ttft`` from the client's request to the first byte sent back, ``itl`` the mean gap between the
 decode's stream events of one request (one sample per streamed request with at least two gaps),
-``prefill`` the prefill leg's answer time and ``decode_first`` the decode leg's time to its first
-byte. ``in_flight`` (legs by role) and ``queued`` (requests waiting for a slot with room) are now.
+``prefill`` the prefill leg's answer time, ``decode_first`` the decode leg's time to its first
+byte and ``decode`` the whole decode leg of a stream (with ``prefill``, what Little's law turns
+into the legs in flight over the window). ``in_flight`` (legs by role) and ``queued`` (requests
+waiting for a slot with room) are now.
 ``covered_seconds`` is the part of the window the router has been up for.
 """
 
@@ -37,7 +39,7 @@ FACTOR = 1.1
 MAX_BUCKET = 170
 _LOG_FACTOR = math.log(FACTOR)
 
-LATENCIES = ("ttft", "itl", "prefill", "decode_first")
+LATENCIES = ("ttft", "itl", "prefill", "decode_first", "decode")
 ROLES = ("prefill", "decode")
 OUTCOMES = ("ok", "failed")
 

@@ -30,9 +30,10 @@ How a count is decided, per role, then for the pair:
    scale-down waits its window).
 4. **Step limits**, HPA's policies (``Instances`` or ``Percent`` per ``periodSeconds``, counted
    from the count at the period's start; ``selectPolicy`` picks the largest or smallest step).
-5. **Holds**: a role does not grow while pods of its last scale-up are still starting (their
-   capacity is not in the latencies yet), nor while any of its pods is Unschedulable (the
-   cluster has no room: condition ``ScalingLimited``, naming the resource).
+5. **Holds**: a role does not grow while pods of its last scale-up are still starting, nor for a
+   window after (``windowSeconds``: until the latencies are those of requests the new instances
+   served too), nor while any of its pods is Unschedulable (the cluster has no room: condition
+   ``ScalingLimited``, naming the resource).
 6. **Bounds and ratio**: each count within ``[minInstances, maxInstances]``; then the pair
    nearest to both targets whose ratio holds: never below a target when avoidable (the ratio
    pulls the other role up, never a role below its need), then the fewest instances.
@@ -93,6 +94,9 @@ class Memory:
 
     history: History = field(default_factory=History)
     samples: tuple[tuple[float, float, float], ...] = ()  # (time, decode sequences per slot, ITL ratio)
+    #: Per role, the last time it grew or had instances starting: the window's figures show its new
+    #: instances only ``windowSeconds`` later.
+    grown: Mapping[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -165,7 +169,7 @@ def decide(
         "itl_ms": _ms(signals, "itl", p),
     }
     ratios, notes = _role_ratios(signals, p, ttft, itl)
-    decode_load = _per_slot(signals.in_flight.get("decode", 0), roles["decode"])
+    decode_load = _per_slot(_in_flight(signals, "decode"), roles["decode"])
     if itl is not None and signals.known:
         memory = replace(memory, samples=(*memory.samples, (now, decode_load, itl)))
     base = {
@@ -231,6 +235,13 @@ def decide(
         elif target > current and state.starting:
             whys[role].append(f"held at {current}: {state.starting} instance(s) still starting")
             target, held = current, True
+        elif target > current and now - memory.grown.get(role, -math.inf) < objectives.window_seconds:
+            since = now - memory.grown[role]
+            whys[role].append(
+                f"held at {current}: its last new instances are in {since:.0f} s of the "
+                f"{objectives.window_seconds} s window only"
+            )
+            target, held = current, True
         asked = wanted.get(role)
         if asked is not None and asked > bounds.max_instances and target >= bounds.max_instances:
             limits.append(
@@ -268,7 +279,8 @@ def decide(
         for role in ROLES
     }
     moves = {role: counts[role] - roles[role].desired for role in ROLES}
-    memory = replace(memory, history=memory.history.recorded(now, raw, moves))
+    grown = {**memory.grown, **{r: now for r in ROLES if moves[r] > 0 or roles[r].starting}}
+    memory = replace(memory, history=memory.history.recorded(now, raw, moves), grown=grown)
     return Decision(decisions["prefill"], decisions["decode"], measured, tuple(limits), memory)
 
 
@@ -316,16 +328,21 @@ def _per_slot(count: float, state: RoleState) -> float:
     return count / max(state.slots or state.ready, 1)
 
 
-def _prefill_base(signals: Signals, state: RoleState, q: float | None) -> float | None:
-    """The prefill's ratio at no load, ``q / (1 + N)``: N, its legs in flight per slot over the
-    window, is the completed legs' rate times their mean time (Little's law)."""
-    legs = signals.latency.get("prefill", {})
-    done = sum(legs.values())
+def _in_flight(signals: Signals, role: str) -> float:
+    """The role's legs in flight on average over the window: the rate its legs ended at times their
+    mean time (Little's law on the routers' counts); the routers' count now when too few ended."""
+    legs = signals.latency.get(role, {})
     average = mean(legs)
-    if q is None or done < MIN_SAMPLES or average is None or signals.covered_seconds <= 0:
+    if sum(legs.values()) < MIN_SAMPLES or average is None or signals.covered_seconds <= 0:
+        return float(signals.in_flight.get(role, 0))
+    return sum(legs.values()) / signals.covered_seconds * average
+
+
+def _prefill_base(signals: Signals, state: RoleState, q: float | None) -> float | None:
+    """The prefill's ratio at no load, ``q / (1 + N)``, N its legs in flight per slot."""
+    if q is None or sum(signals.latency.get("prefill", {}).values()) < MIN_SAMPLES:
         return None
-    in_flight = done / signals.covered_seconds * average
-    return q / (1 + _per_slot(in_flight, state))
+    return q / (1 + _per_slot(_in_flight(signals, "prefill"), state))
 
 
 def decode_base(samples: Sequence[tuple[float, float, float]]) -> float | None:

@@ -197,6 +197,7 @@ class LegRunner:
                 outcome = exc.outcome
                 raise self._leg_failure(Role.DECODE, slot, exc) from None
             trace.first_byte = time.monotonic()
+            trace.decode_sent = sent
             self._first_byte(Role.DECODE, trace.first_byte - sent)
             if background is not None:
                 background.add_done_callback(self._observe_background_prefill)

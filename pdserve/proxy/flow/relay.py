@@ -239,13 +239,17 @@ class RelayStream:
         self._d._close(self._trace, status if request_outcome != "cancelled" else 499, request_outcome)
 
     def _observe_itl(self) -> None:
-        """The mean gap between the stream's token events: from the first chunk to now over the
-        events between, less ``[DONE]`` (a usage-only event, when asked for, counts as a token)."""
+        """The decode leg's time, and the mean gap between the stream's token events: from the
+        first chunk to now over the events between, less ``[DONE]`` (a usage-only event, when
+        asked for, counts as a token)."""
+        now = time.monotonic()
+        if self._trace.decode_sent is not None:
+            self._d.load.observe("decode", now - self._trace.decode_sent)
         first = self._trace.first_byte
         gaps = self._events - 2
         if first is None or gaps < MIN_ITL_GAPS:
             return
-        itl = (time.monotonic() - first) / gaps
+        itl = (now - first) / gaps
         endpoint = "chat" if self._trace.endpoint.endswith("chat/completions") else "completions"
         self._d.metrics.child(self._d.metrics.itl, endpoint).observe(itl)
         self._d.load.observe("itl", itl)

@@ -24,6 +24,7 @@ class Trace:
     prefill: str = "-"
     decode: str = "-"
     first_byte: float | None = None
+    decode_sent: float | None = None  # when the decode leg that answers was sent
     closed: bool = False
     engine_base: str = ""  # the X-Request-Id stem of the legs: the client's id, made unique
     claimed: bool = False  # the request id is the client's, claimed until the request ends
