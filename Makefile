@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: install test test-workers unit lint fmt bench bench-operator bench-replay bench-routing cluster-build cluster-up cluster-down kind-e2e demo clean \
+.PHONY: install test test-workers unit lint fmt bench bench-autoscaling bench-operator bench-replay bench-routing cluster-build cluster-up cluster-down kind-e2e demo clean \
 	e2e-vllm record-vllm-fixtures
 
 install: $(VENV)/.installed
@@ -55,6 +55,11 @@ bench-operator: install cluster-up
 ## results in bench/results/replay-latest.md (docs/benchmarking.md).
 bench-replay: install
 	$(PY) -m bench.replay_bench
+
+## pdserve's autoscaler against fixed sizes and per-role HPA on the Mooncake trace x4 (about 20 minutes);
+## results in bench/results/autoscaling-latest.md (docs/benchmarking.md).
+bench-autoscaling: install
+	$(PY) -m bench.autoscaling_bench
 
 bench-routing: install cluster-up
 	$(PY) -m bench.routing_lag_bench

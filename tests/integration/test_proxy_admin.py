@@ -62,7 +62,7 @@ def test_the_router_serves_clients_with_the_engines_key(stack: PDStack) -> None:
     assert stack.complete(headers={}).status == 401
 
 
-@pytest.mark.parametrize("path", ["/metrics", "/debug/routing"])
+@pytest.mark.parametrize("path", ["/metrics", "/debug/routing", "/load"])
 def test_admin_paths_answer_only_on_the_admin_port(stack: PDStack, path: str) -> None:
     client = http("GET", stack.url + path, headers=AUTH)
     assert client.status == 404, client.body
@@ -103,3 +103,10 @@ def test_no_key_appears_in_logs_debug_output_or_metrics(stack: PDStack) -> None:
     assert "request id=" in outputs["proxy log"]
     for where, text in outputs.items():
         assert CLIENT_KEY not in text and BACKEND_KEY not in text, where
+
+
+def test_the_load_view_needs_no_key_on_the_admin_port(stack: PDStack) -> None:
+    """The operator asks every router /load for the autoscaler, with no key (as /routing/served)."""
+    answer = http("GET", admin(stack) + "/load?window=30")
+    assert answer.status == 200, answer.body
+    assert answer.json()["window_seconds"] == 30

@@ -4,8 +4,8 @@ With ``--admin-port`` the proxy listens on both, with one app and one state. Wha
 may reach depends on the port it arrived on (the ASGI ``server`` of its scope):
 
 * the client port serves everything except :data:`ADMIN_ONLY` (metrics, ``/debug/*``,
-  profiling), which answer 404 there, so the client Service, which exposes only this port,
-  never serves them;
+  profiling, the autoscaler's ``/load``), which answer 404 there, so the client Service, which
+  exposes only this port, never serves them;
 * the admin port serves :data:`ADMIN_ONLY` plus :data:`BOTH` (the probes and what the operator
   asks routers), and 404 for the rest (no generation, no model listing).
 
@@ -17,7 +17,7 @@ from __future__ import annotations
 from typing import Any
 
 #: Paths that only the admin port serves.
-ADMIN_ONLY = frozenset({"/metrics", "/start_profile", "/stop_profile"})
+ADMIN_ONLY = frozenset({"/metrics", "/load", "/start_profile", "/stop_profile"})
 ADMIN_PREFIXES = ("/debug/",)
 #: Paths that answer on both ports: kubelet probes hit the client port, operators the admin one.
 BOTH = frozenset({"/health", "/ready", "/routing/served"})
