@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import replace
 
 import pytest
@@ -461,7 +461,37 @@ def test_shared_rollout_always_leaves_a_revision_routable_on_both_sides(
     """Both roles change revision A -> B, planned independently each pass; prefill pods get Ready
     a pass after creation, decode pods four. Some revision is always paired, and neither role
     has more pods on B than one instance ahead of the other at the spec's ratio."""
-    sizes = {Role.PREFILL: prefill, Role.DECODE: decode}
+    shared_rollout(lambda step: {Role.PREFILL: prefill, Role.DECODE: decode}, max_surge, max_unavailable)
+
+
+@pytest.mark.parametrize(
+    "moves",
+    [
+        {5: (6, 2), 40: (2, 2)},  # prefill grows mid-rollout, then shrinks back
+        {3: (2, 5), 20: (1, 1)},  # decode grows, then both shrink to one
+        {0: (3, 3), 8: (1, 4), 16: (4, 1), 30: (2, 2)},  # the autoscaler moving both, often
+    ],
+)
+def test_an_autoscaler_moving_the_counts_mid_rollout_keeps_a_revision_paired(
+    moves: dict[int, tuple[int, int]],
+) -> None:
+    """Issue 27: a scale and a rollout overlap. The counts change while both roles roll A -> B;
+    some revision stays routable on both sides at every step, and the rollout still completes."""
+
+    def sizes_at(step: int) -> dict[Role, int]:
+        prefill, decode = (2, 2)
+        for at, counts in sorted(moves.items()):
+            if step >= at:
+                prefill, decode = counts
+        return {Role.PREFILL: prefill, Role.DECODE: decode}
+
+    shared_rollout(sizes_at, max_surge=1, max_unavailable=1, ratio_check=False)
+
+
+def shared_rollout(
+    sizes_at: Callable[[int], dict[Role, int]], max_surge: int, max_unavailable: int, ratio_check: bool = True
+) -> None:
+    sizes = sizes_at(0)
     cluster: dict[str, tuple[Role, ObservedPod]] = {
         f"{r.value}-{i}-a": (r, ObservedPod(i, f"{r.value}-{i}-a", OLD, True, revision="A"))
         for r in Role
@@ -471,6 +501,7 @@ def test_shared_rollout_always_leaves_a_revision_routable_on_both_sides(
     policy = RolloutPolicy(max_unavailable, max_surge, drain_seconds=2.0)
     for step in range(400):
         now = float(step)
+        sizes = sizes_at(step)
         pods = {r: [p for role, p in cluster.values() if role is r] for r in Role}
         routable = {r: [p.revision for p in pods[r] if p.routable] for r in Role}
         keep = revisions_to_keep(routable, {r: "B" for r in Role})
@@ -510,7 +541,7 @@ def test_shared_rollout_always_leaves_a_revision_routable_on_both_sides(
         after = {r: {p.revision for role, p in cluster.values() if role is r and p.routable} for r in Role}
         assert after[Role.PREFILL] & after[Role.DECODE], (step, after)
         on_b = {r: sum(1 for role, p in cluster.values() if role is r and p.revision == "B") for r in Role}
-        for r, other in ((Role.PREFILL, Role.DECODE), (Role.DECODE, Role.PREFILL)):
+        for r, other in ((Role.PREFILL, Role.DECODE), (Role.DECODE, Role.PREFILL)) if ratio_check else ():
             ahead = on_b[r] / sizes[r] - on_b[other] / sizes[other]
             assert ahead <= 1 / sizes[other] + 1 / sizes[r] + 1e-9 or on_b[other] == sizes[other], (
                 step,

@@ -140,3 +140,31 @@ def test_scaling_limited_is_a_condition_only_with_autoscaling() -> None:
     off = compute_status(Observation(1, 1, (), 0, 0), calm, "t3")
     assert off["autoscaling"] is None
     assert "ScalingLimited" not in [c["type"] for c in off["conditions"]]
+
+
+def test_a_multi_node_role_scales_by_whole_groups() -> None:
+    """An instance of 16 ranks over 8-GPU nodes is a group of two pods: the autoscaler's count
+    is in groups, every pod of a new instance is rendered, none of a removed one."""
+    from pdserve.deployment.render.groups import render_all
+    from pdserve.deployment.render.objects import GROUP_LABEL, ROLE_LABEL
+
+    doc = sim_manifest(
+        "mn",
+        gpusPerNode=8,
+        prefill={"instances": 1, "dataParallel": 16},
+        decode={"instances": 1},
+        autoscaling={
+            "prefill": {"maxInstances": 4},
+            "decode": {"maxInstances": 4},
+            "objectives": {"ttftMilliseconds": 1000, "itlMilliseconds": 40},
+        },
+    )
+    pdd = parse_pddeployment(doc)
+    for count in (1, 3, 2):
+        pods = [
+            o
+            for o in render_all(with_counts(pdd, {"prefill": count, "decode": 1}))
+            if o["kind"] == "Pod" and o["metadata"]["labels"][ROLE_LABEL] == "prefill"
+        ]
+        groups = {p["metadata"]["labels"][GROUP_LABEL] for p in pods}
+        assert len(groups) == count and len(pods) == 2 * count
