@@ -36,6 +36,8 @@ from pathlib import Path
 import aiohttp
 
 from pdserve.deployment.plan.autoscale import ROLES, RoleState
+from pdserve.deployment.plan.drain import read_served
+from pdserve.deployment.plan.signals import read_signals
 from pdserve.deployment.render.routing_table import ObservedInstance, build_routing_table
 from pdserve.local.front import Front, SidecarEndpoint
 from pdserve.local.observe import observed_instances
@@ -50,7 +52,7 @@ from pdserve.local.proctree import (
     scan,
     socket_holders,
 )
-from pdserve.local.scaler import Instance, LocalScaler, gather, served_reports
+from pdserve.local.scaler import Instance, LocalScaler, session_get
 from pdserve.routing import Instance as TableInstance
 from pdserve.routing import Role, RoutingTable
 
@@ -425,7 +427,7 @@ class LocalRunner:
             if state.left is None:
                 state.left = self.table.generation
         if scaler.draining:
-            reports = await served_reports(session, deployment, routers)
+            reports = await read_served(session_get(session), deployment, routers)
             drain_seconds = self.plan.deployment.spec.rollout.drain_seconds
             for instance in list(scaler.draining):
                 name = _name_of(self.plan, instance)
@@ -446,7 +448,7 @@ class LocalRunner:
             if ok and e.serves_http and self._runs(e)
         ]
         window = scaler.spec.objectives.window_seconds
-        signals = await gather(session, deployment, routers, engines, window)
+        signals = await read_signals(session_get(session), deployment, routers, engines, window)
         roles = {}
         for role in ROLES:
             wanted = [i for i in healthy if i[0].value == role and scaler.wanted(i)]

@@ -12,22 +12,15 @@ operator's drain rule, pdserve.deployment.plan.drain), or after ``rollout.drainS
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import aiohttp
 
 from pdserve.deployment.plan.autoscale import ROLES, Decision, Memory, RoleState, decide
-from pdserve.deployment.plan.drain import RouterReport, drain_verdict, parse_served
-from pdserve.deployment.plan.signals import (
-    EngineLoad,
-    RouterLoad,
-    Signals,
-    combine,
-    parse_engine_metrics,
-    parse_load,
-)
+from pdserve.deployment.plan.drain import RouterReport, drain_verdict
+from pdserve.deployment.plan.fetch import Get, GetError
+from pdserve.deployment.plan.signals import Signals
 from pdserve.deployment.spec.autoscaling import AutoscalingSpec
 from pdserve.deployment.spec.pddeployment import PDDeployment
 from pdserve.routing import Role
@@ -120,53 +113,17 @@ class LocalScaler:
         return [head, measured, f"  last decision: {d.reason}"]
 
 
-async def gather(
-    session: aiohttp.ClientSession,
-    deployment: str,
-    routers: Sequence[tuple[str, str]],
-    engines: Sequence[tuple[str, str, str]],
-    window: float,
-) -> Signals:
-    """``routers``: (name, base URL); ``engines``: (instance, role, base URL) of running API servers."""
+def session_get(session: aiohttp.ClientSession) -> Get:
+    """The readers' GET (pdserve.deployment.plan.fetch) through the runner's session."""
 
-    async def load(name: str, url: str) -> RouterLoad:
+    async def get(url: str) -> tuple[int, str]:
         try:
-            async with session.get(f"{url}/load?window={window:g}") as resp:
-                if resp.status != 200:
-                    return RouterLoad(name, error=f"/load answered {resp.status}")
-                return parse_load(name, await resp.json(content_type=None), deployment)
-        except (aiohttp.ClientError, TimeoutError, ValueError, OSError) as exc:
-            return RouterLoad(name, error=f"/load unreachable: {type(exc).__name__}")
-
-    async def metrics(instance: str, role: str, url: str) -> EngineLoad:
-        try:
-            async with session.get(f"{url}/metrics") as resp:
-                if resp.status != 200:
-                    return EngineLoad(instance, role, error=f"/metrics answered {resp.status}")
-                return parse_engine_metrics(instance, role, await resp.text())
+            async with session.get(url) as resp:
+                return resp.status, await resp.text()
         except (aiohttp.ClientError, TimeoutError, UnicodeDecodeError, OSError) as exc:
-            return EngineLoad(instance, role, error=f"/metrics unreachable: {type(exc).__name__}")
+            raise GetError(type(exc).__name__) from None
 
-    loads = await asyncio.gather(*(load(n, u) for n, u in routers))
-    gauges = await asyncio.gather(*(metrics(i, r, u) for i, r, u in engines))
-    return combine(window, loads, gauges)
-
-
-async def served_reports(
-    session: aiohttp.ClientSession, deployment: str, routers: Sequence[tuple[str, str]]
-) -> list[RouterReport]:
-    """Every router's ``/routing/served``, as the drain rule reads them."""
-
-    async def one(name: str, url: str) -> RouterReport:
-        try:
-            async with session.get(f"{url}/routing/served") as resp:
-                if resp.status != 200:
-                    return RouterReport(name, error=f"/routing/served answered {resp.status}")
-                return parse_served(name, await resp.json(content_type=None), deployment)
-        except (aiohttp.ClientError, TimeoutError, ValueError, OSError) as exc:
-            return RouterReport(name, error=f"/routing/served unreachable: {type(exc).__name__}")
-
-    return list(await asyncio.gather(*(one(n, u) for n, u in routers)))
+    return get
 
 
 def _ms(value: float | None) -> str:

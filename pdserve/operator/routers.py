@@ -23,9 +23,10 @@ from pdserve.deployment.plan.drain import (
     RouterReport,
     RoutersSummary,
     drain_verdict,
-    parse_served,
+    read_served,
     summarize,
 )
+from pdserve.deployment.plan.fetch import Get, GetError
 from pdserve.deployment.render.objects import router_pod_selector
 from pdserve.deployment.spec.pddeployment import PDDeployment
 from pdserve.operator import metrics
@@ -189,21 +190,24 @@ async def fetch_reports(
     targets: Sequence[tuple[str, str]], port: int, deployment: str, timeout: float
 ) -> list[RouterReport]:
     """``GET /routing/served`` of every router at once."""
+    async with aiohttp.ClientSession() as session:
+        return await read_served(session_get(session, timeout), deployment, base_urls(targets, port))
+
+
+def base_urls(targets: Sequence[tuple[str, str]], port: int) -> list[tuple[str, str]]:
+    """(name, ``http://<IP>:<port>``) of (name, IP) pairs."""
+    return [(name, f"http://[{ip}]:{port}" if ":" in ip else f"http://{ip}:{port}") for name, ip in targets]
+
+
+def session_get(session: aiohttp.ClientSession, timeout: float) -> Get:
+    """The readers' GET (pdserve.deployment.plan.fetch) through ``session``, ``timeout`` each."""
     limit = aiohttp.ClientTimeout(total=timeout)
-    async with aiohttp.ClientSession(timeout=limit) as session:
-        return list(await asyncio.gather(*(_fetch(session, n, ip, port, deployment) for n, ip in targets)))
 
+    async def get(url: str) -> tuple[int, str]:
+        try:
+            async with session.get(url, timeout=limit) as response:
+                return response.status, await response.text()
+        except (aiohttp.ClientError, TimeoutError, UnicodeDecodeError) as exc:
+            raise GetError(f"{type(exc).__name__} {exc}".rstrip()) from None
 
-async def _fetch(
-    session: aiohttp.ClientSession, name: str, ip: str, port: int, deployment: str
-) -> RouterReport:
-    host = f"[{ip}]" if ":" in ip else ip
-    url = f"http://{host}:{port}/routing/served"
-    try:
-        async with session.get(url) as response:
-            if response.status != 200:
-                return RouterReport(name, error=f"{url} answered {response.status}")
-            doc = await response.json(content_type=None)
-    except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
-        return RouterReport(name, error=f"{url} unreachable: {type(exc).__name__} {exc}".rstrip())
-    return parse_served(name, doc, deployment)
+    return get

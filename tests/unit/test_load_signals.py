@@ -160,3 +160,33 @@ def test_combine_adds_routers_and_engines_and_lists_what_did_not_answer() -> Non
     assert s.kv_usage["decode"] == pytest.approx(0.375) and s.engines == {"prefill": 1, "decode": 2}
     assert s.problems == ("router r3: unreachable", "engine d2: timeout")
     assert not combine(60, [bad], []).known
+
+
+def test_read_signals_asks_every_router_and_engine_and_names_who_did_not_answer() -> None:
+    import asyncio
+    import json
+
+    from pdserve.deployment.plan.fetch import GetError
+    from pdserve.deployment.plan.signals import read_signals
+
+    view = merge_views([{"deployment": "d", "window_seconds": 30, "covered_seconds": 30}])
+    view["requests"] = {"ok": 7, "failed": 0}
+    answers = {
+        "http://r1/load?window=30": (200, json.dumps(view)),
+        "http://r2/load?window=30": (503, "busy"),
+        "http://p0/metrics": (200, METRICS),
+    }
+
+    async def get(url: str) -> tuple[int, str]:
+        if url not in answers:
+            raise GetError("ConnectionRefusedError")
+        return answers[url]
+
+    routers = [("r1", "http://r1"), ("r2", "http://r2")]
+    engines = [("p0", "prefill", "http://p0"), ("d0", "decode", "http://d0")]
+    s = asyncio.run(read_signals(get, "d", routers, engines, 30))
+    assert s.routers == 1 and s.ok == 7 and s.waiting["prefill"] == 4
+    assert s.problems == (
+        "router r2: http://r2/load?window=30 answered 503",
+        "engine d0: http://d0/metrics unreachable: ConnectionRefusedError",
+    )

@@ -9,15 +9,19 @@ all, nothing can send it work: ``no-routers``. ``spec.rollout.drainSeconds`` is 
 (``timeout``): a router that does not answer, or a request that never ends, only delays the
 deletion until then.
 
-Pure: the operator (pdserve.operator.routers) fetches the reports and performs the verdict.
+Pure: the operator (pdserve.operator.routers) and ``pdserve up`` fetch the reports with their own
+HTTP clients (:func:`read_served` takes the GET) and perform the verdict.
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
+
+from pdserve.deployment.plan.fetch import Get, get_json
 
 
 @dataclass(frozen=True)
@@ -34,6 +38,16 @@ class RouterReport:
     @property
     def answered(self) -> bool:
         return self.error is None
+
+
+async def read_served(get: Get, deployment: str, routers: Sequence[tuple[str, str]]) -> list[RouterReport]:
+    """Every router's ``GET /routing/served`` at once; ``routers`` are (pod, base URL)."""
+
+    async def one(pod: str, base: str) -> RouterReport:
+        doc, problem = await get_json(get, f"{base}/routing/served")
+        return RouterReport(pod, error=problem) if problem else parse_served(pod, doc, deployment)
+
+    return list(await asyncio.gather(*(one(p, u) for p, u in routers)))
 
 
 def parse_served(pod: str, doc: object, deployment: str) -> RouterReport:

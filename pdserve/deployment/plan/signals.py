@@ -19,11 +19,13 @@ they cannot read (a report that says so, never an exception), :func:`combine` ad
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from pdserve.deployment.plan.fetch import Get, GetError, get_json
 from pdserve.wire.load import LATENCIES, Counts, add_counts, counts_from_json
 
 ROLES = ("prefill", "decode")
@@ -139,6 +141,35 @@ def parse_engine_metrics(instance: str, role: str, text: str) -> EngineLoad:
     except (ValueError, TypeError) as exc:
         return EngineLoad(instance, role, error=f"unreadable /metrics: {exc}")
     return EngineLoad(instance, role, waiting, running, sum(usage) / len(usage) if usage else None)
+
+
+async def read_signals(
+    get: Get,
+    deployment: str,
+    routers: Sequence[tuple[str, str]],
+    engines: Sequence[tuple[str, str, str]],
+    window: float,
+) -> Signals:
+    """Every router's ``/load`` and every engine's ``/metrics`` at once; ``routers`` are (name,
+    base URL), ``engines`` (instance, role, base URL) of the API servers to read."""
+
+    async def load(name: str, base: str) -> RouterLoad:
+        doc, problem = await get_json(get, f"{base}/load?window={window:g}")
+        return RouterLoad(name, error=problem) if problem else parse_load(name, doc, deployment)
+
+    async def metrics(instance: str, role: str, base: str) -> EngineLoad:
+        url = f"{base}/metrics"
+        try:
+            status, body = await get(url)
+        except GetError as exc:
+            return EngineLoad(instance, role, error=f"{url} unreachable: {exc}")
+        if status != 200:
+            return EngineLoad(instance, role, error=f"{url} answered {status}")
+        return parse_engine_metrics(instance, role, body)
+
+    loads = await asyncio.gather(*(load(n, u) for n, u in routers))
+    gauges = await asyncio.gather(*(metrics(i, r, u) for i, r, u in engines))
+    return combine(window, loads, gauges)
 
 
 def combine(window: float, routers: Sequence[RouterLoad], engines: Iterable[EngineLoad]) -> Signals:
