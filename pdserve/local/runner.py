@@ -214,11 +214,12 @@ class LocalRunner:
                     self._fail(f"could not listen on {self.plan.url}: {exc}")
             if not self.stopping.is_set():
                 engines = [c for e, c in self._engine_children() if self._runs(e)]
-                for child in [*engines, *(c for c in self.routers.values() if self._router_runs(c))]:
+                routers = [c for c in self.routers.values() if self._router_runs(c)]
+                for child in [*engines, *routers]:
                     child.start()
                 self.reporter.event(
                     f"started {len(engines)} {self.plan.deployment.spec.engine} engine process(es) and "
-                    f"{describe_routers(self.plan)}; logs in {self.log_dir}"
+                    f"{describe_routers(self.plan, len(routers))}; logs in {self.log_dir}"
                 )
                 if self.scaler is not None:
                     self.reporter.event(
@@ -548,11 +549,12 @@ def _bounds(scaler: LocalScaler) -> str:
     )
 
 
-def describe_routers(plan: LocalPlan) -> str:
-    """Which placement runs, in a few words (the first lines of output say it)."""
+def describe_routers(plan: LocalPlan, running: int | None = None) -> str:
+    """Which placement runs, in a few words (the first lines of output say it); ``running``: the
+    sidecars started (with spec.autoscaling, those of the decode instances it runs)."""
     if plan.sidecars:
         return (
-            f"{len(plan.routers)} sidecar router(s), one per decode instance (placement decode-sidecar; "
+            f"{len(plan.routers) if running is None else running} sidecar router(s), one per decode instance (placement decode-sidecar; "
             f"{plan.url} spreads requests over them in turn)"
         )
     return "the router (placement deployment)"
