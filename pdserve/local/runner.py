@@ -553,8 +553,9 @@ def describe_routers(plan: LocalPlan, running: int | None = None) -> str:
     """Which placement runs, in a few words (the first lines of output say it); ``running``: the
     sidecars started (with spec.autoscaling, those of the decode instances it runs)."""
     if plan.sidecars:
+        count = len(plan.routers) if running is None else running
         return (
-            f"{len(plan.routers) if running is None else running} sidecar router(s), one per decode instance (placement decode-sidecar; "
+            f"{count} sidecar router(s), one per decode instance (placement decode-sidecar; "
             f"{plan.url} spreads requests over them in turn)"
         )
     return "the router (placement deployment)"
