@@ -794,3 +794,106 @@ def assert_refused(crd: KubeCluster, namespace: str, spec: dict[str, Any], messa
     assert message in proc.stderr, proc.stderr
     with pytest.raises(SpecError):
         parse_pddeployment(obj)
+
+
+# --- spec.autoscaling (issue 27) -------------------------------------------------------------------
+
+AUTOSCALING: dict[str, Any] = {
+    "prefill": {"maxInstances": 4},
+    "decode": {"maxInstances": 4},
+    "objectives": {"ttftMilliseconds": 2000, "itlMilliseconds": 50},
+}
+
+
+def autoscaling(**change: Any) -> dict[str, Any]:
+    return {"autoscaling": {**AUTOSCALING, **change}}
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        pytest.param(
+            autoscaling(prefill={"minInstances": 5, "maxInstances": 4}),
+            "minInstances must not exceed maxInstances",
+            id="min-above-max",
+        ),
+        pytest.param(
+            autoscaling(prefillPerDecode={"min": 2, "max": 1}),
+            "prefillPerDecode.min must not exceed prefillPerDecode.max",
+            id="ratio-min-above-max",
+        ),
+        pytest.param(
+            autoscaling(
+                prefill={"maxInstances": 1},
+                decode={"minInstances": 4, "maxInstances": 4},
+                prefillPerDecode={"min": 0.5},
+            ),
+            "prefillPerDecode.min: unreachable",
+            id="ratio-unreachable",
+        ),
+        pytest.param(
+            autoscaling(decode={"minInstances": 1}),
+            "spec.autoscaling.decode.maxInstances: Required value",
+            id="no-max",
+        ),
+        pytest.param(
+            autoscaling(objectives={"ttftMilliseconds": 2000}),
+            "spec.autoscaling.objectives.itlMilliseconds: Required value",
+            id="no-itl-objective",
+        ),
+        pytest.param(
+            autoscaling(objectives={**AUTOSCALING["objectives"], "percentile": 100}),
+            "should be less than or equal to 99.9",
+            id="percentile-100",
+        ),
+        pytest.param(
+            autoscaling(
+                behavior={"scaleUp": {"policies": [{"type": "Pods", "value": 1, "periodSeconds": 15}]}}
+            ),
+            'Unsupported value: "Pods"',
+            id="hpa-pods-is-instances-here",
+        ),
+    ],
+)
+def test_an_autoscaling_that_cannot_hold_is_refused_by_the_api_server_and_the_parser(
+    crd: KubeCluster, kube_namespace: str, spec: dict[str, Any], message: str
+) -> None:
+    assert_refused(crd, kube_namespace, spec, message)
+
+
+def test_autoscaling_is_stored_with_hpas_defaults_like_the_parser(
+    crd: KubeCluster, kube_namespace: str
+) -> None:
+    obj = manifest("scaled", **autoscaling())
+    create(crd, kube_namespace, obj)
+    stored = get(crd, kube_namespace, "scaled")["spec"]["autoscaling"]
+    assert stored == {
+        "prefill": {"minInstances": 1, "maxInstances": 4},
+        "decode": {"minInstances": 1, "maxInstances": 4},
+        "objectives": {
+            "ttftMilliseconds": 2000,
+            "itlMilliseconds": 50,
+            "percentile": 90,
+            "windowSeconds": 60,
+        },
+        "syncPeriodSeconds": 15,
+        "behavior": {
+            "scaleUp": {
+                "stabilizationWindowSeconds": 0,
+                "selectPolicy": "Max",
+                "tolerance": 0.1,
+                "policies": [
+                    {"type": "Percent", "value": 100, "periodSeconds": 15},
+                    {"type": "Instances", "value": 4, "periodSeconds": 15},
+                ],
+            },
+            "scaleDown": {
+                "stabilizationWindowSeconds": 300,
+                "selectPolicy": "Max",
+                "tolerance": 0.1,
+                "policies": [{"type": "Percent", "value": 100, "periodSeconds": 15}],
+            },
+        },
+    }
+    parsed = parse_pddeployment({**obj, "spec": {**obj["spec"], "autoscaling": stored}}).spec.autoscaling
+    assert parsed == parse_pddeployment(obj).spec.autoscaling  # the parser applies the same defaults
