@@ -5,7 +5,7 @@ trace through ``pdserve up``, time-compressed (x4 by default), on step-engine si
 ``synthetic-autoscaling`` profile (a synthetic engine sized so that the trace's peak needs several
 instances per role; pdserve/sim/engine/profiles/):
 
-* ``pdserve``: spec.autoscaling, the objectives TTFT p90 <= 2 s and ITL p90 <= 50 ms, run first;
+* ``pdserve``: spec.autoscaling, the objectives TTFT p99 <= 2 s and ITL p99 <= 50 ms, run first;
 * ``fixed-peak``: each role at the most instances the autoscaler ran of it;
 * ``fixed-mean``: each role at its time-averaged count in that run, rounded up;
 * ``hpa``: each role scaled on its own, as an HPA (or KEDA) user sets it up on the engines' load:
@@ -72,7 +72,7 @@ from tests.support.specs import sim_manifest
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results"
 PROFILE = "synthetic-autoscaling"
-TTFT_MS, ITL_MS, PERCENTILE = 2000.0, 50.0, 95.0
+TTFT_MS, ITL_MS, PERCENTILE = 2000.0, 50.0, 99.0
 BOUNDS = {"prefill": (1, 10), "decode": (1, 8)}
 START = {"prefill": 3, "decode": 4}
 #: HPA's targets: requests in an engine (running + waiting) per instance. A prefill slot of the
@@ -228,7 +228,9 @@ def run_one(name: str, doc: dict[str, Any], arrivals: Sequence[Arrival], speedup
     path = work / f"{name}.yaml"
     path.write_text(yaml.safe_dump(doc))
     port = free_port()
-    flags = [str(path), "--port", str(port), "--no-view", "--sim-profile", PROFILE]
+    # --sim-tokens: the sims answer as many tokens as each request asks (max_tokens, the trace's
+    # output length), not their default of 16
+    flags = [str(path), "--port", str(port), "--no-view", "--sim-profile", PROFILE, "--sim-tokens", "1000"]
     argv = (
         [sys.executable, "-m", "bench.autoscaling_bench", "serve", *flags]
         if name == "hpa"
