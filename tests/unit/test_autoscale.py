@@ -43,8 +43,10 @@ def signals(
     in_flight: int = 10,
     window: float = 60,
     routers: int = 1,
+    prefill_now: int | None = None,
 ) -> Signals:
-    """A window in which every request saw these latencies."""
+    """A window in which every request saw these latencies; ``in_flight`` decode legs now, and
+    the prefill legs now as many as the window averaged (``prefill_now``: another count)."""
 
     def hist(ms: float | None) -> dict[int, int]:
         return {} if ms is None else {bucket_of(ms / 1000): requests}
@@ -53,6 +55,7 @@ def signals(
     decode_first_ms = (
         decode_first_ms if decode_first_ms is not None else (None if ttft_ms is None else ttft_ms * 0.1)
     )
+    prefill_average = 0 if prefill_ms is None else round(requests / window * prefill_ms / 1000)
     return Signals(
         window_seconds=window,
         covered_seconds=window,
@@ -65,7 +68,7 @@ def signals(
             "prefill": hist(prefill_ms),
             "decode_first": hist(decode_first_ms),
         },
-        in_flight={"prefill": in_flight, "decode": in_flight},
+        in_flight={"prefill": prefill_average if prefill_now is None else prefill_now, "decode": in_flight},
         queued=0,
         waiting={"prefill": 0, "decode": 0},
         running={"prefill": 0, "decode": 0},
@@ -257,7 +260,7 @@ def test_the_need_is_what_the_traffic_uses_at_the_objective() -> None:
     spec = autoscaling(behavior={"scaleDown": {"stabilizationWindowSeconds": 0}})
     d = decide(spec, 0.0, states(6, 6), signals(ttft_ms=1900, itl_ms=30), KNOWN)
     assert d.decode.after == 5
-    assert re.search(r"traffic uses \d+% of 6, needs 4\.\d at the objective", d.decode.why)
+    assert re.search(r"its traffic needs 4\.\d of 6 at the objective", d.decode.why)
 
 
 # --- properties over simulated time ------------------------------------------------------------------
@@ -424,3 +427,16 @@ def test_bounds_and_ratio_are_never_violated(
         assert spec.prefill.min_instances <= counts["prefill"] <= spec.prefill.max_instances
         assert spec.decode.min_instances <= counts["decode"] <= spec.decode.max_instances
         assert spec.prefill_per_decode.holds(counts["prefill"], counts["decode"]), (counts, d.reason)
+
+
+def test_legs_piling_up_now_grow_a_role_before_the_window_shows_it() -> None:
+    """The window's latencies lag; prefill legs in flight far beyond the window's average (more
+    than its noise) are traffic arriving now: the role grows for it, and no window hold applies."""
+    calm = decide(autoscaling(), 0.0, states(3, 3), signals(ttft_ms=1500, itl_ms=40), OLD)
+    assert calm.counts["prefill"] == 3
+    piling = signals(ttft_ms=1500, itl_ms=40, prefill_now=30)  # the window averaged 4 in flight
+    grown = decide(autoscaling(), 0.0, states(3, 3), piling, OLD)
+    assert grown.counts["prefill"] > 3
+    assert "legs in flight now" in grown.prefill.why and "rising traffic needs" in grown.prefill.why
+    memory = replace(OLD, grown={"prefill": -5.0})  # grew 5 s ago: the latency-driven growth waits
+    assert decide(autoscaling(), 0.0, states(3, 3), piling, memory).counts["prefill"] > 3

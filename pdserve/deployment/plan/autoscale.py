@@ -178,6 +178,7 @@ def decide(
     }
     raw: dict[str, int] = {}
     wanted: dict[str, int | None] = {}
+    rising: set[str] = set()  # roles growing on the legs in flight now, not on the window's latencies
     whys: dict[str, list[str]] = {}
     for role in ROLES:
         state = roles[role]
@@ -195,10 +196,23 @@ def decide(
             rec = current
             why.append(f"fewer than {MIN_SAMPLES} requests measured: holding")
         else:
-            rec, how = _recommend(spec, state.ready or current, q, base[role])
-            wanted[role] = rec
+            running = state.ready or current
+            need = _need(running, q, base[role])
+            rec, how = _recommend(spec, running, q, need)
             if how:
                 why.append(how)
+            now_in_flight, average = _rising(signals, role)
+            # beyond the count's own noise (a Poisson count's two standard deviations)
+            if need is not None and average > 0 and now_in_flight > average + 2 * math.sqrt(average):
+                surge = _need_now(role, running, need, now_in_flight, average, _per_slot(1.0, state))
+                if surge > running * (1 + spec.behavior.scale_up.tolerance) and math.ceil(surge - 1e-9) > rec:
+                    rec = math.ceil(surge - 1e-9)
+                    rising.add(role)
+                    why.append(
+                        f"{now_in_flight:.0f} legs in flight now, {now_in_flight / average:.1f}x the "
+                        f"window's {average:.1f}: rising traffic needs {surge:.1f}"
+                    )
+            wanted[role] = rec
         raw[role] = bounds.clamp(rec)
         whys[role] = why
 
@@ -235,7 +249,11 @@ def decide(
         elif target > current and state.starting:
             whys[role].append(f"held at {current}: {state.starting} instance(s) still starting")
             target, held = current, True
-        elif target > current and now - memory.grown.get(role, -math.inf) < objectives.window_seconds:
+        elif (
+            target > current
+            and role not in rising
+            and now - memory.grown.get(role, -math.inf) < objectives.window_seconds
+        ):
             since = now - memory.grown[role]
             whys[role].append(
                 f"held at {current}: its last new instances are in {since:.0f} s of the "
@@ -367,24 +385,46 @@ def decode_base(samples: Sequence[tuple[float, float, float]]) -> float | None:
     return min(max(sum(light) / len(light), 0.0), 0.9 * min(ratios))
 
 
-def _recommend(spec: AutoscalingSpec, running: int, q: float, base: float | None) -> tuple[int, str]:
-    """The instances the traffic needs at the objective, and how that was reckoned."""
+def _need(running: int, q: float, base: float | None) -> float | None:
+    """The instances the window's traffic needs at the objective (None without a base)."""
+    if base is None:
+        return None
+    a = min(base, 0.95 * q, MAX_BASE)
+    return running * (1 - a / q) / (1 - a)
+
+
+def _recommend(spec: AutoscalingSpec, running: int, q: float, need: float | None) -> tuple[int, str]:
+    """The count to recommend from the objective ratio and the need, and how that was reckoned."""
     up, down = spec.behavior.scale_up, spec.behavior.scale_down
     if 1 - down.tolerance <= q <= 1 + up.tolerance:
         return running, ""
-    a = min(base, 0.95 * q, MAX_BASE) if base is not None else None
-    need = running * (1 - a / q) / (1 - a) if a is not None else float(running)
-    shown = (
-        "" if a is None else f"traffic uses {1 - a / q:.0%} of {running}, needs {need:.1f} at the objective"
-    )
+    shown = "" if need is None else f"its traffic needs {need:.1f} of {running} at the objective"
     if q > 1:
-        rec = max(math.ceil(need - 1e-9), running + 1)
+        rec = max(math.ceil((need or 0.0) - 1e-9), running + 1)
         if q >= SEVERE:
             rec = max(rec, math.ceil(running * q - 1e-9))
         return rec, shown
-    if a is None:
+    if need is None:
         return running, "no base latency known yet: not shrinking"
     return max(1, min(math.ceil(need - 1e-9), running)), shown
+
+
+def _need_now(role: str, running: int, need: float, now: float, average: float, per_slot: float) -> float:
+    """The need of the legs in flight now rather than on the window's average: for a decode in
+    proportion (its steps grow by a time per sequence); for a prefill through its queue's
+    utilisation ``N / (1 + N)`` per slot, which grows slower than the count near saturation."""
+    if role == "decode":
+        return need * now / average
+    before, after = average * per_slot, now * per_slot
+    return need * (after / (1 + after)) / (before / (1 + before))
+
+
+def _rising(signals: Signals, role: str) -> tuple[float, float]:
+    """The role's legs in flight now (prefill: with the requests queued at the routers) and over
+    the window on average; more now, beyond the count's noise, is traffic the window's latencies
+    do not show yet: the role grows for it at once (no window's wait)."""
+    now = signals.in_flight.get(role, 0) + (signals.queued if role == "prefill" else 0)
+    return float(now), _in_flight(signals, role)
 
 
 # --- step 6: the pair ------------------------------------------------------------------------------
