@@ -129,12 +129,21 @@ def objectives_met(cluster: Cluster) -> bool:
     return ttft is not None and itl is not None and ttft * 1000 <= TTFT_MS and itl * 1000 <= ITL_MS
 
 
+@pytest.mark.timeout(900)
 def test_a_load_ramp_grows_both_roles_and_shrinks_them_back(
     scaled: tuple[Cluster, Path], operator: Operator
 ) -> None:
     cluster, profile = scaled
     kubectl_apply(cluster, manifest(profile))
-    eventually(lambda: settled(cluster) and desired(cluster) == {"prefill": 1, "decode": 1}, timeout=120)
+    eventually(
+        lambda: (
+            settled(cluster)
+            and desired(cluster) == {"prefill": 1, "decode": 1}
+            and ready_ips(cluster, "router")
+        ),
+        timeout=120,
+        message="one instance of each role and the router Ready",
+    )
     targets = lambda: [f"{ip}:{ROUTER_PORT}" for ip in ready_ips(cluster, "router")]  # noqa: E731
     load = dict(max_tokens=MAX_TOKENS, prompt_words=PROMPT_WORDS)
     with Load(targets, concurrency=LOW, **load) as base:  # type: ignore[arg-type]
