@@ -24,7 +24,8 @@ How a count is decided, per role, then for the pair:
    sequences (:func:`decode_base`). The traffic needs ``ready x u / (1 - a)`` instances: grown to at
    least one more when the objective is missed (by ``ready x q`` when missed twice over), shrunk
    when met. The window lags: legs in flight *now* beyond the window's average by more than a
-   count's noise are rising traffic, and the role grows for them at once (:func:`_need_now`). Without ``a`` (a fresh memory, a load that never varied) a role does not shrink: the
+   count's noise are rising traffic, and the role grows for them at once (:func:`_need_now`).
+   Without ``a`` (a fresh memory, a load that never varied) a role does not shrink: the
    conservative side, where HPA's rule would shrink a queue into overload and flap.
 3. **Stabilisation**, HPA's (pdserve.deployment.plan.behavior): a count grows to the lowest
    recommendation of the scale-up window and shrinks to the highest of the scale-down window (so
