@@ -53,8 +53,6 @@ from pdserve.deployment.groupflags import (
     GroupMember,
     group_flags,
 )
-from pdserve.deployment.kvconfig import MORIIO, NIXL, kv_transfer_config_json
-from pdserve.deployment.kvpod import kv_pod_settings
 from pdserve.deployment.multinode import GroupShape
 from pdserve.deployment.owned import ENGINE_ENV_OWNED
 from pdserve.deployment.podtemplate import merge_metadata, merge_pod_spec
@@ -63,6 +61,7 @@ from pdserve.deployment.security import engine_key_env, router_admin_args, route
 from pdserve.deployment.sidecar import SIDECAR_PORT_NAME, add_sidecar
 from pdserve.deployment.spec import API_VERSION, DEFAULT_IMAGE, ENGINE_PORT, KIND, PDDeployment, RoleSpec
 from pdserve.deployment.storage import model_argument, storage_env, storage_mounts, storage_volumes
+from pdserve.kv.base import PodKV, transfer_config
 from pdserve.routing import CONFIGMAP_KEY, Role, RoutingTable
 
 SHM_MOUNT = "/dev/shm"
@@ -294,7 +293,7 @@ def pod_spec(
         "name": "engine",
         "image": spec.engine_image,
         "command": ["pdserve", "sim"] if sim else ["vllm", "serve"],
-        "args": (_sim_args(pdd, role, pod_name, flags) if sim else _vllm_args(pdd, role, flags))
+        "args": (_sim_args(pdd, role, pod_name, flags) if sim else _vllm_args(pdd, role, pod_name, flags))
         + list(rs.args),
         "ports": [{"name": "http", "containerPort": ENGINE_PORT, "protocol": "TCP"}],
         "env": _engine_env(pdd) + [_plain(v) for v in rs.env],
@@ -365,14 +364,15 @@ def pod_spec(
     return merged
 
 
-def _kv_settings(pdd: PDDeployment, role: Role, member: GroupMember | None) -> Any:
-    """The connector's pod settings for the ranks this pod runs (NIXL ports by global DP rank)."""
+def _kv_settings(pdd: PDDeployment, role: Role, member: GroupMember | None) -> PodKV:
+    """The connector's pod settings for the ranks this pod runs, from the first global rank it runs."""
     rs = pdd.spec.role(role)
+    kv = pdd.spec.kv_transfer
     if member is None:
-        return kv_pod_settings(pdd.spec.kv_transfer, rs.data_parallel, rs.tensor_parallel)
+        return kv.kv.render.pod(kv.extra_config, role, rs.data_parallel, rs.tensor_parallel)
     shape: GroupShape = member.shape
     first = 0 if shape.spans_rank else shape.first_rank(member.node)
-    return kv_pod_settings(pdd.spec.kv_transfer, shape.dp_local, rs.tensor_parallel, first)
+    return kv.kv.render.pod(kv.extra_config, role, shape.dp_local, rs.tensor_parallel, first)
 
 
 def _vllm_startup(rs: RoleSpec) -> dict[str, Any]:
@@ -396,7 +396,7 @@ def _health() -> dict[str, Any]:
     return {"path": "/health", "port": "http"}
 
 
-def _vllm_args(pdd: PDDeployment, role: Role, group: list[str]) -> list[str]:
+def _vllm_args(pdd: PDDeployment, role: Role, instance: str, group: list[str]) -> list[str]:
     spec = pdd.spec
     rs = spec.role(role)
     args = [
@@ -415,7 +415,15 @@ def _vllm_args(pdd: PDDeployment, role: Role, group: list[str]) -> list[str]:
     args += group
     if rs.expert_parallel:
         args.append("--enable-expert-parallel")
-    return [*args, "--kv-transfer-config", kv_transfer_config_json(spec.kv_transfer, role)]
+    return [*args, "--kv-transfer-config", kv_transfer_json(pdd, role, instance)]
+
+
+def kv_transfer_json(pdd: PDDeployment, role: Role, instance: str) -> str:
+    """``--kv-transfer-config`` of an instance, as compact JSON in the connector's key order: equal
+    specs give byte-equal pod args (and template hashes)."""
+    kv = pdd.spec.kv_transfer
+    config = transfer_config(kv.kv, kv.transfer_mode, kv.extra_config, role, instance, ENGINE_PORT)
+    return json.dumps(config, separators=(",", ":"))
 
 
 def _sim_args(pdd: PDDeployment, role: Role, pod_name: str, group: list[str]) -> list[str]:
@@ -448,11 +456,7 @@ def _engine_env(pdd: PDDeployment) -> list[dict[str, Any]]:
         return {"name": name, "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}
 
     env = [pod_ip("POD_IP")]
-    connector = pdd.spec.kv_transfer.connector
-    if connector == NIXL:
-        env.append(pod_ip("VLLM_NIXL_SIDE_CHANNEL_HOST"))
-    elif connector == MORIIO:
-        env.append(pod_ip("VLLM_HOST_IP"))
+    env += [pod_ip(name) for name in pdd.spec.kv_transfer.kv.render.pod_ip_env]
     if pdd.spec.engine != "sim":
         env += storage_env(pdd.spec.model, pdd.spec.model_cache, pdd.spec.hf_token_secret_ref)
     return env + engine_key_env(pdd.spec)  # the simulator checks VLLM_API_KEY like vLLM

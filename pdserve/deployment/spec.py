@@ -51,6 +51,7 @@ from pdserve.deployment.readers import read_string_list as _string_list
 from pdserve.deployment.readers import read_string_map as _string_map
 from pdserve.deployment.readers import show as _show
 from pdserve.deployment.storage import ModelCache, parse_model, parse_model_cache
+from pdserve.kv import DEFAULT, KVConnector, by_crd, crd_names, with_modes
 from pdserve.routing import Connector, Role
 
 __all__ = ["GroupShape", "ModelCache", "MultiNodeSpec", "SecretKeyRef", "SpecError"]
@@ -62,8 +63,7 @@ KIND = "PDDeployment"
 PLURAL = "pddeployments"
 
 ENGINES = ("vllm", "sim")
-CONNECTORS = ("NixlConnector", "MoRIIOConnector")
-TRANSFER_MODES = ("READ", "WRITE")
+CONNECTORS = crd_names()
 POLICIES = ("flat-interleaved", "least-outstanding")
 SERVICE_TYPES = ("ClusterIP", "NodePort", "LoadBalancer")
 #: Where the router runs: its own Deployment in front of the engines, or a container in every
@@ -86,7 +86,7 @@ _RESOURCE_NAME = re.compile(r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?/[-._a-zA-Z0-9]+$")
 # Defaults; equal to the CRD schema's (tests/unit/test_deployment_spec.py checks it).
 DEFAULT_ENGINE = "vllm"
 DEFAULT_GPU_RESOURCE = "nvidia.com/gpu"
-DEFAULT_CONNECTOR = "NixlConnector"
+DEFAULT_CONNECTOR = DEFAULT.names.crd
 DEFAULT_ROUTER_REPLICAS = 1
 DEFAULT_POLICY = "flat-interleaved"
 DEFAULT_BACKLOG = 4096
@@ -124,15 +124,19 @@ MAX_NODE_LOSS_SECONDS = 86400
 
 @dataclass(frozen=True)
 class KVTransferSpec:
-    connector: str  # "NixlConnector" | "MoRIIOConnector"
-    transfer_mode: str | None = None  # "READ" | "WRITE", MoRIIO only
+    connector: str  # a pdserve.kv connector's CRD name
+    transfer_mode: str | None = None  # one of its modes, for a connector that takes one
     extra_config: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def kv(self) -> KVConnector:
+        """What pdserve knows of the connector (pdserve.kv)."""
+        return by_crd(self.connector)
 
     @property
     def routing_connector(self) -> Connector:
         """The connector as the routing table (and so the proxy) names it."""
-        kind = "moriio" if self.connector == "MoRIIOConnector" else "nixl"
-        return Connector(kind, self.transfer_mode)
+        return Connector(self.kv.names.table, self.transfer_mode)
 
 
 @dataclass(frozen=True)
@@ -407,33 +411,22 @@ def _parse_kv_transfer(value: object, path: str) -> KVTransferSpec:
     doc = _object(value, path)
     _no_unknown(doc, path, ("connector", "transferMode", "extraConfig"))
     connector = _choice(doc, "connector", path, CONNECTORS, DEFAULT_CONNECTOR)
+    modes = by_crd(connector).names.modes
     mode: str | None = None
     extra = _plain(_object(doc.get("extraConfig", {}), f"{path}.extraConfig"), f"{path}.extraConfig")
-    if connector == "MoRIIOConnector":
+    if modes:
         if doc.get("transferMode") is None:
-            raise SpecError(f"{path}.transferMode", "required with connector MoRIIOConnector (READ or WRITE)")
-        mode = _choice(doc, "transferMode", path, TRANSFER_MODES, None)
-        _check_moriio_extra(extra, f"{path}.extraConfig", mode)
-    elif doc.get("transferMode") is not None:
-        raise SpecError(f"{path}.transferMode", f"only valid with connector MoRIIOConnector, not {connector}")
-    return KVTransferSpec(connector, mode, extra)
-
-
-def _check_moriio_extra(extra: Mapping[str, Any], path: str, mode: str) -> None:
-    """The keys pdserve reads back (ports for kvAddress) or derives (read_mode) must agree with it."""
-    for key in ("handshake_port", "notify_port"):
-        if key in extra:
-            value = extra[key]
-            port = int(value) if isinstance(value, str) and value.isdigit() else value
-            if isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536:
-                raise SpecError(f"{path}.{key}", f"expected a port number 1-65535, got {_show(value)}")
-    if "read_mode" in extra:
-        read = str(extra["read_mode"]).lower().strip() in ("true", "1")
-        if read != (mode == "READ"):
             raise SpecError(
-                f"{path}.read_mode",
-                f"contradicts transferMode {mode}; leave read_mode out, pdserve derives it from transferMode",
+                f"{path}.transferMode", f"required with connector {connector} ({' or '.join(modes)})"
             )
+        mode = _choice(doc, "transferMode", path, modes, None)
+    elif doc.get("transferMode") is not None:
+        takers = ", ".join(c.names.crd for c in with_modes())
+        raise SpecError(f"{path}.transferMode", f"only valid with connector {takers}, not {connector}")
+    for problem in by_crd(connector).render.spec_problems(mode, extra):
+        got = f", got {_show(problem.got[0])}" if problem.got else ""
+        raise SpecError(f"{path}.extraConfig.{problem.key}", problem.reason + got)
+    return KVTransferSpec(connector, mode, extra)
 
 
 _ROLE_FIELDS = (

@@ -13,8 +13,6 @@ from typing import Any
 
 from pdserve.deployment.admission import problems as vllm_problems
 from pdserve.deployment.groupflags import GROUP_FLAGS
-from pdserve.deployment.kvconfig import moriio_ports
-from pdserve.deployment.kvpod import NIXL_SIDE_CHANNEL_PORT
 from pdserve.deployment.multinode import group_shape, uniform_gpus_per_node
 from pdserve.deployment.objects import OWNED_ENV
 from pdserve.deployment.owned import ENGINE_CONTAINER, ROUTER_CONTAINER, Reserved, owned_problems
@@ -22,6 +20,7 @@ from pdserve.deployment.security import engine_reserved_env, router_reserved
 from pdserve.deployment.sidecar import template_problems
 from pdserve.deployment.spec import ENGINE_PORT, PDDeployment, PDDeploymentSpec, SpecError
 from pdserve.deployment.storage import reserved as storage_reserved
+from pdserve.kv import owned_env
 from pdserve.routing import Role
 
 #: Flags of ``vllm serve`` that pdserve sets itself; a second copy in ``args`` would silently
@@ -96,9 +95,7 @@ def _owned_args(spec: PDDeploymentSpec, role: Role, path: str) -> list[str]:
 
 def _owned_env(spec: PDDeploymentSpec, role: Role, path: str) -> list[str]:
     reserved = {name: "is set by pdserve to the pod IP" for name in OWNED_ENV}
-    reserved["VLLM_NIXL_SIDE_CHANNEL_PORT"] = (
-        f"is set by pdserve to {NIXL_SIDE_CHANNEL_PORT} (the engines listen from there, one port per DP rank)"
-    )
+    reserved |= owned_env()  # every connector's, whichever this spec uses (as the CRD's CEL does)
     reserved |= engine_reserved(spec).env
     out = []
     for i, var in enumerate(spec.role(role).env):
@@ -145,19 +142,13 @@ def engine_reserved(spec: PDDeploymentSpec) -> Reserved:
 
 
 def _kv_port_range(spec: PDDeploymentSpec, role: Role, path: str) -> list[str]:
-    """MoRIIO's per-rank ports (base + rank) must stay ports."""
-    if spec.engine == "sim" or spec.kv_transfer.connector != "MoRIIOConnector":
+    """The connector's ports for an instance of this role (a port per rank for some) must stay ports."""
+    if spec.engine == "sim":
         return []
     rs = spec.role(role)
-    ranks = rs.data_parallel * rs.tensor_parallel
-    out = []
-    for key, base in zip(("handshake_port", "notify_port"), moriio_ports(spec.kv_transfer), strict=True):
-        if base + ranks - 1 > 65535:
-            out.append(
-                f"spec.kvTransfer.extraConfig.{key}: {path} needs {ranks} ports from {base} (one per rank), "
-                f"past 65535; lower {key}"
-            )
-    return out
+    kv = spec.kv_transfer
+    found = kv.kv.render.shape_problems(kv.extra_config, rs.data_parallel * rs.tensor_parallel)
+    return [f"spec.kvTransfer.extraConfig.{key}: {path} {reason}" for key, reason in found]
 
 
 def _template(spec: PDDeploymentSpec, role: Role, path: str) -> list[str]:

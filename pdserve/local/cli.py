@@ -15,9 +15,10 @@ A manifest the operator would refuse is refused here too, with the field and the
 before anything starts (exit code 2); so is a missing or too old vLLM with --engine vllm.
 
 With --engine vllm on a machine without GPUs (--device auto), the engines run on vLLM's CPU
-backend: each engine gets a share of the cores (decode ranks apart from the prefill's NIXL
-progress thread), --enforce-eager and a KV cache size unless the manifest sets them, and the
-NIXL environment for loopback; the first lines of output say what was applied.
+backend: each engine gets a share of the cores (decode ranks apart from the prefill's, and from
+what its KV connector runs there, such as NIXL's progress thread), --enforce-eager and a KV cache
+size unless the manifest sets them, and the connector's environment for loopback; the first
+lines of output say what was applied.
 
 Example:
   pdserve up examples/nixl/2p-dp8ep-3d-dp8ep.yaml
@@ -40,9 +41,9 @@ from pdserve.deployment.spec import SpecError, load_manifest_file
 from pdserve.deployment.validate import problems
 from pdserve.local.plan import (
     ENGINES,
+    KV_PORT_BASE,
+    KV_PORTS_PER_INSTANCE,
     LOOPBACK,
-    NIXL_PORTS_PER_INSTANCE,
-    NIXL_SIDE_CHANNEL_BASE,
     PlanError,
     SimTimings,
     engine_process_count,
@@ -54,7 +55,7 @@ from pdserve.local.runner import LocalRunner, Reporter, describe_table
 from pdserve.local.view import LiveView, SummaryLines
 from pdserve.local.vllm_env import find_vllm, gpus_present
 from pdserve.local.vllm_env import problems as vllm_problems
-from pdserve.routing import RoutingTable
+from pdserve.routing import Role, RoutingTable
 
 EXIT_REFUSED = 2
 
@@ -112,7 +113,7 @@ def run(args: argparse.Namespace) -> int:
     device = "gpu"
     if args.engine == "vllm":
         install = find_vllm()
-        found = vllm_problems(install, pdd.spec.kv_transfer.connector)
+        found = vllm_problems(install, pdd.spec.kv_transfer.kv)
         if found:
             return _refuse("; ".join(found))
         assert install is not None
@@ -132,11 +133,15 @@ def run(args: argparse.Namespace) -> int:
     groups = group_count(pdd)
     sidecars = pdd.spec.decode.instances if pdd.spec.router.decode_sidecar else 0
     try:
-        side_channels = None
+        kv_ports = None
         if args.engine == "vllm":
-            sizes = [pdd.spec.prefill.data_parallel] * pdd.spec.prefill.instances
-            sizes += [pdd.spec.decode.data_parallel] * pdd.spec.decode.instances
-            side_channels = _free_port_ranges(sizes)
+            render = pdd.spec.kv_transfer.kv.render
+            sizes = [
+                len(render.local_ports(role, rs.data_parallel, rs.tensor_parallel, 0))
+                for role in (Role.PREFILL, Role.DECODE)
+                for rs in [pdd.spec.role(role)] * pdd.spec.role(role).instances
+            ]
+            kv_ports = _free_port_ranges(sizes)
         ports = _free_ports(processes + sidecars + groups, exclude={args.port})
         plan = plan_local_run(
             pdd,
@@ -147,7 +152,7 @@ def run(args: argparse.Namespace) -> int:
             SimTimings(args.sim_ttft_ms, args.sim_itl_ms, args.sim_tokens),
             device=device,
             cores=sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else [0],
-            side_channel_ports=side_channels,
+            kv_ports=kv_ports,
             sidecar_ports=ports[processes : processes + sidecars],
             rpc_ports=ports[processes + sidecars :],
         )
@@ -208,18 +213,18 @@ def _port(text: str) -> int:
     return value
 
 
-def _free_port_ranges(sizes: list[int], first: int = NIXL_SIDE_CHANNEL_BASE) -> list[int]:
-    """For each size, the first port of a range of that many free ports (NIXL's side channel
-    listens on its port + DP rank), ranges disjoint, searched upwards from ``first``."""
+def _free_port_ranges(sizes: list[int], first: int = KV_PORT_BASE) -> list[int]:
+    """For each size, the first port of a range of that many free ports (a KV connector's side
+    channel may listen on its port + DP rank), ranges disjoint, searched upwards from ``first``."""
     starts: list[int] = []
     port = first
     for size in sizes:
         while not all(port_free(p, LOOPBACK) for p in range(port, port + size)):
             port += size
             if port + size > 65535:
-                raise PlanError("no free range of ports for NIXL's side channel")
+                raise PlanError("no free range of ports for the KV connector's side channel")
         starts.append(port)
-        port += max(size, NIXL_PORTS_PER_INSTANCE)
+        port += max(size, KV_PORTS_PER_INSTANCE)
     return starts
 
 

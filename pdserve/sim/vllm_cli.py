@@ -13,9 +13,11 @@ kv_consumer: decode, kv_both: both); ``--data-parallel-size``/``--tensor-paralle
 ``--dp-size``/``--tp-size``; the first ``--served-model-name`` (else MODEL) → ``--model``;
 ``--max-model-len``; ``--api-key`` → the simulator's key (as ``VLLM_API_KEY``). The listen
 address is ``--host``, else ``$POD_IP`` (vLLM's default is every address; here pods share one
-network namespace), else 127.0.0.1. The instance name is ``$HOSTNAME`` (the pod name); the NIXL
-side channel is advertised at ``$VLLM_NIXL_SIDE_CHANNEL_HOST`` (else ``$VLLM_HOST_IP``, else the
-listen address) and ``$VLLM_NIXL_SIDE_CHANNEL_PORT`` (else 5600).
+network namespace), else 127.0.0.1. The instance name is the ``engine_id`` of
+``--kv-transfer-config``, else ``$HOSTNAME`` (the pod name). ``kv_connector`` → ``--kv-connector``
+(the simulator plays that connector), and its side channel is advertised where the connector's
+vLLM reads it (pdserve.kv: NIXL at ``$VLLM_NIXL_SIDE_CHANNEL_HOST``, else ``$VLLM_HOST_IP``, else
+the listen address, and ``$VLLM_NIXL_SIDE_CHANNEL_PORT``, else 5600); without a connector, NIXL's.
 """
 
 from __future__ import annotations
@@ -28,10 +30,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from pdserve import kv
 from pdserve.sim import cli as sim_cli
 
 VERSION = "0.32.0+pdserve.sim"
-CONNECTORS = ("NixlConnector", "MoRIIOConnector")
+CONNECTORS = kv.crd_names()
 ROLES = {"kv_producer": "prefill", "kv_consumer": "decode", "kv_both": "both"}
 #: vLLM 0.32's KVTransferConfig fields (vllm/config/kv_transfer.py).
 KV_TRANSFER_FIELDS = {
@@ -162,6 +165,7 @@ class Serve:
     max_model_len: int | None
     api_key: str | None
     connector: str | None
+    engine_id: str | None = None
 
 
 def parse(args: Sequence[str]) -> Serve:
@@ -180,27 +184,28 @@ def parse(args: Sequence[str]) -> Serve:
     ):
         if value < 1:
             raise Refused(f"{flag} must be >= 1, got {value}")
-    role, connector = "both", None
+    role, connector, engine_id = "both", None, None
     if ns.kv_transfer_config is not None:
         try:
-            kv = json.loads(ns.kv_transfer_config)
+            config = json.loads(ns.kv_transfer_config)
         except json.JSONDecodeError as exc:
             raise Refused(f"--kv-transfer-config is not JSON: {exc}") from exc
-        if not isinstance(kv, dict):
+        if not isinstance(config, dict):
             raise Refused("--kv-transfer-config must be a JSON object")
-        connector = kv.get("kv_connector")
+        connector = config.get("kv_connector")
         if connector not in CONNECTORS:
             raise Refused(
                 f"--kv-transfer-config: kv_connector {connector!r} is not simulated ({', '.join(CONNECTORS)})"
             )
-        if kv.get("kv_role") not in ROLES:
+        if config.get("kv_role") not in ROLES:
             raise Refused(
-                f"--kv-transfer-config: kv_role {kv.get('kv_role')!r} is not one of {', '.join(ROLES)}"
+                f"--kv-transfer-config: kv_role {config.get('kv_role')!r} is not one of {', '.join(ROLES)}"
             )
-        unknown = sorted(set(kv) - KV_TRANSFER_FIELDS)
+        unknown = sorted(set(config) - KV_TRANSFER_FIELDS)
         if unknown:
             raise Refused(f"--kv-transfer-config: unknown keys {', '.join(unknown)}")
-        role = ROLES[kv["kv_role"]]
+        role = ROLES[config["kv_role"]]
+        engine_id = config.get("engine_id") if isinstance(config.get("engine_id"), str) else None
     return Serve(
         model=(ns.served_model_name or [model])[0],
         role=role,
@@ -211,13 +216,17 @@ def parse(args: Sequence[str]) -> Serve:
         max_model_len=ns.max_model_len,
         api_key=ns.api_key,
         connector=connector,
+        engine_id=engine_id,
     )
 
 
 def sim_argv(serve: Serve, env: dict[str, str]) -> list[str]:
     """The ``pdserve sim`` arguments for ``serve`` in environment ``env``."""
     host = serve.host or env.get("POD_IP") or "127.0.0.1"
-    kv_host = env.get("VLLM_NIXL_SIDE_CHANNEL_HOST") or env.get("VLLM_HOST_IP") or host
+    connector = kv.by_crd(serve.connector) if serve.connector is not None else kv.DEFAULT
+    sim = connector.simulate
+    kv_host = next((env[name] for name in sim.host_env if env.get(name)), host)
+    kv_port = (env.get(sim.port_env) if sim.port_env else None) or str(sim.default_port)
     argv = [
         "--role", serve.role,
         "--dp-size", str(serve.dp),
@@ -225,10 +234,12 @@ def sim_argv(serve: Serve, env: dict[str, str]) -> list[str]:
         "--host", host,
         "--port", str(serve.port),
         "--model", serve.model,
-        "--instance-name", env.get("HOSTNAME") or f"vllm-{host}-{serve.port}",
+        "--instance-name", serve.engine_id or env.get("HOSTNAME") or f"vllm-{host}-{serve.port}",
         "--kv-host", kv_host,
-        "--kv-port", env.get("VLLM_NIXL_SIDE_CHANNEL_PORT") or "5600",
+        "--kv-port", kv_port,
     ]  # fmt: skip
+    if serve.connector is not None:
+        argv += ["--kv-connector", connector.names.table]
     if serve.max_model_len is not None:
         argv += ["--max-model-len", str(serve.max_model_len)]
     return argv

@@ -13,7 +13,6 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-from pdserve.deployment.kvconfig import MORIIO
 from pdserve.deployment.objects import instance_pod
 from pdserve.deployment.spec import PDDeployment, load_manifest_file
 from pdserve.local.plan import plan_local_run
@@ -32,8 +31,8 @@ def rendered_commands() -> list[dict[str, Any]]:
             container = instance_pod(pdd, role, 0)["spec"]["containers"][0]
             argv = [*container["command"], *container["args"]]
             commands.append({"name": f"{where} {role.value} (pod)", "argv": argv})
-        if pdd.spec.kv_transfer.connector == MORIIO:
-            continue  # local mode refuses MoRIIO with vLLM (fixed ports)
+        if pdd.spec.kv_transfer.kv.render.local.refused:
+            continue  # local mode refuses this connector with vLLM (MoRIIO: fixed ports)
         count = pdd.spec.prefill.instances + pdd.spec.decode.instances
         for device in ("gpu", "cpu"):
             plan = plan_local_run(

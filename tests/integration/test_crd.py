@@ -18,6 +18,8 @@ from pdserve.deployment.groups import render_all
 from pdserve.deployment.routing import build_routing_table
 from pdserve.deployment.spec import SpecError, parse_pddeployment
 from pdserve.deployment.validate import problems
+from pdserve.kv import moriio
+from pdserve.kv.base import Rule
 from tests.support.kube import KubeCluster, eventually
 from tests.unit.test_deployment_objects import CONNECTORS, SHAPES, all_ready, shape_manifest
 
@@ -734,7 +736,7 @@ ADMISSION_REFUSED = [
     ),
     pytest.param(
         {"kvTransfer": {"connector": "MoRIIOConnector", "transferMode": "READ"}},
-        admission.MORIIO_AMD,
+        moriio.AMD_ONLY.rule,
         id="moriio-nvidia",
     ),
     pytest.param(
@@ -743,7 +745,7 @@ ADMISSION_REFUSED = [
             "gpuResource": "amd.com/gpu",
             "decode": {"dataParallel": 2, "tensorParallel": 2},
         },
-        admission.MORIIO_DP_TP,
+        moriio.NOT_DP_AND_TP.rule,
         id="moriio-dp-and-tp",
     ),
 ]
@@ -751,7 +753,7 @@ ADMISSION_REFUSED = [
 
 @pytest.mark.parametrize(("spec", "rule"), ADMISSION_REFUSED)
 def test_an_admission_rule_is_refused_by_the_api_server_and_by_pdserve_alike(
-    crd: KubeCluster, kube_namespace: str, spec: dict[str, Any], rule: admission.Rule
+    crd: KubeCluster, kube_namespace: str, spec: dict[str, Any], rule: Rule
 ) -> None:
     obj = manifest(**spec)
     proc = create(crd, kube_namespace, obj, check=False)

@@ -19,7 +19,17 @@ RULES = {
         "pdserve.deployment",
         "pdserve.operator",
     ),
-    "pdserve.wire.kv": ("pdserve.routing", "pdserve.proxy", "pdserve.sim", "pdserve.deployment"),
+    # the connectors are ground floor: the routing table, the renderer, the proxy and the simulator
+    # look them up, never the other way round
+    "pdserve.kv": (
+        "pdserve.routing",
+        "pdserve.wire",
+        "pdserve.proxy",
+        "pdserve.sim",
+        "pdserve.deployment",
+        "pdserve.operator",
+        "pdserve.local",
+    ),
     "pdserve.wire.openai": ("pdserve.routing", "pdserve.proxy", "pdserve.sim", "pdserve.deployment"),
     "pdserve.proxy.cli": (
         "kopf",

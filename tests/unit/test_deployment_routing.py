@@ -6,8 +6,9 @@ from typing import Any
 
 from pdserve.deployment.routing import ObservedInstance, build_routing_table
 from pdserve.deployment.spec import PDDeployment, parse_pddeployment
+from pdserve.kv.moriio import MoriioRequestId
+from pdserve.kv.moriio import parse_request_id as parse_moriio_request_id
 from pdserve.routing import Connector, Role, build_slot_table, load_routing_table
-from pdserve.wire.kv import MoriioRequestId, parse_moriio_request_id
 
 
 def pdd_of(**spec: Any) -> PDDeployment:

@@ -1,4 +1,4 @@
-"""Each connector's request rewriting, field by field (pure functions, no I/O)."""
+"""Each connector's route part: its request rewriting, field by field (pure functions, no I/O)."""
 
 from __future__ import annotations
 
@@ -7,11 +7,13 @@ from typing import Any
 
 import pytest
 
-from pdserve.proxy.connectors import CONNECTORS, LegIds, make_connector
-from pdserve.proxy.connectors.moriio import MoriioConnector
-from pdserve.proxy.connectors.nixl import NixlConnector
+from pdserve import kv
+from pdserve.kv.base import LegIds, Route
+from pdserve.kv.moriio import MoriioRoute as MoriioConnector
+from pdserve.kv.moriio import parse_request_id as parse_moriio_request_id
+from pdserve.kv.nixl import NixlRoute as NixlConnector
+from pdserve.kv.nixl import prefill_params as nixl_prefill_params
 from pdserve.routing import Connector, Instance, Slot
-from pdserve.wire.kv import nixl_prefill_params, parse_moriio_request_id
 
 UID = "0123456789abcdef0123456789abcdef"
 P_DP8 = Slot(Instance("p0", "http://p0:8000", 8, 1, True, kv_address="10.0.0.5:6301"), 5)
@@ -49,8 +51,12 @@ NIXL_ANSWER: dict[str, Any] = {
 }
 
 
+def make_connector(spec: Connector) -> Route:
+    return kv.by_table(spec.type).route(spec.transfer_mode)
+
+
 def test_registry_builds_connectors_from_the_table() -> None:
-    assert set(CONNECTORS) == {"nixl", "moriio"}
+    assert {"nixl", "moriio"} <= set(kv.table_types())
     assert isinstance(make_connector(Connector("nixl")), NixlConnector)
     moriio = make_connector(Connector("moriio", "WRITE"))
     assert isinstance(moriio, MoriioConnector) and moriio.concurrent
