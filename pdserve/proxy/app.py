@@ -117,6 +117,7 @@ def create_app(
         settings.eject_seconds,
         shared=shared.ejections if shared is not None else None,
         shared_in_flight=shared.in_flight if shared is not None else None,
+        shared_unreachable=shared.unreachable if shared is not None else None,
     )
     local = settings.local_decode
     build: SlotBuilder = build_slot_table

@@ -114,24 +114,37 @@ def _prompts(prompt: object) -> list[Any]:
 # --- merging -----------------------------------------------------------------------------------
 
 
-def merged_usage(fan: FanOut, usages: Sequence[Mapping[str, Any] | None]) -> dict[str, Any] | None:
-    """Completion tokens summed over every part; prompt tokens once per prompt (as vLLM counts)."""
+def merged_usage(
+    fan: FanOut, usages: Sequence[Mapping[str, Any] | None], streamed: bool = False
+) -> dict[str, Any] | None:
+    """Completion tokens summed over every part; prompt tokens (and cached prompt tokens) once per
+    prompt, as vLLM counts them. A stream's usage chunk has only the three counts, as vLLM's."""
     if not any(isinstance(u, Mapping) for u in usages):
         return None
     prompt_tokens: dict[int, int] = {}
+    cached: dict[int, int | None] = {}
     completion = 0
     for part, usage in zip(fan.parts, usages, strict=True):
         if not isinstance(usage, Mapping):
             continue
         prompt_tokens.setdefault(part.prompt, _count(usage.get("prompt_tokens")))
+        details = usage.get("prompt_tokens_details")
+        cached.setdefault(
+            part.prompt, _count(details.get("cached_tokens")) if isinstance(details, Mapping) else None
+        )
         completion += _count(usage.get("completion_tokens"))
     prompt = sum(prompt_tokens.values())
-    return {
+    merged: dict[str, Any] = {
         "prompt_tokens": prompt,
         "total_tokens": prompt + completion,
         "completion_tokens": completion,
-        "prompt_tokens_details": None,
     }
+    if streamed:
+        return merged
+    known = [c for c in cached.values() if c is not None]
+    merged["prompt_tokens_details"] = {"cached_tokens": sum(known)} if known else None
+    merged["completion_tokens_details"] = None
+    return merged
 
 
 def _count(value: object) -> int:
@@ -273,7 +286,7 @@ class MergedStream:
     def _finish(self) -> None:
         if self._usage_chunk is not None:
             chunk = {**self._usage_chunk, "id": self._response_id}
-            chunk["usage"] = merged_usage(self._fan, self._usages)
+            chunk["usage"] = merged_usage(self._fan, self._usages, streamed=True)
             self._out.append(b"data: " + codec.dumps(chunk) + b"\n\n")
         self._out.append(DONE_EVENT)
         self._done = True

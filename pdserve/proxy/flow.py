@@ -32,10 +32,11 @@ from pdserve.proxy.admission import (
 )
 from pdserve.proxy.attempts import (
     UNREACHABLE_OUTCOME,
+    Handoff,
     LegFailure,
+    Walk,
     failure_reply,
     handoff_reusable,
-    next_candidate,
     no_slot_detail,
     no_slot_reply,
 )
@@ -75,7 +76,7 @@ class Dispatcher(LegRunner):
         admission: AdmissionGate | None = None,
         shared: SharedState | None = None,
     ) -> None:
-        super().__init__(book, upstream, metrics, deadlines, backend_api_key, admission, shared)
+        super().__init__(book, upstream, metrics, deadlines, backend_api_key, admission)
         self.served = served
         self.policy = policy
         self.max_retries = max_retries
@@ -123,7 +124,7 @@ class Dispatcher(LegRunner):
     async def _serve(
         self, state: RoutingState | None, path: str, body: Mapping[str, Any], trace: Trace, auth: str | None
     ) -> Reply:
-        """One part: attempts until one succeeds or the retry policy says stop."""
+        """One part: attempts until one succeeds or the retry policy says stop (attempts.py)."""
         slots = state.slots if state is not None else None
         if state is None or slots is None or not slots.prefill:
             # No prefill to pair: say which side is missing (prefills of a revision without a
@@ -131,50 +132,24 @@ class Dispatcher(LegRunner):
             paired_prefill_missing = slots is not None and any(i.routable for i in slots.table.prefill)
             decode_missing = paired_prefill_missing and slots is not None and not slots.decode
             return self._no_slot(Role.DECODE if decode_missing else Role.PREFILL, slots)
-        book, unreachable = self.book, self.unreachable
-        prefills = self.policy.candidates(Role.PREFILL, slots.prefill, book)
-        if unreachable.any():
-            prefills = [s for s in prefills if unreachable.reachable(Role.PREFILL, s)]
-            if not prefills:
-                return self._no_slot(Role.PREFILL, slots)
-            pairable = {
-                rev: any(unreachable.reachable(Role.DECODE, d) for d in slots.decode_for(rev))
-                for rev in {s.revision for s in prefills}
-            }
-            if not any(pairable.values()):  # 503 before spending a prefill
-                return self._no_slot(
-                    Role.DECODE, slots, [d for rev in pairable for d in slots.decode_for(rev)]
-                )
-            prefills = [s for s in prefills if pairable[s.revision]]
+        walk = Walk(self.policy.turn(Role.PREFILL))
+        prefills = self.policy.candidates(Role.PREFILL, slots.prefill, self.book, walk.prefill_turn)
         gate = self.admission
-        limit = gate.limit
-        if limit > 0:
-            shed = await gate.admit(lambda: _room_for_pair(slots, prefills, book, limit))
+        if gate.limit > 0 and prefills:
+            first_slots = slots
+            shed = await gate.admit(lambda: _room_for_pair(first_slots, prefills, self.book, gate.limit))
             if shed is not None:
                 return shed_reply(shed, gate.queue_size, gate.timeout)
-            prefills = room_first(Role.PREFILL, prefills, book, limit)
-        prefill = next_candidate(Role.PREFILL, prefills, book, unreachable)
-        assert prefill is not None
-        decodes: dict[str, list[Slot]] = {}  # per revision: its decode candidates not tried yet
-        current: dict[str, Slot | None] = {}  # per revision: the decode to try next
-
-        def decode_for(revision: str) -> Slot | None:
-            if revision not in current:
-                decodes[revision] = room_first(
-                    Role.DECODE,
-                    self.policy.candidates(Role.DECODE, slots.decode_for(revision), book, revision),
-                    book,
-                    limit,
-                )
-                current[revision] = next_candidate(Role.DECODE, decodes[revision], book, unreachable)
-            return current[revision]
-
         failure: LegFailure | None = None
         for _ in range(self.max_retries + 1):
-            source = trace.handoff.prefill if trace.handoff is not None else prefill
-            decode = decode_for(source.revision)
-            if decode is None:
-                break
+            if failure is not None:  # a retry routes by the table served now
+                state = self.served.current or state
+                slots = state.slots
+                prefills = self.policy.candidates(Role.PREFILL, slots.prefill, self.book, walk.prefill_turn)
+            pair = await self._pair(slots, prefills, walk, trace.handoff, check=failure is not None)
+            if isinstance(pair, Reply):
+                return pair
+            source, decode = pair
             if failure is not None:
                 self.metrics.retries.labels(failure.role.value, failure.error.outcome).inc()
             trace.attempts += 1
@@ -185,25 +160,81 @@ class Dispatcher(LegRunner):
                 return Reply(refusal.status, refusal.body, refusal.content_type or JSON)
             except LegFailure as exc:
                 failure = exc
+                walk.failed.add((exc.role, exc.slot.key))
                 self._eject(exc.role, exc.slot, exc.error.outcome)
-                if exc.role is Role.PREFILL:
-                    trace.handoff = None
-                    replacement = next_candidate(Role.PREFILL, prefills, book, unreachable)
-                    if replacement is None:
-                        break
-                    prefill = replacement
-                    continue
-                reusable = state.connector.reusable_handoff
-                if not handoff_reusable(
-                    trace.handoff, exc, reusable, self.kv_lease_seconds, time.monotonic()
+                if exc.role is Role.PREFILL or not handoff_reusable(
+                    trace.handoff,
+                    exc,
+                    state.connector.reusable_handoff,
+                    self.kv_lease_seconds,
+                    time.monotonic(),
                 ):
-                    trace.handoff = None  # a new prefill (on the same prefill slot)
-                current[source.revision] = next_candidate(
-                    Role.DECODE, decodes[source.revision], book, unreachable
-                )
-        if failure is None:  # every decode of the prefill's revision became unreachable meanwhile
-            return self._no_slot(Role.DECODE, slots, slots.decode_for(prefill.revision))
+                    trace.handoff = None  # the next attempt starts with a new prefill
+        assert failure is not None
         return self._failure(failure, trace, slots)
+
+    async def _pair(
+        self, slots: SlotTable, prefills: list[Slot], walk: Walk, handoff: Handoff | None, check: bool
+    ) -> tuple[Slot, Slot] | Reply:
+        """The next attempt's prefill (the handoff's, when it is reused) and decode, or the 503 that
+        says none can be had. ``check`` (a retry): no new prefill is spent before its decode is
+        known to be alive (:meth:`_decode_for`)."""
+        if handoff is not None:
+            decode = await self._decode_for(slots, handoff.prefill.revision, walk, check=False)
+            if decode is not None:
+                return handoff.prefill, decode
+            return self._no_slot(Role.DECODE, slots, slots.decode_for(handoff.prefill.revision))
+        prefills = walk.tried_last(Role.PREFILL, prefills)
+        limit = self.admission.limit
+        if limit > 0:
+            prefills = room_first(Role.PREFILL, prefills, self.book, limit)
+        if not prefills:
+            return self._no_slot(Role.PREFILL, slots)
+        without_decode: list[str] = []
+        for prefill in prefills:
+            if prefill.revision in without_decode:
+                continue
+            decode = await self._decode_for(slots, prefill.revision, walk, check)
+            if decode is not None:
+                return prefill, decode
+            without_decode.append(prefill.revision)
+        # 503 before spending a prefill: no decode can take what any prefill would compute
+        return self._no_slot(Role.DECODE, slots, [d for rev in without_decode for d in slots.decode_for(rev)])
+
+    async def _decode_for(self, slots: SlotTable, revision: str, walk: Walk, check: bool) -> Slot | None:
+        """The best decode of ``revision`` for this part (its own turn of the revision's counter).
+        ``check`` (a retry, before a new prefill): a decode that failed recently (ejected, so only
+        a last resort) must answer ``/health`` first; one that does not is marked unreachable and
+        the next one is taken."""
+        turn = walk.decode_turns.get(revision)
+        if turn is None:
+            turn = walk.decode_turns[revision] = self.policy.turn(Role.DECODE, revision)
+        decodes = self.policy.candidates(Role.DECODE, slots.decode_for(revision), self.book, turn)
+        decodes = walk.tried_last(Role.DECODE, decodes)
+        limit = self.admission.limit
+        if limit > 0:
+            decodes = room_first(Role.DECODE, decodes, self.book, limit)
+        if not check:
+            return decodes[0] if decodes else None
+        for decode in decodes:
+            if self.book.live(Role.DECODE, decode):
+                return decode
+            if self.book.unreachable.reachable(Role.DECODE, decode) and await self._alive(decode):
+                return decode
+        return None
+
+    async def _alive(self, slot: Slot) -> bool:
+        problem = await self.upstream.health_problem(slot.url)
+        if problem is None:
+            return True
+        self.book.unreachable.mark(Role.DECODE, slot.instance.name)
+        log.warning(
+            "decode instance %s failed its check before a retry's prefill (%s): not routed to for %g s",
+            slot.instance.name,
+            problem,
+            self.book.eject_seconds,
+        )
+        return False
 
     async def _fan_out(
         self, state: RoutingState | None, path: str, fan: FanOut, trace: Trace, auth: str | None

@@ -24,14 +24,12 @@ from pdserve.proxy.attempts import (
     UNREACHABLE_OUTCOME,
     Handoff,
     LegFailure,
-    Unreachable,
 )
 from pdserve.proxy.health import SlotBook
 from pdserve.proxy.metrics import ProxyMetrics
 from pdserve.proxy.relay import RelayStream
 from pdserve.proxy.reply import JSON, Reply
 from pdserve.proxy.served import RoutingState
-from pdserve.proxy.shared import SharedState
 from pdserve.proxy.upstream import Answer, BackendRefusal, LegError, Upstream
 from pdserve.routing import Role, Slot
 from pdserve.wire.headers import AUTHORIZATION, DP_RANK, REQUEST_ID
@@ -80,7 +78,6 @@ class LegRunner:
         deadlines: Deadlines,
         backend_api_key: str | None,
         admission: AdmissionGate | None = None,
-        shared: SharedState | None = None,
     ) -> None:
         self.book = book
         self.admission = admission or AdmissionGate(0, 0, 0.0, metrics)
@@ -88,9 +85,7 @@ class LegRunner:
         self.metrics = metrics
         self.deadlines = deadlines
         self.backend_api_key = backend_api_key
-        self.unreachable = Unreachable(
-            book.eject_seconds, shared=shared.unreachable if shared is not None else None
-        )
+        self.unreachable = book.unreachable
 
     def _close(self, trace: Trace, status: int, outcome: str) -> None:
         """The end of a request (the dispatcher counts and logs it)."""

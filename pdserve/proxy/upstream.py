@@ -9,6 +9,7 @@ aiohttp session.
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
 
 import aiohttp
@@ -92,6 +93,20 @@ class Upstream:
         if self._session is None:
             raise RuntimeError("Upstream.start() was not awaited")
         return self._session
+
+    async def health_problem(self, url: str) -> str | None:
+        """What is wrong with the engine at ``url`` now, judged by its ``/health`` (None: it
+        answered 200 within the connect timeout). A real request, not a TCP connect: a process
+        that is being killed can still complete a handshake from its listen backlog."""
+        try:
+            async with asyncio.timeout(self.connect_timeout):
+                async with self.session.get(url + "/health") as resp:
+                    await resp.read()
+                    return None if resp.status == 200 else f"/health answered HTTP {resp.status}"
+        except TimeoutError:
+            return f"/health did not answer within {self.connect_timeout:g} s"
+        except aiohttp.ClientError as exc:
+            return f"/health failed: {exc or type(exc).__name__}"
 
     async def post(self, url: str, payload: bytes, headers: dict[str, str], deadline: float) -> Answer:
         """One buffered request; the deadline covers the whole answer."""

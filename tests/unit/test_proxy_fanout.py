@@ -95,10 +95,29 @@ def test_answers_merge_re_indexed_with_usage_counted_like_vllm() -> None:
         "completion_tokens": 12,
         "total_tokens": 23,
         "prompt_tokens_details": None,
+        "completion_tokens_details": None,  # vLLM's shape (tests/fixtures/vllm-0.32.0/decode-*.json)
     }
     with pytest.raises(ValueError, match="choices"):
         merge_answers(fan, [b'{"error": {}}'] * 4, "rid")
     assert merged_usage(fan, [None] * 4) is None
+
+
+def test_cached_prompt_tokens_merge_once_per_prompt_and_streams_carry_only_the_counts() -> None:
+    fan = plan_fan_out({"prompt": ["a", "b"], "n": 2}, "completions", 8)
+    assert fan is not None
+    usages = [
+        {"prompt_tokens": 40, "completion_tokens": 2, "prompt_tokens_details": {"cached_tokens": 32}},
+        {"prompt_tokens": 40, "completion_tokens": 2, "prompt_tokens_details": {"cached_tokens": 32}},
+        {"prompt_tokens": 20, "completion_tokens": 2, "prompt_tokens_details": {"cached_tokens": 0}},
+        {"prompt_tokens": 20, "completion_tokens": 2, "prompt_tokens_details": {"cached_tokens": 16}},
+    ]
+    merged = merged_usage(fan, usages)
+    assert merged is not None and merged["prompt_tokens_details"] == {"cached_tokens": 32}
+    assert merged_usage(fan, usages, streamed=True) == {
+        "prompt_tokens": 60,
+        "total_tokens": 68,
+        "completion_tokens": 8,
+    }
 
 
 class FakeStream:
