@@ -335,8 +335,22 @@ class SimEngine:
     kv_port: int
 
 
+@dataclass(frozen=True)
+class PullNotice:
+    """A simulated decode telling the simulated prefill that holds its KV "I have it", so the
+    prefill's engine (``pdserve sim --profile``) frees the blocks before its lease ends."""
+
+    url: str  # the prefill simulator's side channel: http://host:port
+    engine_id: str  # the prefill engine, which names its DP rank
+    key: str  # the prefill leg, as its engine holds the blocks (Simulate.hold_key)
+
+
 class Simulate:
     """What ``pdserve sim`` does for a connector's legs; the defaults answer nothing and refuse nothing."""
+
+    #: A prefill leg's blocks stay held for its decode until a pull notice or the lease's end
+    #: (the step engine of ``pdserve sim --profile``); False: freed when the prefill finishes.
+    holds_kv: bool = False
 
     #: Where the ``vllm`` stand-in reads the advertised side channel (pdserve.sim.vllm_cli): the
     #: host's variables in order, the port's variable, and vLLM's default port.
@@ -372,6 +386,18 @@ class Simulate:
     def record(self, request_id: str | None) -> dict[str, Any]:
         """Fields of the simulator's per-request record this connector adds (for every request)."""
         return {}
+
+    def hold_key(self, params: Mapping[str, Any], request_id: str) -> str:
+        """The key a prefill leg's held blocks go by (``request_id``: vLLM's internal id)."""
+        return request_id
+
+    def pull_notice(self, params: Mapping[str, Any]) -> PullNotice | None:
+        """Whom a decode leg tells once it has the KV (None: nobody)."""
+        return None
+
+    def engine_rank(self, engine_id: str, instance: str) -> int | None:
+        """The DP rank of ``instance`` an engine id of this connector names (None: not one of its)."""
+        return None
 
 
 # --- the whole --------------------------------------------------------------------------------------

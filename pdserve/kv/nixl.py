@@ -49,6 +49,7 @@ from pdserve.kv.base import (
     Pair,
     Peer,
     PodKV,
+    PullNotice,
     Render,
     Rule,
     SimEngine,
@@ -247,6 +248,7 @@ class NixlSimulate(Simulate):
     host_env = (HOST_ENV, "VLLM_HOST_IP")
     port_env = PORT_ENV
     default_port = SIDE_CHANNEL_PORT
+    holds_kv = True  # vLLM holds a finished prefill's blocks for its decode (kv_lease_duration)
 
     def recognises(self, params: Mapping[str, Any], leg: str) -> int:
         return 2 if any(key in params for key in _OWN_KEYS) else 0
@@ -286,6 +288,20 @@ class NixlSimulate(Simulate):
         return {
             k: v for k, v in answer.items() if k not in ("remote_host", "remote_port", "remote_request_id")
         }
+
+    def pull_notice(self, params: Mapping[str, Any]) -> PullNotice | None:
+        """NIXL's notification, to the side channel the prefill advertised: "I pulled request R"."""
+        host, port = params.get("remote_host"), params.get("remote_port")
+        if not host or not port:
+            return None
+        return PullNotice(
+            f"http://{host}:{port}", str(params.get("remote_engine_id")), str(params.get("remote_request_id"))
+        )
+
+    def engine_rank(self, engine_id: str, instance: str) -> int | None:
+        prefix = f"{instance}-dp"
+        rank = engine_id[len(prefix) :] if engine_id.startswith(prefix) else ""
+        return int(rank) if rank.isdigit() else None
 
 
 CONNECTOR = KVConnector(NAMES, NixlRender(), route, NixlSimulate())

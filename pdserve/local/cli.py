@@ -37,7 +37,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from pdserve.deployment.spec import SpecError, load_manifest_file
+from pdserve.deployment.spec.pddeployment import SpecError, load_manifest_file
 from pdserve.deployment.validate import problems
 from pdserve.local.plan import (
     ENGINES,
@@ -93,6 +93,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sim-itl-ms", type=float, default=None, help="simulated inter-token latency, ms")
     parser.add_argument("--sim-tokens", type=int, default=None, help="simulated tokens per request")
     parser.add_argument(
+        "--sim-profile",
+        default=None,
+        metavar="FILE|NAME",
+        help="simulated engines time their answers with a step engine and this performance profile "
+        "(`pdserve sim --profile`, docs/simulator.md)",
+    )
+    parser.add_argument(
         "--log-dir",
         type=Path,
         default=None,
@@ -134,10 +141,13 @@ def run(args: argparse.Namespace) -> int:
     sidecars = pdd.spec.decode.instances if pdd.spec.router.decode_sidecar else 0
     try:
         kv_ports = None
-        if args.engine == "vllm":
+        if args.engine == "vllm" or args.sim_profile:
             render = pdd.spec.kv_transfer.kv.render
-            sizes = [
-                len(render.local_ports(role, rs.data_parallel, rs.tensor_parallel, 0))
+            sizes = [  # the connector's ports, and one per node for a simulated group's listeners
+                max(
+                    len(render.local_ports(role, rs.data_parallel, rs.tensor_parallel, 0)),
+                    pdd.spec.group_shape(role).nodes,
+                )
                 for role in (Role.PREFILL, Role.DECODE)
                 for rs in [pdd.spec.role(role)] * pdd.spec.role(role).instances
             ]
@@ -149,7 +159,7 @@ def run(args: argparse.Namespace) -> int:
             ports[:processes],
             args.port,
             str(routing_file),
-            SimTimings(args.sim_ttft_ms, args.sim_itl_ms, args.sim_tokens),
+            SimTimings(args.sim_ttft_ms, args.sim_itl_ms, args.sim_tokens, args.sim_profile),
             device=device,
             cores=sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else [0],
             kv_ports=kv_ports,

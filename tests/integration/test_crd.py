@@ -12,11 +12,11 @@ from typing import Any
 
 import pytest
 
-from pdserve.deployment import admission
-from pdserve.deployment import owned as pt
-from pdserve.deployment.groups import render_all
-from pdserve.deployment.routing import build_routing_table
-from pdserve.deployment.spec import SpecError, parse_pddeployment
+from pdserve.deployment.render.groups import render_all
+from pdserve.deployment.render.routing_table import build_routing_table
+from pdserve.deployment.spec import owned as pt
+from pdserve.deployment.spec import vllm_compat
+from pdserve.deployment.spec.pddeployment import SpecError, parse_pddeployment
 from pdserve.deployment.validate import problems
 from pdserve.kv import moriio
 from pdserve.kv.base import Rule
@@ -725,14 +725,14 @@ def test_keys_are_stored_as_references_and_render_valid_objects(
     dry_run(crd, kube_namespace, items)
 
 
-# --- what vLLM accepts between prefill and decode (admission.py) ------------------------------------
+# --- what vLLM accepts between prefill and decode (vllm_compat.py) ------------------------------------
 
 ADMISSION_REFUSED = [
     pytest.param(
-        {"prefill": {"tensorParallel": 8}, "decode": {"tensorParallel": 3}}, admission.TP_RATIO, id="tp-8-3"
+        {"prefill": {"tensorParallel": 8}, "decode": {"tensorParallel": 3}}, vllm_compat.TP_RATIO, id="tp-8-3"
     ),
     pytest.param(
-        {"prefill": {"tensorParallel": 4}, "decode": {"tensorParallel": 6}}, admission.TP_RATIO, id="tp-4-6"
+        {"prefill": {"tensorParallel": 4}, "decode": {"tensorParallel": 6}}, vllm_compat.TP_RATIO, id="tp-4-6"
     ),
     pytest.param(
         {"kvTransfer": {"connector": "MoRIIOConnector", "transferMode": "READ"}},

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from pdserve.proxy.health import SlotBook
 from pdserve.proxy.policies import Policy
+from pdserve.proxy.state.health import SlotBook
 from pdserve.routing import Connector, Instance, Role, RoutingTable, Slot
 
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.proxy.attempts import (
+from pdserve.proxy.engine.upstream import LegError
+from pdserve.proxy.flow.attempts import (
     Handoff,
     LegFailure,
     Walk,
@@ -12,9 +13,8 @@ from pdserve.proxy.attempts import (
     no_slot_detail,
     no_slot_reply,
 )
-from pdserve.proxy.health import SlotBook, Unreachable
 from pdserve.proxy.policies import POLICIES, make_policy
-from pdserve.proxy.upstream import LegError
+from pdserve.proxy.state.health import SlotBook, Unreachable
 from pdserve.routing import Connector, Instance, Role, RoutingTable, Slot, build_slot_table, interleaved_slots
 
 P = Instance("p", "http://p:1", 1, 1, True)

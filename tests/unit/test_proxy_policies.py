@@ -6,8 +6,8 @@ from collections import Counter
 
 import pytest
 
-from pdserve.proxy.health import SlotBook
 from pdserve.proxy.policies import DEFAULT_POLICY, POLICIES, make_policy
+from pdserve.proxy.state.health import SlotBook
 from pdserve.routing import Instance, Role, Slot, interleaved_slots
 from tests.support.tables import choose
 

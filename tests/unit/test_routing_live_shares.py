@@ -16,9 +16,9 @@ from collections.abc import Sequence
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pdserve.proxy.health import SlotBook
 from pdserve.proxy.policies import Policy, make_policy
-from pdserve.proxy.shared import SharedState
+from pdserve.proxy.state.health import SlotBook
+from pdserve.proxy.state.shared import SharedState
 from pdserve.routing import Connector, Instance, Role, RoutingTable, Slot, build_slot_table
 from pdserve.routing.sidecar import LocalDecode, build_sidecar_slot_table
 

@@ -12,8 +12,8 @@ from collections import Counter
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pdserve.proxy.health import SlotBook
 from pdserve.proxy.policies import make_policy
+from pdserve.proxy.state.health import SlotBook
 from pdserve.routing import Connector, Instance, Role, RoutingTable, build_slot_table, interleaved_slots
 from tests.support.tables import choose
 

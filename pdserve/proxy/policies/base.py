@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import ClassVar, Protocol
 
-from pdserve.proxy.health import SlotBook
+from pdserve.proxy.state.health import SlotBook
 from pdserve.routing import Role, Slot
 
 

@@ -10,9 +10,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import ClassVar
 
-from pdserve.proxy.counters import Counters, LocalCounters
-from pdserve.proxy.health import SlotBook
 from pdserve.proxy.policies.base import live_and_ejected, rotation
+from pdserve.proxy.policies.counters import Counters, LocalCounters
+from pdserve.proxy.state.health import SlotBook
 from pdserve.routing import Role, Slot
 
 
