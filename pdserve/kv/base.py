@@ -18,7 +18,7 @@ local/ look a connector up (:mod:`pdserve.kv`) and never compare its name.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -417,6 +417,22 @@ class KVConnector:
 
 
 # --- shared checks -------------------------------------------------------------------------------
+
+
+#: A field of ``kv_transfer_params`` and the test its value must pass.
+FieldCheck = tuple[str, Callable[[object], bool]]
+
+
+def field_problems(params: object, checks: Sequence[FieldCheck]) -> list[str]:
+    """The fields of ``params`` whose value fails its check (``["kv_transfer_params"]`` when
+    ``params`` is no object at all), in the order of ``checks``."""
+    if not isinstance(params, Mapping):
+        return ["kv_transfer_params"]
+    return [key for key, ok in checks if not ok(params.get(key))]
+
+
+def is_true(value: object) -> bool:
+    return value is True
 
 
 def nonempty_str(value: object) -> bool:

@@ -47,6 +47,7 @@ from pdserve.kv.base import (
     DECODE,
     PREFILL,
     ExtraProblem,
+    FieldCheck,
     KVConnector,
     LegIds,
     LegPlan,
@@ -61,8 +62,10 @@ from pdserve.kv.base import (
     Simulate,
     block_ids,
     container_port,
+    field_problems,
     int_value,
     is_port,
+    is_true,
     nonempty_str,
     prefill_only,
 )
@@ -168,30 +171,19 @@ def decode_params(
     return params
 
 
+#: What a READ decode needs of the prefill's answer.
+ANSWER_CHECKS: tuple[FieldCheck, ...] = (("remote_engine_id", nonempty_str), ("remote_block_ids", block_ids))
+
+
 def handoff_problems(params: object, mode: str) -> list[str]:
     """Problems with a MoRIIO decode request's ``kv_transfer_params`` (READ also needs the prefill's ids)."""
-    if not isinstance(params, Mapping):
-        return ["kv_transfer_params"]
-    problems = []
-    if params.get("do_remote_prefill") is not True:
-        problems.append("do_remote_prefill")
-    if not nonempty_str(params.get("transfer_id")):
-        problems.append("transfer_id")
-    if mode == READ:
-        problems += prefill_answer_problems(params)
-    return problems
+    checks = [("do_remote_prefill", is_true), ("transfer_id", nonempty_str)]
+    return field_problems(params, [*checks, *(ANSWER_CHECKS if mode == READ else ())])
 
 
 def prefill_answer_problems(params: object) -> list[str]:
     """Problems with what a MoRIIO READ prefill returned: the decode needs its engine and block ids."""
-    if not isinstance(params, Mapping):
-        return ["kv_transfer_params"]
-    problems = []
-    if not nonempty_str(params.get("remote_engine_id")):
-        problems.append("remote_engine_id")
-    if not block_ids(params.get("remote_block_ids")):
-        problems.append("remote_block_ids")
-    return problems
+    return field_problems(params, ANSWER_CHECKS)
 
 
 def decode_mode(params: Mapping[str, Any]) -> str:

@@ -41,6 +41,7 @@ from typing import Any
 from pdserve.kv.base import (
     DECODE,
     PREFILL,
+    FieldCheck,
     KVConnector,
     LegIds,
     LegPlan,
@@ -56,7 +57,9 @@ from pdserve.kv.base import (
     Simulate,
     block_ids,
     container_port,
+    field_problems,
     is_port,
+    is_true,
     leg_id,
     nonempty_str,
     prefill_only,
@@ -101,24 +104,21 @@ def prefill_params() -> dict[str, Any]:
     }
 
 
+HANDOFF_CHECKS: tuple[FieldCheck, ...] = (
+    ("do_remote_prefill", is_true),
+    ("remote_engine_id", nonempty_str),
+    ("remote_block_ids", block_ids),
+    ("remote_host", nonempty_str),
+    ("remote_port", is_port),
+)
+
+
 def handoff_problems(params: object) -> list[str]:
     """Problems with the ``kv_transfer_params`` a NIXL prefill returned (and the decode receives)."""
-    if not isinstance(params, Mapping):
-        return ["kv_transfer_params"]
-    problems = []
-    if params.get("do_remote_prefill") is not True:
-        problems.append("do_remote_prefill")
-    if not nonempty_str(params.get("remote_engine_id")):
-        problems.append("remote_engine_id")
-    if not block_ids(params.get("remote_block_ids")):
-        problems.append("remote_block_ids")
-    if not nonempty_str(params.get("remote_host")):
-        problems.append("remote_host")
-    if not is_port(params.get("remote_port")):
-        problems.append("remote_port")
+    problems = field_problems(params, HANDOFF_CHECKS)
     # Older vLLM does not send remote_request_id; when it is there it must be usable.
-    if "remote_request_id" in params and not nonempty_str(params["remote_request_id"]):
-        problems.append("remote_request_id")
+    if isinstance(params, Mapping) and "remote_request_id" in params:
+        problems += field_problems(params, [("remote_request_id", nonempty_str)])
     return problems
 
 
