@@ -13,11 +13,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from pdserve.kv import moriio, nixl
+from pdserve.kv import mooncake, moriio, nixl
 from pdserve.kv.base import KVConnector
 
 #: Every connector, in the order documents list them; the first is the CRD's default.
-CONNECTORS: tuple[KVConnector, ...] = (nixl.CONNECTOR, moriio.CONNECTOR)
+CONNECTORS: tuple[KVConnector, ...] = (nixl.CONNECTOR, moriio.CONNECTOR, mooncake.CONNECTOR)
 DEFAULT = CONNECTORS[0]
 
 _BY_CRD = {c.names.crd: c for c in CONNECTORS}

