@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import random
 import shutil
 import socket
 import sys
@@ -41,7 +42,6 @@ from pdserve.deployment.spec.pddeployment import SpecError, load_manifest_file
 from pdserve.deployment.validate import problems
 from pdserve.local.plan import (
     ENGINES,
-    KV_PORT_BASE,
     KV_PORTS_PER_INSTANCE,
     LOOPBACK,
     PlanError,
@@ -223,11 +223,16 @@ def _port(text: str) -> int:
     return value
 
 
-def _free_port_ranges(sizes: list[int], first: int = KV_PORT_BASE) -> list[int]:
+def _free_port_ranges(sizes: list[int], first: int | None = None) -> list[int]:
     """For each size, the first port of a range of that many free ports (a KV connector's side
-    channel may listen on its port + DP rank), ranges disjoint, searched upwards from ``first``."""
+    channel may listen on its port + DP rank), ranges disjoint, searched upwards from ``first``.
+
+    By default the search starts at a random multiple of 64 between 10000 and 30000 (below the
+    kernel's ephemeral ports), not at vLLM's default ports: a real vLLM binds its side channel a
+    minute after the plan found the range free, and another run on the machine (two `pdserve up`,
+    or a test's) must not be handed the same range meanwhile."""
     starts: list[int] = []
-    port = first
+    port = first if first is not None else random.randrange(10000, 30000, KV_PORTS_PER_INSTANCE)
     for size in sizes:
         while not all(port_free(p, LOOPBACK) for p in range(port, port + size)):
             port += size

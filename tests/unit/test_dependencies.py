@@ -76,6 +76,16 @@ RULES = {
         "pdserve.sim",
         "pdserve.operator",
     ),
+    # a client of any server: wire formats and the routing table's parser, nothing of the components
+    "pdserve.loadgen.replay": (
+        "kopf",
+        "kubernetes",
+        "pdserve.proxy",
+        "pdserve.operator",
+        "pdserve.local",
+        "pdserve.deployment",
+        "pdserve.sim",
+    ),
     "pdserve.local.runner": ("kopf", "kubernetes", "pdserve.operator", "pdserve.proxy.", "pdserve.sim."),
 }
 
@@ -105,26 +115,25 @@ FLOORS: tuple[frozenset[str], ...] = (
     frozenset({"routing", "wire", "kv"}),
     frozenset({"deployment"}),
     frozenset({"proxy", "sim"}),
-    frozenset({"operator", "local"}),
+    frozenset({"operator", "local", "loadgen"}),  # loadgen: a client (pdserve bench), above what it loads
     frozenset({"cli"}),  # ``pdserve`` itself: loads a component by name, never by import
 )
 
 #: Inside a package the same rule, by its subpackages and top modules: a part imports only parts
-#: of lower floors. The router: the engine client, shared state, connectors and metrics at its
+#: of lower floors. The router: the engine client, shared state and metrics at its
 #: ground; the table and the policies; the settings; the request flow; serving; admin; on top the
-#: composition root (app) and the command (cli). The deployment: the spec; the KV connectors'
-#: settings and the rollout planning; rendering; the checks that need rendered pods; the tools.
+#: composition root (app) and the command (cli). The deployment: the spec; the rollout planning;
+#: rendering; the checks that need rendered pods; the tools. (The KV connectors are pdserve.kv.)
 INNER_FLOORS: dict[str, tuple[frozenset[str], ...]] = {
     "deployment": (
         frozenset({"spec"}),
-        frozenset({"kvconfig", "plan"}),
-        frozenset({"kvpod"}),
+        frozenset({"plan"}),
         frozenset({"render"}),
         frozenset({"validate"}),
         frozenset({"cli", "docgen"}),
     ),
     "proxy": (
-        frozenset({"engine", "state", "connectors", "metrics"}),
+        frozenset({"engine", "state", "metrics"}),
         frozenset({"policies", "table"}),
         frozenset({"settings"}),
         frozenset({"flow"}),
