@@ -13,7 +13,7 @@ import contextlib
 import functools
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from quart import Quart
 
@@ -35,6 +35,9 @@ from pdserve.proxy.table.file import RoutingWatcher
 from pdserve.proxy.table.served import ServedTable, SlotBuilder
 from pdserve.routing import build_slot_table
 from pdserve.routing.sidecar import LocalDecode, build_sidecar_slot_table
+
+if TYPE_CHECKING:
+    from pdserve.proxy.flow.spans import RequestTracer
 
 
 def create_app(
@@ -79,8 +82,19 @@ def create_app(
     router = RouterState(served, book, dispatcher, settings.policy)
     admin = admin_app(settings, router, upstream, metrics, stopping, worker)
     source = table_source(settings.table, served, metrics)
-    run_in_background(admin, upstream, source, local_views(router, worker), worker)
-    return GenerationApp(dispatcher, admin, settings.requests, settings.listen.admin_port)
+    tracer = request_tracer(settings)
+    run_in_background(admin, upstream, source, local_views(router, worker), worker, tracer)
+    return GenerationApp(dispatcher, admin, settings.requests, settings.listen.admin_port, tracer)
+
+
+def request_tracer(settings: ProxySettings) -> RequestTracer | None:
+    """The spans' source when the router traces; without an endpoint OpenTelemetry is not loaded.
+    Made in each process (a worker after its fork: the exporter's thread does not survive one)."""
+    if settings.tracing.endpoint is None:
+        return None
+    from pdserve.proxy.flow.spans import RequestTracer
+
+    return RequestTracer.start(settings.tracing, settings.policy)
 
 
 def slot_builder(local: LocalDecode | None) -> SlotBuilder:
@@ -110,10 +124,16 @@ def table_source(table: TableSettings, served: ServedTable, metrics: ProxyMetric
 
 
 def run_in_background(
-    app: Quart, upstream: Upstream, source: TableSource, views: Views, worker: WorkerInfo | None
+    app: Quart,
+    upstream: Upstream,
+    source: TableSource,
+    views: Views,
+    worker: WorkerInfo | None,
+    tracer: RequestTracer | None = None,
 ) -> None:
     """For as long as ``app`` serves: the engine client's session, the table's watch and, with
-    several workers, this worker's views for the others (pdserve.proxy.serving.worker_views)."""
+    several workers, this worker's views for the others (pdserve.proxy.serving.worker_views);
+    at the end the spans still buffered are exported."""
     tasks: list[asyncio.Task[None]] = []
     views_server: list[asyncio.AbstractServer] = []
 
@@ -135,3 +155,5 @@ def run_in_background(
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         await upstream.close()
+        if tracer is not None:
+            await asyncio.to_thread(tracer.shutdown)

@@ -229,7 +229,19 @@ def settings_from_args(args: argparse.Namespace) -> ProxySettings:
     if settings.server.workers == 0:
         server = dataclasses.replace(settings.server, workers=available_cpus())
         settings = dataclasses.replace(settings, server=server)
+    if settings.tracing.endpoint is not None:
+        _check_tracing_available()
     return settings
+
+
+def _check_tracing_available() -> None:
+    """Tracing asked for without the SDK: say which extra to install before anything starts."""
+    from pdserve.tracing.sdk import TracingUnavailable, check_available
+
+    try:
+        check_available("--otlp-traces-endpoint")
+    except TracingUnavailable as exc:
+        raise UsageError(str(exc)) from None
 
 
 def run(args: argparse.Namespace) -> int:

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from pdserve.proxy.policies import DEFAULT_POLICY, POLICIES
 from pdserve.routing.sidecar import LocalDecode
+from pdserve.tracing.endpoint import EndpointError, OtlpEndpoint, parse_endpoint
 
 if TYPE_CHECKING:  # the ConfigMap source's types; the file source never imports them
     from pdserve.proxy.table.kubeconfig import ApiCredentials, ConfigMapRef
@@ -411,6 +412,49 @@ class RequestSettings:
 
 
 @dataclass(frozen=True)
+class TracingSettings:
+    """OpenTelemetry traces of the generation requests (docs/operations.md#tracing): off without
+    an endpoint, and then nothing of OpenTelemetry is loaded."""
+
+    endpoint: str | None = setting(
+        None,
+        "--otlp-traces-endpoint",
+        env="PDSERVE_PROXY_OTLP_TRACES_ENDPOINT",
+        type=str,
+        metavar="URL",
+        help="send a trace of every sampled request here: http(s)://HOST:PORT/v1/traces for OTLP over "
+        "HTTP, grpc://HOST:PORT for OTLP over gRPC (grpcs:// with TLS); the SDK's OTEL_* variables "
+        "(service name, headers, timeouts, batching) apply. Needs the tracing extra (pdserve[tracing])",
+    )
+    sampling_ratio: float = setting(
+        1.0,
+        "--trace-sampling-ratio",
+        env="PDSERVE_PROXY_TRACE_SAMPLING_RATIO",
+        minimum=0,
+        metavar="RATIO",
+        help="with --otlp-traces-endpoint: the share of requests traced, 0 to 1, decided when a request "
+        "starts a trace; a request whose client sent a traceparent follows that parent's decision",
+    )
+
+    def __post_init__(self) -> None:
+        _check(self)
+        if self.sampling_ratio > 1:
+            raise SettingsError(
+                f"--trace-sampling-ratio: expected a value from 0 to 1, got {self.sampling_ratio}"
+            )
+        if self.endpoint is not None:
+            try:
+                parse_endpoint(self.endpoint)
+            except EndpointError as exc:
+                raise SettingsError(f"--otlp-traces-endpoint: {exc}") from None
+
+    @property
+    def otlp(self) -> OtlpEndpoint | None:
+        """Where spans go; None: the router does not trace."""
+        return parse_endpoint(self.endpoint) if self.endpoint else None
+
+
+@dataclass(frozen=True)
 class ProxySettings:
     """The router's whole configuration: built by the CLI, or by tests and benches directly."""
 
@@ -430,6 +474,7 @@ class ProxySettings:
     deadlines: DeadlineSettings = field(default_factory=DeadlineSettings)
     admission: AdmissionSettings = field(default_factory=AdmissionSettings)
     requests: RequestSettings = field(default_factory=RequestSettings)
+    tracing: TracingSettings = field(default_factory=TracingSettings)
 
     def __post_init__(self) -> None:
         _check(self)
@@ -445,4 +490,5 @@ GROUPS: tuple[tuple[str, str, type], ...] = (
     ("deadlines", "deadlines", DeadlineSettings),
     ("admission", "admission (back-pressure)", AdmissionSettings),
     ("requests", "requests and keys", RequestSettings),
+    ("tracing", "tracing (OpenTelemetry)", TracingSettings),
 )

@@ -113,6 +113,22 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--backlog", type=_positive_int, default=4096, help="listen backlog of the socket (default: 4096)"
     )
+    tracing = parser.add_argument_group("tracing (vLLM's flags and behaviour, docs/operations.md#tracing)")
+    tracing.add_argument(
+        "--otlp-traces-endpoint",
+        default=None,
+        metavar="URL",
+        help="export vLLM's llm_request span of every finished request here, the child of the "
+        "traceparent it came with; OTEL_EXPORTER_OTLP_TRACES_PROTOCOL picks the exporter as in vLLM "
+        "(grpc by default, or http/protobuf). Needs the tracing extra (pdserve[tracing])",
+    )
+    tracing.add_argument(
+        "--collect-detailed-traces",
+        nargs="+",
+        choices=("all", "model", "worker"),
+        default=None,
+        help="accepted as vLLM 0.32 accepts it (needs --otlp-traces-endpoint); adds nothing to the span",
+    )
     group = parser.add_argument_group(
         "multi-node groups (one process per node, flags as vLLM's; docs/simulator.md)"
     )
@@ -173,6 +189,12 @@ def run(args: argparse.Namespace) -> int:
     except (FaultSpecError, GroupConfigError, engine_flags.ProfileError, engine_flags.EngineFlagError) as exc:
         print(f"pdserve sim: error: {exc}", file=sys.stderr)
         return 2
+    if args.collect_detailed_traces and not args.otlp_traces_endpoint:
+        print(
+            "pdserve sim: error: collect_detailed_traces requires `--otlp-traces-endpoint` to be set.",
+            file=sys.stderr,
+        )
+        return 2
     ignored = engine_flags.ignored_without_profile(args)
     if ignored:
         print(f"pdserve sim: note: {', '.join(ignored)} change nothing without --profile", file=sys.stderr)
@@ -199,7 +221,18 @@ def run(args: argparse.Namespace) -> int:
         engine=engine,
         prompt_tokens_details=args.enable_prompt_tokens_details,
     )
-    simulator = Simulator(config)
+    tracer = None
+    if args.otlp_traces_endpoint:
+        from pdserve.sim.spans import EngineTracer
+        from pdserve.tracing.endpoint import EndpointError
+        from pdserve.tracing.sdk import TracingUnavailable
+
+        try:
+            tracer = EngineTracer.start(args.otlp_traces_endpoint)
+        except (TracingUnavailable, EndpointError) as exc:
+            print(f"pdserve sim: error: {exc}", file=sys.stderr)
+            return 2
+    simulator = Simulator(config, tracer)
     try:
         _run_event_loop(serve(simulator, args.host, args.port, args.backlog))
     except OSError as exc:

@@ -68,3 +68,5 @@ async def serve(sim: Simulator, host: str, port: int, backlog: int = 4096) -> No
         await sim.close()
         for each in runners:
             await each.cleanup()
+        if sim.tracer is not None:  # what is still buffered goes out before the process ends
+            await asyncio.to_thread(sim.tracer.shutdown)

@@ -16,11 +16,13 @@ kv_consumer: decode, kv_both: both); ``--data-parallel-size``/``--tensor-paralle
 ``--[no-]enable-prefix-caching``, ``--enable-prompt-tokens-details`` and
 ``kv_connector_extra_config.kv_lease_duration`` go to the simulator's flags of the same names, which
 time answers with a step engine when ``$PDSERVE_SIM_PROFILE`` names a profile (vLLM has no flag for
-it: the pod runner or local mode sets it), and change nothing without one. The listen
-address is ``--host``, else ``$POD_IP`` (vLLM's default is every address; here pods share one
-network namespace), else 127.0.0.1. The instance name is ``$HOSTNAME`` (the pod name); the NIXL
-side channel is advertised at ``$VLLM_NIXL_SIDE_CHANNEL_HOST`` (else ``$VLLM_HOST_IP``, else the
-listen address) and ``$VLLM_NIXL_SIDE_CHANNEL_PORT`` (else 5600).
+it: the pod runner or local mode sets it), and change nothing without one; ``--otlp-traces-endpoint``
+and ``--collect-detailed-traces`` go to the simulator's, which traces as vLLM does
+(pdserve.sim.spans). The listen address is ``--host``, else ``$POD_IP`` (vLLM's default is every
+address; here pods share one network namespace), else 127.0.0.1. The instance name is
+``$HOSTNAME`` (the pod name); the NIXL side channel is advertised at
+``$VLLM_NIXL_SIDE_CHANNEL_HOST`` (else ``$VLLM_HOST_IP``, else the listen address) and
+``$VLLM_NIXL_SIDE_CHANNEL_PORT`` (else 5600).
 """
 
 from __future__ import annotations
@@ -74,6 +76,8 @@ MAPPED: list[tuple[tuple[str, ...], dict[str, Any]]] = [
     (("--enable-prefix-caching",), {"action": "store_true", "default": None}),
     (("--no-enable-prefix-caching",), {"action": "store_true"}),
     (("--enable-prompt-tokens-details",), {"action": "store_true"}),
+    (("--otlp-traces-endpoint",), {}),
+    (("--collect-detailed-traces",), {"nargs": "+", "choices": ("all", "model", "worker")}),
 ]
 #: The environment variable naming the simulator's performance profile (``pdserve sim --profile``).
 PROFILE_ENV = "PDSERVE_SIM_PROFILE"
@@ -173,6 +177,8 @@ class Serve:
     connector: str | None
     #: The step engine's flags, as ``pdserve sim`` arguments (vLLM's names).
     engine_args: tuple[str, ...] = ()
+    #: ``--otlp-traces-endpoint`` and ``--collect-detailed-traces``, as ``pdserve sim`` arguments.
+    tracing_args: tuple[str, ...] = ()
 
 
 def parse(args: Sequence[str]) -> Serve:
@@ -235,6 +241,13 @@ def parse(args: Sequence[str]) -> Serve:
         engine_args.append("--no-enable-prefix-caching")
     if ns.enable_prompt_tokens_details:
         engine_args.append("--enable-prompt-tokens-details")
+    if ns.collect_detailed_traces and not ns.otlp_traces_endpoint:
+        raise Refused("collect_detailed_traces requires `--otlp-traces-endpoint` to be set.")  # vLLM's words
+    tracing_args: list[str] = []
+    if ns.otlp_traces_endpoint:
+        tracing_args += ["--otlp-traces-endpoint", ns.otlp_traces_endpoint]
+    if ns.collect_detailed_traces:
+        tracing_args += ["--collect-detailed-traces", *ns.collect_detailed_traces]
     return Serve(
         model=(ns.served_model_name or [model])[0],
         role=role,
@@ -246,6 +259,7 @@ def parse(args: Sequence[str]) -> Serve:
         api_key=ns.api_key,
         connector=connector,
         engine_args=tuple(engine_args),
+        tracing_args=tuple(tracing_args),
     )
 
 
@@ -267,6 +281,7 @@ def sim_argv(serve: Serve, env: dict[str, str]) -> list[str]:
     if serve.max_model_len is not None:
         argv += ["--max-model-len", str(serve.max_model_len)]
     argv += serve.engine_args
+    argv += serve.tracing_args
     if env.get(PROFILE_ENV):
         argv += ["--profile", env[PROFILE_ENV]]
     return argv

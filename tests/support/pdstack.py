@@ -153,12 +153,13 @@ class PDStack:
         tp_size: int = 1,
         extra: Sequence[str] = (),
         wait: bool = True,
+        env: dict[str, str] | None = None,
     ) -> Sim:
         """Start a simulator; with ``wait=False`` call :meth:`wait_sims` later (parallel start-up)."""
         kv_port = 20000 + len(self.sims)
         args = ["sim", "--role", role, "--dp-size", str(dp_size), "--tp-size", str(tp_size)]
         args += ["--instance-name", name, "--kv-port", str(kv_port), *FAST_SIM, *extra]
-        proc = self.group.start(name, args, health="/health" if wait else None)
+        proc = self.group.start(name, args, health="/health" if wait else None, env=env)
         sim = Sim(name, role, dp_size, tp_size, proc, f"127.0.0.1:{kv_port}")
         self.sims[name] = sim
         return sim

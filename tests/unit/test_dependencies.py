@@ -1,6 +1,6 @@
 """Dependencies point one way: contract and wire formats depend on nothing of ours; the proxy,
 simulator and local mode never load each other's internals, and the proxy never loads kopf or
-the Kubernetes client (it must start fast and stay small).
+the Kubernetes client (it must start fast and stay small), nor OpenTelemetry unless it traces.
 
 Two kinds of check: what importing a module loads in a fresh interpreter (RULES: what a process
 really pays at start-up), and the import statements of every module read from its source (the
@@ -34,12 +34,22 @@ RULES = {
     "pdserve.proxy.cli": (
         "kopf",
         "kubernetes",
+        "opentelemetry",
         "pdserve.sim",
         "pdserve.deployment",
         "pdserve.operator",
         "pdserve.local",
     ),
-    "pdserve.proxy.app": ("kopf", "kubernetes", "pdserve.sim", "pdserve.deployment", "pdserve.operator"),
+    "pdserve.proxy.app": (
+        "kopf",
+        "kubernetes",
+        "opentelemetry",
+        "pdserve.sim",
+        "pdserve.deployment",
+        "pdserve.operator",
+    ),
+    # the SDK is loaded by start_tracing, not by importing the module
+    "pdserve.tracing.sdk": ("opentelemetry", "pdserve.proxy", "pdserve.sim", "pdserve.deployment"),
     # the ConfigMap watch speaks to the API server with aiohttp alone
     "pdserve.proxy.table.configmap": (
         "kopf",
@@ -56,8 +66,15 @@ RULES = {
         "pdserve.deployment",
         "pdserve.operator",
     ),
-    "pdserve.sim.cli": ("kopf", "kubernetes", "pdserve.proxy", "pdserve.routing", "pdserve.deployment"),
-    "pdserve.sim.server": ("kopf", "kubernetes", "pdserve.proxy", "pdserve.deployment"),
+    "pdserve.sim.cli": (
+        "kopf",
+        "kubernetes",
+        "opentelemetry",
+        "pdserve.proxy",
+        "pdserve.routing",
+        "pdserve.deployment",
+    ),
+    "pdserve.sim.server": ("kopf", "kubernetes", "opentelemetry", "pdserve.proxy", "pdserve.deployment"),
     "pdserve.sim.process": ("kopf", "kubernetes", "pdserve.proxy", "pdserve.routing", "pdserve.deployment"),
     "pdserve.deployment.render.objects": (
         "kopf",
@@ -92,7 +109,7 @@ PACKAGE = Path(__file__).resolve().parents[2] / "pdserve"
 #: Lowest first. A package imports its own modules, packages of lower floors, and its peers only
 #: on the ground floor (the contract, the wire formats and the connectors know no service).
 FLOORS: tuple[frozenset[str], ...] = (
-    frozenset({"routing", "wire", "kv"}),
+    frozenset({"routing", "wire", "kv", "tracing"}),
     frozenset({"deployment"}),
     frozenset({"proxy", "sim"}),
     frozenset({"operator", "local"}),
@@ -127,7 +144,7 @@ INNER_FLOORS: dict[str, tuple[frozenset[str], ...]] = {
 
 #: The router and the simulator start fast and stay small: neither imports kopf nor the
 #: Kubernetes client, nor does anything they are built on.
-NO_KUBERNETES_CLIENT = ("routing", "wire", "kv", "proxy", "sim")
+NO_KUBERNETES_CLIENT = ("routing", "wire", "kv", "tracing", "proxy", "sim")
 
 
 def module_name(path: Path) -> str:

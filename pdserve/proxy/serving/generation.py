@@ -16,7 +16,7 @@ import json
 import logging
 import random
 from collections.abc import Awaitable, Callable, Mapping, MutableMapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pdserve.proxy.engine import codec
 from pdserve.proxy.flow.dispatcher import Dispatcher
@@ -24,6 +24,7 @@ from pdserve.proxy.flow.reply import Reply
 from pdserve.proxy.flow.sequences import plan_split
 from pdserve.proxy.serving.ports import refused_here
 from pdserve.proxy.settings import RequestSettings
+from pdserve.tracing.context import TRACEPARENT, TRACESTATE, trace_id_of
 from pdserve.wire.headers import ERROR_REASON
 from pdserve.wire.openai import (
     VALIDATION_ERROR_TYPE,
@@ -32,6 +33,9 @@ from pdserve.wire.openai import (
     check_generation_request,
     error_body,
 )
+
+if TYPE_CHECKING:  # loaded only when the router traces
+    from pdserve.proxy.flow.spans import RequestSpans, RequestTracer
 
 log = logging.getLogger("pdserve.proxy")
 
@@ -43,8 +47,8 @@ ASGIApp = Callable[[Any, Any, Any], Awaitable[None]]  # Quart types its ASGI eve
 
 ERROR_REASON_HEADER = ERROR_REASON.lower().encode()
 
-#: The client headers the generation path reads.
-WANTED_HEADERS = frozenset({"x-request-id", "content-length", "authorization"})
+#: The client headers the generation path reads (the trace context is passed on to the engines).
+WANTED_HEADERS = frozenset({"x-request-id", "content-length", "authorization", TRACEPARENT, TRACESTATE})
 
 ENDPOINTS: dict[str, Endpoint] = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}
 
@@ -80,8 +84,11 @@ class GenerationApp:
         fallback: ASGIApp,
         requests: RequestSettings,
         admin_port: int | None = None,
+        tracer: RequestTracer | None = None,
     ) -> None:
+        """``tracer``: the request spans' source when the router traces (None: it does not)."""
         self.dispatcher = dispatcher
+        self.tracer = tracer
         self.fallback = fallback
         self.api_key = requests.api_key
         self.max_body_bytes = requests.max_body_bytes
@@ -103,17 +110,24 @@ class GenerationApp:
                 headers[key] = value.decode("latin-1")
         client_id = headers.get("x-request-id")
         request_id = request_id_of(client_id)
+        spans = None
+        if self.tracer is not None:
+            spans = self.tracer.request(
+                scope["method"], scope["path"], request_id, headers.get(TRACEPARENT), headers.get(TRACESTATE)
+            )
         problem = self._refusal(scope, headers)
         if problem is not None:
-            _log_refusal(request_id, scope["path"], problem)
+            _refused(request_id, scope["path"], problem, headers, spans)
             await self._drain(receive)
             await _send_reply(send, _error_reply(problem), request_id)
             return
         body = await self._read_body(receive, headers)
         if body is None:
-            return  # the client went away while sending
+            if spans is not None:  # the client went away while sending
+                spans.end(499, "cancelled", {})
+            return
         if isinstance(body, RequestError):
-            _log_refusal(request_id, scope["path"], body)
+            _refused(request_id, scope["path"], body, headers, spans)
             await _send_reply(send, _error_reply(body), request_id)
             return
         # Serve in this task and watch for the client's disconnect in one other: a disconnect
@@ -136,7 +150,7 @@ class GenerationApp:
             path = scope["path"]
             push = scope["extensions"].get(PUSH_BODY) if "extensions" in scope else None
             await self._serve(
-                send, push, ENDPOINTS[path], path, body, request_id, headers, client_id is not None
+                send, push, ENDPOINTS[path], path, body, request_id, headers, client_id is not None, spans
             )
         except asyncio.CancelledError:
             if not disconnected:
@@ -144,7 +158,7 @@ class GenerationApp:
             if serving.cancelling():
                 serving.uncancel()
         except Exception:
-            log.exception("generation request %s failed", request_id)
+            log.exception("generation request %s failed%s", request_id, _trace_note(headers, spans))
         finally:
             finished = True
             watching.remove_done_callback(hang_up)
@@ -194,20 +208,31 @@ class GenerationApp:
         request_id: str,
         headers: dict[str, str],
         client_id: bool,
+        spans: RequestSpans | None,
     ) -> None:
         try:
             checked = parse_request(raw, endpoint)
             split = plan_split(checked, endpoint, self.max_sequences)
         except RequestError as exc:
-            _log_refusal(request_id, path, exc)
+            _refused(request_id, path, exc, headers, spans)
             await _send_reply(send, _error_reply(exc), request_id)
             return
+        if spans is not None and spans.recording and isinstance(checked.get("model"), str):
+            spans.span.set_attribute("gen_ai.request.model", checked["model"])
         try:
             reply = await self.dispatcher.generate(
-                path, checked, request_id, headers.get("authorization"), split, client_id=client_id
+                path,
+                checked,
+                request_id,
+                headers.get("authorization"),
+                split,
+                client_id=client_id,
+                traceparent=headers.get(TRACEPARENT),
+                tracestate=headers.get(TRACESTATE),
+                spans=spans,
             )
         except Exception:
-            log.exception("unexpected error serving request %s", request_id)
+            log.exception("unexpected error serving request %s%s", request_id, _trace_note(headers, spans))
             reply = Reply(500, codec.dumps(error_body(500, "internal proxy error")), reason="internal_error")
         await _send_reply(send, reply, request_id, push)
 
@@ -242,15 +267,27 @@ def _error_reply(exc: RequestError) -> Reply:
     return Reply(exc.status, codec.dumps(exc.body()), reason=exc.reason)
 
 
-def _log_refusal(request_id: str, path: str, exc: RequestError) -> None:
-    """The one log line of a request refused before routing (the dispatcher logs all others)."""
+def _refused(
+    request_id: str, path: str, exc: RequestError, headers: Mapping[str, str], spans: RequestSpans | None
+) -> None:
+    """The one log line (and the span) of a request refused before routing (the dispatcher logs
+    and ends all others)."""
+    if spans is not None:
+        spans.end(exc.status, "refused", {"pdserve.reason": exc.reason or ""})
     log.info(
-        "request id=%s endpoint=%s status=%d outcome=refused reason=%s",
+        "request id=%s endpoint=%s status=%d outcome=refused reason=%s%s",
         request_id,
         path,
         exc.status,
         exc.reason,
+        _trace_note(headers, spans),
     )
+
+
+def _trace_note(headers: Mapping[str, str], spans: RequestSpans | None) -> str:
+    """`` trace_id=...`` for a log line: the request's trace (the client's when not tracing), if any."""
+    trace_id = spans.trace_id if spans is not None else trace_id_of(headers.get(TRACEPARENT))
+    return f" trace_id={trace_id}" if trace_id is not None else ""
 
 
 async def _send_reply(
