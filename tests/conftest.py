@@ -5,5 +5,6 @@ pytest_plugins = [
     "tests.support.kube",
     "tests.support.procs",
     "tests.support.operator",
+    "tests.support.pdstack",
     "tests.support.otelcol",
 ]
