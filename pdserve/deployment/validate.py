@@ -17,6 +17,7 @@ from pdserve.deployment.render.decode_sidecar import template_problems
 from pdserve.deployment.render.groupflags import GROUP_FLAGS
 from pdserve.deployment.render.objects import OWNED_ENV
 from pdserve.deployment.render.security import engine_reserved_env, router_reserved
+from pdserve.deployment.render.tracing import ENGINE_FLAGS as TRACING_ENGINE_FLAGS
 from pdserve.deployment.spec.multinode import group_shape, uniform_gpus_per_node
 from pdserve.deployment.spec.owned import ENGINE_CONTAINER, ROUTER_CONTAINER, Reserved, owned_problems
 from pdserve.deployment.spec.pddeployment import ENGINE_PORT, PDDeployment, PDDeploymentSpec, SpecError
@@ -86,6 +87,8 @@ def problems(pdd: PDDeployment, node_gpu_allocatable: Sequence[int] | None) -> l
 
 def _owned_args(spec: PDDeploymentSpec, role: Role, path: str) -> list[str]:
     owned = SIM_OWNED_FLAGS if spec.engine == "sim" else VLLM_OWNED_FLAGS
+    if spec.tracing is not None:  # a second copy would win in vLLM's parser, unseen by the router
+        owned = {**owned, **dict.fromkeys(TRACING_ENGINE_FLAGS, "set spec.tracing")}
     out = []
     for i, arg in enumerate(spec.role(role).args):
         flag = arg.split("=", 1)[0]

@@ -19,6 +19,10 @@ backend: each engine gets a share of the cores (decode ranks apart from the pref
 progress thread), --enforce-eager and a KV cache size unless the manifest sets them, and the
 NIXL environment for loopback; the first lines of output say what was applied.
 
+With --otlp-traces-endpoint URL (or spec.tracing in the manifest) the router and every engine
+send their spans there, so one request is one trace across the router, the prefill and the
+decode (docs/operations.md#tracing).
+
 Example:
   pdserve up examples/nixl/2p-dp8ep-3d-dp8ep.yaml
   curl -s localhost:8000/v1/completions -H 'Content-Type: application/json' \\
@@ -29,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import os
 import shutil
 import socket
@@ -37,6 +42,7 @@ import tempfile
 from pathlib import Path
 
 from pdserve.deployment.spec.pddeployment import SpecError, load_manifest_file
+from pdserve.deployment.spec.tracing import with_endpoint
 from pdserve.deployment.validate import problems
 from pdserve.local.plan import (
     ENGINES,
@@ -99,6 +105,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "(`pdserve sim --profile`, docs/simulator.md)",
     )
     parser.add_argument(
+        "--otlp-traces-endpoint",
+        default=None,
+        metavar="URL",
+        help="trace every request: the router and every engine send their spans to this OTLP receiver "
+        "(http://HOST:4318/v1/traces or grpc://HOST:4317), as spec.tracing.endpoint would, which it "
+        "replaces; the manifest's samplingRatio and collectDetailedTraces still apply",
+    )
+    parser.add_argument(
         "--log-dir",
         type=Path,
         default=None,
@@ -113,6 +127,12 @@ def run(args: argparse.Namespace) -> int:
         pdd = load_manifest_file(args.file)
     except SpecError as exc:
         return _refuse(f"{args.file}: invalid PDDeployment: {exc}" if exc.path != args.file else str(exc))
+    if args.otlp_traces_endpoint is not None:
+        try:
+            tracing = with_endpoint(pdd.spec.tracing, args.otlp_traces_endpoint)
+        except SpecError as exc:
+            return _refuse(str(exc))
+        pdd = dataclasses.replace(pdd, spec=dataclasses.replace(pdd.spec, tracing=tracing))
     found = problems(pdd, None)
     if found:
         return _refuse(f"{args.file}: invalid PDDeployment: " + "; ".join(found))

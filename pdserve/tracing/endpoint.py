@@ -42,10 +42,10 @@ class OtlpEndpoint:
 
 def parse_endpoint(text: str) -> OtlpEndpoint:
     """pdserve's reading of an ``--otlp-traces-endpoint`` (module doc); EndpointError if unusable."""
-    parts = urlsplit(text.strip())
+    parts = urlsplit(text)
     scheme = parts.scheme.lower()
     protocol = _SCHEMES.get(scheme)
-    if protocol is None or not parts.hostname:
+    if protocol is None or not parts.hostname or any(c.isspace() for c in text):
         raise EndpointError(
             f"expected http(s)://HOST:PORT/v1/traces (OTLP over HTTP) or grpc://HOST:PORT (OTLP over "
             f"gRPC; grpcs:// with TLS), got {text!r}"

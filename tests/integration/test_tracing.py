@@ -10,14 +10,18 @@ both exporters are exercised.
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
+import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from tests.support.otelcol import FAST_EXPORT, Collector, ExportedSpan
-from tests.support.pdstack import PDStack
-from tests.support.procs import ProcessGroup
+from tests.support.pdstack import PDStack, http
+from tests.support.procs import REPO, ProcessGroup, free_port, wait_http
 
 ROUTER = "pdserve-router"
 CLIENT_TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
@@ -64,19 +68,19 @@ def one(spans: list[ExportedSpan], service: str, name: str) -> ExportedSpan:
     return found[0]
 
 
-def request_trace(collector: Collector, engine_spans: int) -> list[ExportedSpan]:
+def request_trace(collector: Collector, engine_spans: int, router: str = ROUTER) -> list[ExportedSpan]:
     """The one trace of the router's first request, once the router's server span and
     ``engine_spans`` engine spans of it have arrived."""
 
     def complete(spans: list[ExportedSpan]) -> bool:
-        servers = [s for s in spans if s.service == ROUTER and s.kind == "SERVER"]
+        servers = [s for s in spans if s.service == router and s.kind == "SERVER"]
         if not servers:
             return False
         mine = of_trace(spans, servers[0].trace_id)
         return sum(1 for s in mine if s.name == "llm_request") >= engine_spans
 
     spans = collector.wait_for(complete, what=f"the router's trace with {engine_spans} engine spans")
-    server = next(s for s in spans if s.service == ROUTER and s.kind == "SERVER")
+    server = next(s for s in spans if s.service == router and s.kind == "SERVER")
     return of_trace(spans, server.trace_id)
 
 
@@ -235,9 +239,6 @@ def test_no_trace_is_exported_when_the_router_does_not_trace(stack: PDStack, ote
 
 def test_the_router_refuses_tracing_without_the_sdk(tmp_path: Path) -> None:
     """Asked to trace without the tracing extra: a clear error naming it, before anything starts."""
-    import subprocess
-    import sys
-
     routing = tmp_path / "routing.json"
     routing.write_text("{}")
     hide = tmp_path / "hide"
@@ -260,3 +261,42 @@ def test_the_router_refuses_tracing_without_the_sdk(tmp_path: Path) -> None:
     assert done.returncode == 2, done.stderr
     assert "pip install 'pdserve[tracing]'" in done.stderr
     assert "--otlp-traces-endpoint" in done.stderr
+
+
+def test_local_mode_traces_the_router_and_every_engine(tmp_path: Path, otelcol: Collector) -> None:
+    """`pdserve up --otlp-traces-endpoint URL`: one request is one trace across the three services."""
+    port = free_port()
+    log = tmp_path / "up.log"
+    manifest = REPO / "examples" / "sim" / "quickstart.yaml"
+    with log.open("wb") as out:
+        up = subprocess.Popen(
+            [
+                *(sys.executable, "-m", "pdserve.cli", "up", str(manifest), "--port", str(port), "--no-view"),
+                *("--sim-ttft-ms", "1", "--sim-itl-ms", "0", "--sim-tokens", "4"),
+                *("--otlp-traces-endpoint", otelcol.grpc_endpoint),
+            ],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            cwd=REPO,
+            env={**os.environ, **FAST_EXPORT, "PYTHONUNBUFFERED": "1"},
+        )
+    try:
+        wait_http(f"http://127.0.0.1:{port}/ready", timeout=60, proc=up)
+        deadline = time.monotonic() + 30
+        while "is serving on" not in log.read_text():  # every instance routable
+            assert time.monotonic() < deadline and up.poll() is None, log.read_text()
+            time.sleep(0.1)
+        body = {"model": "qwen-0.5b", "prompt": "hello", "max_tokens": 2}
+        assert http("POST", f"http://127.0.0.1:{port}/v1/completions", body).status == 200
+        trace = request_trace(otelcol, engine_spans=2, router="quickstart-router")
+    finally:
+        up.send_signal(signal.SIGTERM)
+        up.wait(60)
+    assert "tracing: the router and every engine send their spans to" in log.read_text()
+    router = "quickstart-router"
+    server = one(trace, router, "POST /v1/completions")
+    assert one(trace, "quickstart-prefill", "llm_request").parent_id == one(trace, router, "prefill").span_id
+    assert one(trace, "quickstart-decode", "llm_request").parent_id == one(trace, router, "decode").span_id
+    assert server.resource["pdserve.deployment"] == "quickstart"
+    pods = {s.resource["k8s.pod.name"] for s in trace}
+    assert "router" in pods and any(p.startswith("quickstart-prefill-") for p in pods)

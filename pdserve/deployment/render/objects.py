@@ -63,6 +63,7 @@ from pdserve.deployment.render.security import (
     router_admin_port,
     router_key_env,
 )
+from pdserve.deployment.render.tracing import engine_tracing_args, engine_tracing_env, router_tracing_env
 from pdserve.deployment.spec.multinode import GroupShape
 from pdserve.deployment.spec.owned import ENGINE_ENV_OWNED
 from pdserve.deployment.spec.pddeployment import (
@@ -307,9 +308,10 @@ def pod_spec(
         "image": spec.engine_image,
         "command": ["pdserve", "sim"] if sim else ["vllm", "serve"],
         "args": (_sim_args(pdd, role, pod_name, flags) if sim else _vllm_args(pdd, role, flags))
+        + engine_tracing_args(spec)
         + list(rs.args),
         "ports": [{"name": "http", "containerPort": ENGINE_PORT, "protocol": "TCP"}],
-        "env": _engine_env(pdd) + [_plain(v) for v in rs.env],
+        "env": _engine_env(pdd) + engine_tracing_env(pdd, role) + [_plain(v) for v in rs.env],
         "resources": _engine_resources(spec.gpu_resource, rs, gpus if not sim else None),
         "volumeMounts": [{"name": "dshm", "mountPath": SHM_MOUNT}],
         "startupProbe": {
@@ -516,9 +518,12 @@ def _router_deployment(pdd: PDDeployment) -> dict[str, Any]:
         "name": "router",
         "image": router.image or DEFAULT_IMAGE,
         "command": ["pdserve"],
-        "args": router_args(router, routing_configmap_name(pdd), router.port),
+        "args": router_args(pdd.spec, routing_configmap_name(pdd), router.port),
         "ports": [{"name": "http", "containerPort": router.port, "protocol": "TCP"}],
-        "env": [{"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}}],
+        "env": [
+            {"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
+            *router_tracing_env(pdd, define_pod_name=True),
+        ],
         # Ready only with a table that has a routable slot per role; 503 at once on SIGTERM.
         "readinessProbe": {
             "httpGet": {"path": "/ready", "port": "http"},

@@ -51,9 +51,10 @@ from pdserve.deployment.spec.readers import read_string_list as _string_list
 from pdserve.deployment.spec.readers import read_string_map as _string_map
 from pdserve.deployment.spec.readers import show as _show
 from pdserve.deployment.spec.storage import ModelCache, parse_model, parse_model_cache
+from pdserve.deployment.spec.tracing import TracingSpec, parse_tracing
 from pdserve.routing import Connector, Role
 
-__all__ = ["GroupShape", "ModelCache", "MultiNodeSpec", "SecretKeyRef", "SpecError"]
+__all__ = ["GroupShape", "ModelCache", "MultiNodeSpec", "SecretKeyRef", "SpecError", "TracingSpec"]
 
 GROUP = "pdserve.io"
 VERSION = "v1alpha1"
@@ -237,6 +238,8 @@ class PDDeploymentSpec:
     #: GPUs of one node; None: unknown here (the operator reads the nodes; render: one pod per instance).
     gpus_per_node: int | None = None
     multi_node: MultiNodeSpec = field(default_factory=MultiNodeSpec)
+    #: OpenTelemetry traces of the router and the engines (spec/tracing.py); None: off.
+    tracing: TracingSpec | None = None
 
     @property
     def engine_image(self) -> str:
@@ -353,6 +356,7 @@ def parse_spec(spec: Mapping[str, Any] | object) -> PDDeploymentSpec:
             "engineApiKeySecretRef",
             "gpusPerNode",
             "multiNode",
+            "tracing",
         ),
     )
     model = parse_model(_string(doc, "model", path, required=True), f"{path}.model")
@@ -394,6 +398,7 @@ def parse_spec(spec: Mapping[str, Any] | object) -> PDDeploymentSpec:
         ),
         gpus_per_node=gpus_per_node,
         multi_node=multi_node,
+        tracing=parse_tracing(doc.get("tracing"), f"{path}.tracing"),
     )
     for role in (Role.PREFILL, Role.DECODE):  # shapes that cannot be split over nodes of gpusPerNode
         parsed.group_shape(role)
