@@ -70,6 +70,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
     # across many deployments does not queue behind other deployments' status writes.
     parser.add_argument("--workers", type=int, default=64, help="reconciles running in parallel")
     parser.add_argument("--kubeconfig", default=None, help="kubeconfig file (default: $KUBECONFIG)")
+    parser.add_argument(
+        "--otlp-traces-endpoint",
+        default=os.environ.get("PDSERVE_OPERATOR_OTLP_TRACES_ENDPOINT") or None,
+        metavar="URL",
+        help="export every reconcile pass as a span, a rollout's passes as one trace, to this OTLP "
+        "receiver: http(s)://HOST:PORT/v1/traces or grpc://HOST:PORT (default: "
+        "$PDSERVE_OPERATOR_OTLP_TRACES_ENDPOINT, else off); needs the tracing extra (pdserve[tracing])",
+    )
     election = parser.add_argument_group("leader election (several replicas, one active)")
     election.add_argument(
         "--leader-elect",
@@ -123,6 +131,8 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit("pdserve operator: give --namespace NS (repeatable) or --all-namespaces")
     if args.workers < 1:
         raise SystemExit("pdserve operator: --workers must be at least 1")
+    if args.otlp_traces_endpoint:
+        _check_tracing(args.otlp_traces_endpoint)
     if args.kubeconfig:
         os.environ["KUBECONFIG"] = args.kubeconfig  # kopf's own login reads it too
     election = election_config(args)
@@ -147,6 +157,7 @@ def run(args: argparse.Namespace) -> int:
         kubeconfig=args.kubeconfig,
         elector=elector,
         stop=stop,
+        traces_endpoint=args.otlp_traces_endpoint,
     )
     liveness = f"http://{args.bind}:{args.liveness_port}/healthz" if args.liveness_port else None
     import pdserve.operator.handlers  # noqa: F401 - registers the handlers
@@ -196,6 +207,18 @@ def _elector(config: ElectionConfig, kubeconfig: str | None) -> LeaderElector:
 
     # Its own small connection pool and no fence: a busy reconciler never delays a renewal.
     return LeaderElector(config, Kube(kubeconfig, pool_size=2))
+
+
+def _check_tracing(endpoint: str) -> None:
+    """An unusable endpoint, or tracing without the SDK: say so before anything starts."""
+    from pdserve.tracing.endpoint import EndpointError, parse_endpoint
+    from pdserve.tracing.sdk import TracingUnavailable, check_available
+
+    try:
+        parse_endpoint(endpoint)
+        check_available()
+    except (EndpointError, TracingUnavailable) as exc:
+        raise SystemExit(f"pdserve operator: --otlp-traces-endpoint: {exc}") from None
 
 
 def _positive(text: str) -> float:

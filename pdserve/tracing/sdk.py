@@ -18,6 +18,7 @@ from pdserve.tracing.endpoint import GRPC, OtlpEndpoint
 if TYPE_CHECKING:
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import SpanExporter
+    from opentelemetry.sdk.trace.id_generator import IdGenerator
     from opentelemetry.trace import Tracer
 
 #: How to get the SDK, as the error says it.
@@ -60,6 +61,7 @@ def start_tracing(
     sampling_ratio: float | None = None,
     attributes: Mapping[str, str] | None = None,
     flag: str = "--otlp-traces-endpoint",
+    id_generator: IdGenerator | None = None,
 ) -> Tracing:
     """A tracer named ``name`` whose spans go to ``endpoint`` in batches.
 
@@ -82,6 +84,8 @@ def start_tracing(
     if service and str(resource.attributes.get(SERVICE_NAME, "")).startswith("unknown_service"):
         resource = resource.merge(Resource({SERVICE_NAME: service}))
     options: dict[str, Any] = {"resource": resource}
+    if id_generator is not None:
+        options["id_generator"] = id_generator
     if sampling_ratio is not None:
         options["sampler"] = sampling.ParentBased(sampling.TraceIdRatioBased(sampling_ratio))
     provider = TracerProvider(**options)
