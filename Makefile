@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
 .PHONY: install test test-workers unit lint fmt bench bench-operator bench-replay bench-routing cluster-build cluster-up cluster-down kind-e2e demo clean \
-	e2e-vllm record-vllm-fixtures
+	e2e-vllm record-vllm-fixtures otelcol-build
 
 install: $(VENV)/.installed
 
@@ -61,6 +61,11 @@ bench-routing: install cluster-up
 
 cluster-build:
 	hack/cluster/build
+
+## The OpenTelemetry Collector of the tracing tests (OTLP receiver + file exporter), cached under
+## ~/.cache/pdserve/otelcol; the tests build it on demand when it is missing (hack/otelcol/README.md).
+otelcol-build:
+	hack/otelcol/build
 
 ## The pod runner (hack/cluster/podrunner.py) runs on the repo's venv.
 cluster-up: install cluster-build

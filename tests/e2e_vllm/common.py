@@ -27,6 +27,8 @@ FIXTURES = REPO / "tests" / "fixtures" / f"vllm-{VLLM_VERSION}"
 MANIFEST = REPO / "examples" / "cpu" / "nixl-1p-1d-dp2.yaml"
 #: Its spec.model: a repo id resolved offline from HF_HOME (model.py puts the tiny model there).
 MODEL_ID = "pdserve-test/tiny-llama"
+#: Its metadata.name: the services of its traces are <name>-router, -prefill, -decode.
+MANIFEST_NAME = "tiny"
 SERVED_NAME = "tiny"
 MAX_MODEL_LEN = 512
 

@@ -164,11 +164,36 @@ class Collector:
         return path.read_text(errors="replace") if path.exists() else ""
 
 
-def binary() -> Path:
+class CollectorUnavailable(RuntimeError):
+    """The collector could not be built or started; the message says why."""
+
+
+def built() -> Path | None:
+    """The built collector, or None when hack/otelcol/build has not run (for this go.mod)."""
     out = subprocess.run([str(BUILD), "--print-bin"], capture_output=True, text=True, check=False)
-    if out.returncode != 0:
-        pytest.fail(f"the test collector is not built: run hack/otelcol/build\n{out.stderr}", pytrace=False)
-    return Path(out.stdout.strip())
+    return Path(out.stdout.strip()) if out.returncode == 0 else None
+
+
+def build(say: Callable[[str], None]) -> Path:
+    """The collector, built first if need be (minutes with an empty Go build cache), each line
+    of the build passed to ``say``."""
+    found = built()
+    if found is not None:
+        return found
+    say("building the test collector (hack/otelcol/build; cached after this run) ...")
+    started = time.monotonic()
+    process = subprocess.Popen(
+        [str(BUILD)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO
+    )
+    assert process.stdout is not None
+    lines = []
+    for line in process.stdout:
+        lines.append(line.rstrip())
+        say(line.rstrip())
+    if process.wait() != 0 or (found := built()) is None:
+        raise CollectorUnavailable("hack/otelcol/build failed:\n" + "\n".join(lines[-20:]))
+    say(f"built in {time.monotonic() - started:.0f} s")
+    return found
 
 
 def config(grpc_port: int, http_port: int, spans_file: Path) -> dict[str, Any]:
@@ -190,28 +215,36 @@ def config(grpc_port: int, http_port: int, spans_file: Path) -> dict[str, Any]:
     }
 
 
-def start_collector(directory: Path) -> Collector:
+def start_collector(directory: Path, binary: Path | None = None) -> Collector:
+    """The collector on free loopback ports, writing to ``directory`` (CollectorUnavailable if it
+    is not built or does not start)."""
+    binary = binary or built()
+    if binary is None:
+        raise CollectorUnavailable("the test collector is not built: run hack/otelcol/build")
     directory.mkdir(parents=True, exist_ok=True)
     grpc_port, http_port = free_port(), free_port()
     config_file = directory / "otelcol.json"
     config_file.write_text(json.dumps(config(grpc_port, http_port, directory / "spans.jsonl")))
     log = (directory / "otelcol.log").open("wb")
     process = subprocess.Popen(
-        [str(binary()), "--config", f"file:{config_file}"], stdout=log, stderr=subprocess.STDOUT
+        [str(binary), "--config", f"file:{config_file}"], stdout=log, stderr=subprocess.STDOUT
     )
     collector = Collector(grpc_port, http_port, directory, process)
     deadline = time.monotonic() + 30
     while "Everything is ready" not in collector.log():
         if process.poll() is not None or time.monotonic() > deadline:
             process.kill()
-            pytest.fail(f"the test collector did not start:\n{collector.log()}", pytrace=False)
+            raise CollectorUnavailable(f"the test collector did not start:\n{collector.log()}")
         time.sleep(0.05)
     return collector
 
 
 @pytest.fixture
 def otelcol(tmp_path: Path) -> Iterator[Collector]:
-    collector = start_collector(tmp_path / "otelcol")
+    try:
+        collector = start_collector(tmp_path / "otelcol")
+    except CollectorUnavailable as exc:
+        pytest.fail(str(exc), pytrace=False)
     try:
         yield collector
     finally:
@@ -228,27 +261,13 @@ def pytest_collection_finish(session: pytest.Session) -> None:
         return
     if session.config.option.collectonly:
         return
-    done = subprocess.run([str(BUILD), "--print-bin"], capture_output=True, text=True, check=False)
-    if done.returncode == 0:
-        return
     reporter = session.config.pluginmanager.get_plugin("terminalreporter")
 
     def say(line: str) -> None:
         if reporter is not None:
             reporter.write_line(f"otelcol: {line}")
 
-    say("building the test collector (hack/otelcol/build; cached after this run) ...")
-    started = time.monotonic()
-    process = subprocess.Popen(
-        [str(BUILD)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO
-    )
-    assert process.stdout is not None
-    lines = []
-    for line in process.stdout:
-        lines.append(line.rstrip())
-        say(line.rstrip())
-    if process.wait() != 0:
-        raise pytest.UsageError(
-            "hack/otelcol/build failed; the tracing tests need its collector:\n" + "\n".join(lines[-20:])
-        )
-    say(f"built in {time.monotonic() - started:.0f} s")
+    try:
+        build(say)
+    except CollectorUnavailable as exc:
+        raise pytest.UsageError(f"the tracing tests need the test collector: {exc}") from None
