@@ -93,6 +93,9 @@ RULES = {
         "pdserve.deployment",
         "pdserve.sim",
     ),
+    # the operator loads OpenTelemetry only with --otlp-traces-endpoint (pdserve.operator.tracing)
+    "pdserve.operator.reconcile": ("opentelemetry",),
+    "pdserve.operator.handlers": ("opentelemetry",),
     "pdserve.local.runner": ("kopf", "kubernetes", "pdserve.operator", "pdserve.proxy.", "pdserve.sim."),
 }
 

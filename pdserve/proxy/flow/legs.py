@@ -145,13 +145,6 @@ class LegRunner:
                 headers[TRACESTATE] = trace.tracestate
         return headers
 
-    def _leg_span(self, role: Role, slot: Slot, request_id: str, trace: Trace) -> Any:
-        """The span of a leg sent now (None when the router does not trace, or not this request)."""
-        spans = trace.spans
-        if spans is None:
-            return None
-        return spans.leg(role.value, slot, request_id, trace.attempts, trace.retry_reason, trace.part)
-
     async def _prefill(
         self,
         connector: Connector,
@@ -166,7 +159,12 @@ class LegRunner:
         outcome = "cancelled"
         status: int | None = None
         self._leg_started(Role.PREFILL, slot)
-        span = self._leg_span(Role.PREFILL, slot, request_id, trace)
+        spans = trace.spans  # the leg's span, when the router traces this request
+        span = (
+            spans.leg("prefill", slot, request_id, trace.attempts, trace.retry_reason, trace.part)
+            if spans is not None
+            else None
+        )
         try:
             payload = codec.dumps(plan.body)
             headers = self._headers(request_id, plan, auth, trace, span)
@@ -208,7 +206,12 @@ class LegRunner:
         outcome = "cancelled"
         status: int | None = None
         self._leg_started(Role.DECODE, slot)
-        span = self._leg_span(Role.DECODE, slot, request_id, trace)
+        spans = trace.spans
+        span = (
+            spans.leg("decode", slot, request_id, trace.attempts, trace.retry_reason, trace.part)
+            if spans is not None
+            else None
+        )
         try:
             payload = codec.dumps(plan.body)
             headers = self._headers(request_id, plan, auth, trace, span)
