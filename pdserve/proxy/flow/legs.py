@@ -158,13 +158,7 @@ class LegRunner:
         """Run the prefill leg; the handoff it returns has passed the connector's validation."""
         outcome = "cancelled"
         status: int | None = None
-        self._leg_started(Role.PREFILL, slot)
-        spans = trace.spans  # the leg's span, when the router traces this request
-        span = (
-            spans.leg("prefill", slot, request_id, trace.attempts, trace.retry_reason, trace.part)
-            if spans is not None
-            else None
-        )
+        span = self._leg_begins(Role.PREFILL, slot, request_id, trace)
         try:
             payload = codec.dumps(plan.body)
             headers = self._headers(request_id, plan, auth, trace, span)
@@ -205,13 +199,7 @@ class LegRunner:
     ) -> Reply:
         outcome = "cancelled"
         status: int | None = None
-        self._leg_started(Role.DECODE, slot)
-        spans = trace.spans
-        span = (
-            spans.leg("decode", slot, request_id, trace.attempts, trace.retry_reason, trace.part)
-            if spans is not None
-            else None
-        )
+        span = self._leg_begins(Role.DECODE, slot, request_id, trace)
         try:
             payload = codec.dumps(plan.body)
             headers = self._headers(request_id, plan, auth, trace, span)
@@ -267,6 +255,15 @@ class LegRunner:
             log.warning("prefill failed while its decode was already streaming: %r", exc)
 
     # --- bookkeeping ----------------------------------------------------------------------------
+
+    def _leg_begins(self, role: Role, slot: Slot, request_id: str, trace: Trace) -> Any:
+        """A leg is sent now: it counts in flight, and gets its span when the router traces
+        this request (None otherwise)."""
+        self._leg_started(role, slot)
+        spans = trace.spans
+        if spans is None:
+            return None
+        return spans.leg(role.value, slot, request_id, trace.attempts, trace.retry_reason, trace.part)
 
     def _leg_started(self, role: Role, slot: Slot) -> None:
         self.book.started(role, slot.key)
