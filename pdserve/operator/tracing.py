@@ -28,6 +28,7 @@ from opentelemetry import trace as otel
 from opentelemetry.sdk.trace.id_generator import RandomIdGenerator
 from opentelemetry.trace import NonRecordingSpan, SpanContext, SpanKind, Status, StatusCode, TraceFlags
 
+from pdserve import __version__
 from pdserve.operator.passlog import PassRecord
 from pdserve.operator.steps import Outcome
 from pdserve.tracing.endpoint import parse_endpoint
@@ -90,7 +91,10 @@ class PassTracer:
     @classmethod
     def start(cls, endpoint: str) -> PassTracer:
         ids = _Ids()
-        return cls(start_tracing(SCOPE, parse_endpoint(endpoint), SERVICE, id_generator=ids), ids)
+        version = {"service.version": __version__}
+        return cls(
+            start_tracing(SCOPE, parse_endpoint(endpoint), SERVICE, attributes=version, id_generator=ids), ids
+        )
 
     def shutdown(self) -> None:
         self._tracing.shutdown()

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from pdserve import __version__
 from tests.support.otelcol import FAST_EXPORT, Collector, ExportedSpan
 from tests.support.pdstack import PDStack, http
 from tests.support.procs import REPO, ProcessGroup, free_port, wait_http
@@ -110,6 +111,7 @@ def test_a_request_is_one_trace_through_router_prefill_and_decode(stack: PDStack
     assert engine_prefill.resource["vllm.instrumenting_module_name"] == "vllm.llm_engine"
 
     # What each span carries.
+    assert server.resource["service.version"] == __version__
     assert server.attributes["pdserve.request_id"] == "traced-1"
     assert server.attributes["http.response.status_code"] == 200
     assert server.attributes["pdserve.outcome"] == "ok"

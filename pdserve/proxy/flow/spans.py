@@ -28,6 +28,7 @@ from opentelemetry import trace as otel
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
+from pdserve import __version__
 from pdserve.proxy.settings import TracingSettings
 from pdserve.routing import Slot
 from pdserve.tracing.context import TRACEPARENT, TRACESTATE, traceparent
@@ -54,7 +55,8 @@ class RequestTracer:
     def start(cls, settings: TracingSettings, policy: str) -> RequestTracer:
         endpoint = settings.otlp
         assert endpoint is not None
-        return cls(start_tracing(SCOPE, endpoint, SERVICE, settings.sampling_ratio), policy)
+        version = {"service.version": __version__}
+        return cls(start_tracing(SCOPE, endpoint, SERVICE, settings.sampling_ratio, version), policy)
 
     def shutdown(self) -> None:
         self._tracing.shutdown()
