@@ -208,6 +208,9 @@ def test_sampling_ratio_zero_exports_nothing_and_tells_the_engines(
         sim.proc.stop()
     otelcol.mark()
     assert [s for s in otelcol.spans() if s.service != "test-marker"] == []
+    # No trace exists, so the request's log line names none.
+    lines = [line for line in stack.proxy.log().splitlines() if "request id=" in line]
+    assert lines and not any("trace_id=" in line for line in lines)
 
 
 def test_no_trace_is_exported_when_the_router_does_not_trace(stack: PDStack, otelcol: Collector) -> None:

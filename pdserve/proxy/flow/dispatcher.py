@@ -45,7 +45,7 @@ from pdserve.proxy.flow.attempts import (
 from pdserve.proxy.flow.legs import Engines, LegRunner
 from pdserve.proxy.flow.reply import JSON, Reply, ReplyStream, error_reply
 from pdserve.proxy.flow.sequences import MergedStream, Split, merge_answers
-from pdserve.proxy.flow.trace import Trace
+from pdserve.proxy.flow.trace import Trace, logged_trace_id
 from pdserve.proxy.metrics import ProxyMetrics
 from pdserve.proxy.policies import Policy
 from pdserve.proxy.settings import RetrySettings
@@ -53,7 +53,6 @@ from pdserve.proxy.state.health import SlotBook
 from pdserve.proxy.state.shared import SharedState
 from pdserve.proxy.table.served import RoutingState, ServedTable
 from pdserve.routing import Role, Slot, SlotTable
-from pdserve.tracing.context import trace_id_of
 
 if TYPE_CHECKING:  # loaded only when the router traces
     from pdserve.proxy.flow.spans import RequestSpans
@@ -403,7 +402,7 @@ class Dispatcher(LegRunner):
         extra = f" parts={len(trace.parts)}" if trace.parts else ""
         if trace.engine_base != trace.request_id:
             extra += f" engine_id={trace.engine_base}"
-        trace_id = trace.spans.trace_id if trace.spans is not None else trace_id_of(trace.traceparent)
+        trace_id = logged_trace_id(trace.spans, trace.traceparent)
         if trace_id is not None:
             extra += f" trace_id={trace_id}"
         log.info(

@@ -87,7 +87,8 @@ class RequestSpans:
         self.span = span
         self.recording = span.is_recording()
         ctx = span.get_span_context()
-        self.trace_id = f"{ctx.trace_id:032x}"
+        #: The trace the request's spans go to; None when the sampler left it out (no trace exists).
+        self.trace_id = f"{ctx.trace_id:032x}" if self.recording else None
         self._flags = int(ctx.trace_flags)
         self._traceparent = traceparent(ctx.trace_id, ctx.span_id, self._flags)
         self._parent = otel.set_span_in_context(span)

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from pdserve.proxy.flow.attempts import Handoff
+from pdserve.tracing.context import trace_id_of
 
 if TYPE_CHECKING:  # loaded only when the router traces
     from pdserve.proxy.flow.spans import RequestSpans
@@ -46,3 +47,11 @@ class Trace:
     retry_reason: str | None = None  # why the current attempt is a retry ("prefill connect_error")
     kv_span: Any = None  # the open kv_handoff span, until the decode's first byte
     stream_span: Any = None  # the decode leg's span while the relay streams its answer
+
+
+def logged_trace_id(spans: RequestSpans | None, traceparent: str | None) -> str | None:
+    """The trace id a request's log lines name: its trace's when the router traced it, else the
+    client's (a context passed through, or one the router's sampler left out)."""
+    if spans is not None and spans.trace_id is not None:
+        return spans.trace_id
+    return trace_id_of(traceparent)

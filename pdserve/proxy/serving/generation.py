@@ -22,9 +22,10 @@ from pdserve.proxy.engine import codec
 from pdserve.proxy.flow.dispatcher import Dispatcher
 from pdserve.proxy.flow.reply import Reply
 from pdserve.proxy.flow.sequences import plan_split
+from pdserve.proxy.flow.trace import logged_trace_id
 from pdserve.proxy.serving.ports import refused_here
 from pdserve.proxy.settings import RequestSettings
-from pdserve.tracing.context import TRACEPARENT, TRACESTATE, trace_id_of
+from pdserve.tracing.context import TRACEPARENT, TRACESTATE
 from pdserve.wire.headers import ERROR_REASON
 from pdserve.wire.openai import (
     VALIDATION_ERROR_TYPE,
@@ -286,7 +287,7 @@ def _refused(
 
 def _trace_note(headers: Mapping[str, str], spans: RequestSpans | None) -> str:
     """`` trace_id=...`` for a log line: the request's trace (the client's when not tracing), if any."""
-    trace_id = spans.trace_id if spans is not None else trace_id_of(headers.get(TRACEPARENT))
+    trace_id = logged_trace_id(spans, headers.get(TRACEPARENT))
     return f" trace_id={trace_id}" if trace_id is not None else ""
 
 
