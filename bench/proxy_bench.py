@@ -522,8 +522,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         prefix = "baseline-" + prefix
         meta["baseline"] = describe_tree(args.baseline)
     if args.label:
-        prefix = f"{args.label}-{prefix}"
-    written = write_results(RESULTS, prefix, summaries, meta, vars(args))
+        prefix = f"{args.label}-" + prefix.removeprefix("baseline-")
+    # The arguments as JSON, without this machine's paths: the baseline checkout by its description.
+    recorded = {k: v for k, v in vars(args).items() if k not in ("otlp", "otlp_stats")}
+    if args.baseline is not None:
+        recorded["baseline"] = describe_tree(args.baseline)
+    written = write_results(RESULTS, prefix, summaries, meta, recorded)
     log(f"wrote {', '.join(f'bench/results/{name}' for name in written)}")
     return 0
 
