@@ -470,7 +470,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.baseline is not None:
         prefix = "baseline-" + prefix
         meta["baseline"] = describe_tree(args.baseline)
-    written = write_results(RESULTS, prefix, summaries, meta, vars(args))
+    # The checkout by its commit, never by a path of this machine.
+    recorded = {**vars(args), "baseline": meta.get("baseline")}
+    written = write_results(RESULTS, prefix, summaries, meta, recorded)
     log(f"wrote {', '.join(f'bench/results/{name}' for name in written)}")
     return 0
 
