@@ -459,6 +459,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 )
                 + (f", the decode holding its first byte {load.hold_ms} ms" if load.hold_ms else "")
                 for load in loads(args)
+                if not args.loads or load.name in args.loads
             )
             + f"; {args.rounds} round(s), alternating order, pooled; both proxies at --log-level {LOG_LEVEL}"
         ),
