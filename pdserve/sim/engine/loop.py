@@ -54,7 +54,18 @@ class RankEngine:
     # --- the handlers' side -----------------------------------------------------------------
 
     def submit(self, request: Request) -> None:
-        request.arrival = asyncio.get_running_loop().time()
+        """The request reaches the engine's queue after the profile's frontend time."""
+        loop = asyncio.get_running_loop()
+        request.arrival = loop.time()
+        delay = self.profile.request.frontend_ms / 1000
+        if delay > 0:
+            loop.call_later(delay, self._enqueue, request)
+        else:
+            self._enqueue(request)
+
+    def _enqueue(self, request: Request) -> None:
+        if request.is_finished:  # aborted before it got here
+            return
         self.scheduler.add(request)
         self._wake.set()
 
