@@ -3,10 +3,10 @@ simulator see exactly the same tokens, whatever their tokenizers), streamed, tim
 
 - ``ttft``: one request at a time, each prompt new (no cache hit), ``max_tokens`` 1: the time to
   the first chunk against the prompt's length.
-- ``tpot``: ``c`` streams at once with short prompts: the median time per output token after
-  the first (a stream's decode time over its tokens: real vLLM on CPU sends several tokens in one
-  write when its API server falls behind, so single gaps between chunks mean little) against
-  the batch size.
+- ``tpot``: ``c`` streams at once with short prompts: the time per output token, from the wall
+  time of long and short streams (real vLLM on CPU sends several tokens in one write when its
+  API server falls behind, so gaps between chunks, even a stream's own span, mean little)
+  against the batch size.
 - ``throughput``: ``c`` clients in a closed loop: completed requests per second.
 - ``prefix``: prompts that share leading token runs, one at a time: the engine's prefix-cache
   counters before and after.
@@ -67,7 +67,7 @@ class Load:
             raise AssertionError(f"{self.url}: a stream without chunks")
         return Stream(marks[0] - start, end - start)
 
-    async def ttft(self, lengths: list[int], repeats: int = 5) -> dict[int, float]:
+    async def ttft(self, lengths: list[int], repeats: int = 7) -> dict[int, float]:
         """Median seconds to the first token per prompt length, one request at a time."""
         out = {}
         async with aiohttp.ClientSession() as session:
@@ -79,19 +79,23 @@ class Load:
         return out
 
     async def tpot(
-        self, batches: list[int], prompt: int = 32, tokens: int = 64, repeats: int = 2
+        self, batches: list[int], prompt: int = 32, tokens: int = 64, repeats: int = 3
     ) -> dict[int, float]:
-        """Median seconds per output token after the first, ``c`` streams decoding together."""
+        """Seconds per output token with ``c`` streams decoding together: the wall time of ``c``
+        streams of ``tokens`` less that of ``c`` streams of 2, over the ``tokens - 2`` more steps
+        (medians of ``repeats``)."""
         out = {}
         async with aiohttp.ClientSession() as session:
+
+            async def wall(c: int, n: int) -> float:
+                start = time.perf_counter()
+                await asyncio.gather(*(self.stream(session, self.ids(prompt), n) for _ in range(c)))
+                return time.perf_counter() - start
+
             for c in batches:
-                per_token = []
-                for _ in range(repeats):
-                    streams = await asyncio.gather(
-                        *(self.stream(session, self.ids(prompt), tokens) for _ in range(c))
-                    )
-                    per_token += [(s.total - s.first) / (tokens - 1) for s in streams]
-                out[c] = statistics.median(per_token)
+                long = statistics.median([await wall(c, tokens) for _ in range(repeats)])
+                short = statistics.median([await wall(c, 2) for _ in range(repeats)])
+                out[c] = max(long - short, 0.0) / (tokens - 2)
         return out
 
     async def throughput(

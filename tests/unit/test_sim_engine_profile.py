@@ -54,5 +54,5 @@ def test_a_bad_figure_is_refused_by_name(change: Any, message: str) -> None:
 
 
 def test_an_unknown_profile_names_the_packaged_ones() -> None:
-    with pytest.raises(ProfileError, match="cpu-tiny-llama, h200-llama-3.1-8b"):
+    with pytest.raises(ProfileError, match=r"cpu-tiny-llama, h200-llama-3\.1-8b"):
         load("no-such-profile")
