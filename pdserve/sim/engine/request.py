@@ -57,6 +57,7 @@ class Request:
     previous_token: float | None = None  # the metrics' mark, for inter-token latency
     finished: float | None = None
     finish_reason: str = "length"
+    blocks_at_finish: list[int] = field(default_factory=list)  # what a finished leg's answer names
 
     def __post_init__(self) -> None:
         if not self.num_prompt_tokens:
