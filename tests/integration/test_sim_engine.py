@@ -233,3 +233,13 @@ async def test_moriio_prefill_leg_frees_at_the_end_and_still_names_blocks(procs:
     assert answer["kv_transfer_params"]["transfer_id"] == "t-1"
     assert answer["kv_transfer_params"]["remote_block_ids"] == [[1, 2]]
     assert (await metrics(prefill.url))["vllm:kv_cache_usage_perc"] == {"0": 0.0}
+
+
+async def test_with_a_profile_max_tokens_is_generated_in_full(procs: ProcessGroup) -> None:
+    sim = procs.start("sim", ["sim", *CPU, "--kv-port", str(free_port())])
+    _, answer = await post(sim.url + "/v1/completions", {"prompt": words(10), "max_tokens": 40})
+    assert answer["usage"]["completion_tokens"] == 40  # beyond --tokens (16)
+    _, answer = await post(sim.url + "/v1/completions", {"prompt": words(500), "max_tokens": 40})
+    assert answer["usage"]["completion_tokens"] == 12  # up to --max-model-len 512
+    _, answer = await post(sim.url + "/v1/completions", {"prompt": words(10)})
+    assert answer["usage"]["completion_tokens"] == 16
