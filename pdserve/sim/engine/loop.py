@@ -11,12 +11,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import sys
+import traceback
 from collections.abc import Callable
 
 from pdserve.sim.engine.metrics import RankMetrics
 from pdserve.sim.engine.profile import Profile
 from pdserve.sim.engine.request import Request
 from pdserve.sim.engine.scheduler import EngineConfig, Scheduler
+
+#: How far behind its schedule a busy engine may catch up (seconds); beyond, it starts afresh.
+MAX_LAG = 0.05
 
 
 class RankEngine:
@@ -41,6 +46,17 @@ class RankEngine:
     def start(self) -> None:
         if self._task is None:
             self._task = asyncio.get_running_loop().create_task(self._run(), name=f"engine-rank-{self.rank}")
+            self._task.add_done_callback(self._ended)
+
+    def _ended(self, task: asyncio.Task[None]) -> None:
+        """A bug in the engine must not leave its requests waiting in silence."""
+        if task.cancelled() or task.exception() is None:
+            return
+        print(f"pdserve sim: engine of rank {self.rank} failed:", file=sys.stderr)
+        traceback.print_exception(task.exception(), file=sys.stderr)
+        for future in self._waiters.values():
+            if not future.done():
+                future.set_exception(RuntimeError(f"the engine of rank {self.rank} failed"))
 
     async def stop(self) -> None:
         tasks = [t for t in (self._task, *self._pulls) if t is not None]
@@ -97,6 +113,7 @@ class RankEngine:
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
         sched = self.scheduler
+        planned: float | None = None  # when the previous step was due to end, while busy
         while True:
             now = loop.time()
             if sched.expire_leases(now):
@@ -107,11 +124,16 @@ class RankEngine:
                     self._start_pulls(step.pulls)
                     if step.preempted:  # it preempted itself: admit it again at once
                         continue
+                planned = None
                 await self._idle(loop)
                 continue
             self._start_pulls(step.pulls)
             cost = self.profile.step_seconds(step.prefill_tokens, step.decode_seqs, step.context_tokens)
-            await asyncio.sleep(max(0.0, now + cost - loop.time()))
+            # Back to back, a step starts when the previous one was due to end: waking up late on a
+            # busy machine shortens the next sleep, so the steps keep the profile's pace on average.
+            start = now if planned is None or now - planned > MAX_LAG else planned
+            planned = start + cost
+            await asyncio.sleep(max(0.0, planned - loop.time()))
             end = loop.time()
             emitted = sched.finish_step(step, end)
             self.metrics.on_step(step, emitted, end)
