@@ -5,15 +5,14 @@ deployment, after an error) reads everything back from the cluster: the PDDeploy
 (readiness, IP, template hash, sizes, the draining annotation), the routing ConfigMap, the
 Services and the router Deployment. A light pass (a pod or router event) plans from what the
 watches fed into :class:`~pdserve.operator.cache.ClusterCache` and reads nothing; it only writes
-what changed (bench/results/operator-latest.md: a full pass costs about 12 GETs, a readiness flip
-reaches the table in 0.1 s with none). Either kind runs to the end in one go. Pods are only
-created after a read of the PDDeployment in the same pass (a light pass GETs it first), so a late
-pod event cannot resurrect a deleted deployment's pods. The decisions are the pure functions of
-:mod:`pdserve.deployment` (rendering, validation, rollout planning, routing table, status); this
-module reads, sequences and reports, :mod:`pdserve.operator.views` turns pods into the planner's
-inputs and :mod:`pdserve.operator.steps` makes the writes. Running it twice on an unchanged
-cluster writes nothing, and a restarted operator continues a rollout where the annotations say
-it stands.
+what changed (bench/results/operator-latest.md has what each costs). Either kind runs to the
+end in one go. Pods are only created after a read of the PDDeployment in the same pass (a light
+pass GETs it first), so a late pod event cannot resurrect a deleted deployment's pods. The
+decisions are the pure functions of :mod:`pdserve.deployment` (rendering, validation, rollout
+planning, routing table, status); this module reads, sequences and reports,
+:mod:`pdserve.operator.views` turns pods into the planner's inputs and
+:mod:`pdserve.operator.steps` makes the writes. Running it twice on an unchanged cluster writes
+nothing, and a restarted operator continues a rollout where the annotations say it stands.
 
 Order inside one pass, chosen so that the router never sends work to a pod being removed and the
 routing table (what users wait for) goes out first:
@@ -35,8 +34,19 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Any
 
-from pdserve.deployment.multinode import BACKEND_LWS
-from pdserve.deployment.objects import (
+from pdserve.deployment.plan.revision import pairing_revision
+from pdserve.deployment.plan.rollout import (
+    ActionKind,
+    plan_role,
+    replacement_allowance,
+    revisions_to_keep,
+    rollout_policy,
+)
+from pdserve.deployment.plan.scheduling import (
+    unschedulable_messages,
+)
+from pdserve.deployment.plan.status import Observation, RoleObservation, compute_status
+from pdserve.deployment.render.objects import (
     DEPLOYMENT_LABEL,
     ROLE_LABEL,
     desired_static_objects,
@@ -45,19 +55,8 @@ from pdserve.deployment.objects import (
     selector_string,
     template_hash,
 )
-from pdserve.deployment.revision import pairing_revision
-from pdserve.deployment.rollout import (
-    ActionKind,
-    plan_role,
-    replacement_allowance,
-    revisions_to_keep,
-    rollout_policy,
-)
-from pdserve.deployment.scheduling import (
-    unschedulable_messages,
-)
-from pdserve.deployment.spec import PDDeployment, SpecError, parse_pddeployment
-from pdserve.deployment.status import Observation, RoleObservation, compute_status
+from pdserve.deployment.spec.multinode import BACKEND_LWS
+from pdserve.deployment.spec.pddeployment import PDDeployment, SpecError, parse_pddeployment
 from pdserve.deployment.validate import problems as spec_problems
 from pdserve.deployment.validate import with_node_default
 from pdserve.operator import metrics
@@ -266,7 +265,7 @@ class Reconciler:
             return
         allocatable = self._nodes.allocatable(pdd.spec.gpu_resource)
         written, pdd = pdd, with_node_default(pdd, allocatable)
-        # Multi-node instances are the planner's units: one view per group (deployment/gangs.py).
+        # Multi-node instances are the planner's units: one view per group (deployment/plan/gangs.py).
         # A LeaderWorkerSet whose leader pod is not there (yet, or while its controller restarts
         # the group) still stands for its group: no second one is created for the index.
         present = {p["metadata"]["name"] for p in raw_pods}
@@ -337,7 +336,7 @@ class Reconciler:
             outcome.routing_written,
         )
         # Each step sends its calls now and returns a function that waits for the answers.
-        placements = pod_placements(pdd, raw_pods, each_pod)  # largest pods first (deployment/scheduling.py)
+        placements = pod_placements(pdd, raw_pods, each_pod)  # largest first (deployment/plan/)
         # Deletes are answered before creates go out, so no more than instances + maxSurge pods
         # of a role ever exist undeleted, even for an instant (a pass may replace one pod by another).
         statics = self._steps.apply_static(pdd, verified, live, outcome)

@@ -16,14 +16,15 @@ from typing import Any
 import pytest
 
 from pdserve.deployment.cli import to_yaml
-from pdserve.deployment.defaults import (
+from pdserve.deployment.plan.revision import pairing_revision
+from pdserve.deployment.render.defaults import (
     ENGINE_PRESTOP_SECONDS,
     ENGINE_TERMINATION_GRACE_SECONDS,
     ROUTER_PRESTOP_SECONDS,
     ROUTER_SHUTDOWN_GRACE_SECONDS,
 )
-from pdserve.deployment.groups import render_all
-from pdserve.deployment.objects import (
+from pdserve.deployment.render.groups import render_all
+from pdserve.deployment.render.objects import (
     DEFAULT_IMAGE,
     desired_static_objects,
     engine_service,
@@ -40,10 +41,10 @@ from pdserve.deployment.objects import (
     selector_string,
     template_hash,
 )
-from pdserve.deployment.revision import pairing_revision
-from pdserve.deployment.routing import ObservedInstance, build_routing_table
-from pdserve.deployment.spec import MAX_NAME_LENGTH, PDDeployment, parse_pddeployment
+from pdserve.deployment.render.routing_table import ObservedInstance, build_routing_table
+from pdserve.deployment.spec.pddeployment import MAX_NAME_LENGTH, PDDeployment, parse_pddeployment
 from pdserve.routing import Role, build_slot_table, load_routing_table
+from tests.support import specs
 
 GOLDEN = Path(__file__).resolve().parents[1] / "golden" / "render"
 UPDATE = os.environ.get("PDSERVE_UPDATE_GOLDEN") == "1"
@@ -78,13 +79,9 @@ def shape_manifest(shape: str, connector: str, **extra: Any) -> dict[str, Any]:
         "decode": {"instances": d_count, **d_role},
         "router": {"replicas": 2},
     }
-    spec.update(extra)
-    return {
-        "apiVersion": "pdserve.io/v1alpha1",
-        "kind": "PDDeployment",
-        "metadata": {"name": "r1", "namespace": "serving", "uid": UID, "generation": 1},
-        "spec": spec,
-    }
+    return specs.manifest(
+        "r1", metadata={"namespace": "serving", "uid": UID, "generation": 1}, **{**spec, **extra}
+    )
 
 
 def all_ready(pdd: PDDeployment) -> list[ObservedInstance]:

@@ -13,33 +13,36 @@ from typing import Any
 import pytest
 
 from pdserve.deployment import cli as render_cli
-from pdserve.deployment.groups import render_all
-from pdserve.deployment.objects import (
+from pdserve.deployment.render.groups import render_all
+from pdserve.deployment.render.objects import (
     disruption_budget,
     disruption_budget_name,
     instance_pod,
     role_selector,
     template_hash,
 )
-from pdserve.deployment.spec import DisruptionBudgetSpec, PDDeployment, SpecError, parse_pddeployment
+from pdserve.deployment.spec.pddeployment import (
+    DisruptionBudgetSpec,
+    PDDeployment,
+    SpecError,
+    parse_pddeployment,
+)
 from pdserve.local.plan import SimTimings, plan_local_run
 from pdserve.routing import Role
+from tests.support import specs
 
 UID = "0b8e7c1e-55a4-4c53-8f4e-3d2b1f0a9c11"
 
 
 def manifest(prefill: dict[str, Any] | None = None, decode: dict[str, Any] | None = None) -> dict[str, Any]:
-    return {
-        "apiVersion": "pdserve.io/v1alpha1",
-        "kind": "PDDeployment",
-        "metadata": {"name": "m", "namespace": "serving", "uid": UID},
-        "spec": {
-            "model": "Qwen/Qwen3-0.6B",
-            "image": "vllm/vllm-openai:v0.11.0",
-            "prefill": {"instances": 2, **(prefill or {})},
-            "decode": {"instances": 3, **(decode or {})},
-        },
-    }
+    return specs.manifest(
+        "m",
+        metadata={"namespace": "serving", "uid": UID},
+        model="Qwen/Qwen3-0.6B",
+        image="vllm/vllm-openai:v0.11.0",
+        prefill={"instances": 2, **(prefill or {})},
+        decode={"instances": 3, **(decode or {})},
+    )
 
 
 def pdd_of(prefill: dict[str, Any] | None = None, decode: dict[str, Any] | None = None) -> PDDeployment:

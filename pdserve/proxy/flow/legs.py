@@ -12,6 +12,7 @@ import logging
 import random
 import time
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from pdserve.proxy.connectors import Connector, LegPlan
@@ -27,8 +28,9 @@ from pdserve.proxy.flow.attempts import (
 )
 from pdserve.proxy.flow.relay import RelayStream
 from pdserve.proxy.flow.reply import JSON, Reply
-from pdserve.proxy.flow.trace import Deadlines, Trace
+from pdserve.proxy.flow.trace import Trace
 from pdserve.proxy.metrics import ProxyMetrics
+from pdserve.proxy.settings import DeadlineSettings
 from pdserve.proxy.state.health import SlotBook
 from pdserve.proxy.table.served import RoutingState
 from pdserve.routing import Role, Slot
@@ -37,24 +39,32 @@ from pdserve.wire.headers import AUTHORIZATION, DP_RANK, REQUEST_ID
 log = logging.getLogger("pdserve.proxy.request")
 
 
+@dataclass(frozen=True)
+class Engines:
+    """How a leg reaches an engine: the client, the deadlines, and the key the engines expect
+    (None: the client's Authorization header is forwarded)."""
+
+    upstream: Upstream
+    deadlines: DeadlineSettings
+    backend_api_key: str | None = None
+
+
 class LegRunner:
     """Runs legs against the upstreams; the dispatcher (pdserve.proxy.flow.dispatcher) decides which."""
 
     def __init__(
         self,
         book: SlotBook,
-        upstream: Upstream,
+        engines: Engines,
         metrics: ProxyMetrics,
-        deadlines: Deadlines,
-        backend_api_key: str | None,
         admission: AdmissionGate | None = None,
     ) -> None:
         self.book = book
         self.admission = admission or AdmissionGate(0, 0, 0.0, metrics)
-        self.upstream = upstream
+        self.upstream = engines.upstream
         self.metrics = metrics
-        self.deadlines = deadlines
-        self.backend_api_key = backend_api_key
+        self.deadlines = engines.deadlines
+        self.backend_api_key = engines.backend_api_key
         self.unreachable = book.unreachable
 
     def _close(self, trace: Trace, status: int, outcome: str) -> None:
@@ -136,14 +146,9 @@ class LegRunner:
                 answer = await self.upstream.post(
                     slot.url + path, payload, headers, self.deadlines.prefill_ttfb
                 )
-            except LegError as exc:
+            except (LegError, BackendRefusal) as exc:
                 outcome = exc.outcome
-                if exc.outcome == "timeout":
-                    self.metrics.deadline_expiries.labels("prefill", "prefill_ttfb").inc()
-                raise LegFailure(Role.PREFILL, slot, exc) from None
-            except BackendRefusal as refusal:
-                outcome = f"http_{refusal.status // 100}xx"
-                raise
+                raise self._leg_failure(Role.PREFILL, slot, exc) from None
             handoff = _kv_transfer_params(answer)
             problems = connector.handoff_problems(handoff)
             if problems:
@@ -182,14 +187,9 @@ class LegRunner:
                     )
                 else:
                     answer = await self.upstream.post(url, payload, headers, self.deadlines.decode_ttfb)
-            except LegError as exc:
+            except (LegError, BackendRefusal) as exc:
                 outcome = exc.outcome
-                if exc.outcome == "timeout":
-                    self.metrics.deadline_expiries.labels("decode", "decode_ttfb").inc()
-                raise LegFailure(Role.DECODE, slot, exc) from None
-            except BackendRefusal as refusal:
-                outcome = f"http_{refusal.status // 100}xx"
-                raise
+                raise self._leg_failure(Role.DECODE, slot, exc) from None
             trace.first_byte = time.monotonic()
             if background is not None:
                 background.add_done_callback(self._observe_background_prefill)
@@ -201,6 +201,15 @@ class LegRunner:
         finally:
             if outcome != "streaming":
                 self._leg_finished(Role.DECODE, slot, outcome)
+
+    def _leg_failure(self, role: Role, slot: Slot, exc: LegError | BackendRefusal) -> Exception:
+        """What a failed leg raises: the engine's own refusal (a 4xx, passed to the client), or a
+        LegFailure the dispatcher may retry elsewhere, its deadline counted when it expired."""
+        if isinstance(exc, BackendRefusal):
+            return exc
+        if exc.outcome == "timeout":
+            self.metrics.deadline_expiries.labels(role.value, f"{role.value}_ttfb").inc()
+        return LegFailure(role, slot, exc)
 
     def _observe_background_prefill(self, task: asyncio.Task[Any]) -> None:
         """MoRIIO WRITE: a prefill that fails after its decode started cannot fail the request."""

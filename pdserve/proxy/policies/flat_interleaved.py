@@ -3,8 +3,8 @@
 Over k·L consecutive requests each of the L live slots gets exactly k (the routing-table
 property), because every live slot appears once per cycle of the list; a slot that is ejected or
 unreachable is left out of the cycle rather than passing its turn to its neighbour. With several
-worker processes the counter lives in shared memory (pdserve.proxy.policies.counters), and so do the
-ejections, so it is still the router's only counter over one live set and the property holds
+worker processes the counter lives in shared memory (pdserve.proxy.policies.counters), and so do
+the ejections, so it is still the router's only counter over one live set and the property holds
 for the router as a whole.
 """
 
@@ -13,20 +13,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import ClassVar
 
-from pdserve.proxy.policies.base import live_and_ejected, rotation
-from pdserve.proxy.policies.counters import Counters, LocalCounters
+from pdserve.proxy.policies.base import Turns, live_and_ejected, rotation
 from pdserve.proxy.state.health import SlotBook
 from pdserve.routing import Role, Slot
 
 
-class FlatInterleaved:
+class FlatInterleaved(Turns):
     name: ClassVar[str] = "flat-interleaved"
-
-    def __init__(self, counters: Counters | None = None) -> None:
-        self._counters = counters or LocalCounters()
-
-    def turn(self, role: Role, group: str = "") -> int:
-        return self._counters.take(role.value, group)
 
     def candidates(self, role: Role, slots: Sequence[Slot], book: SlotBook, turn: int) -> list[Slot]:
         live, ejected = live_and_ejected(role, slots, book)

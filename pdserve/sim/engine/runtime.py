@@ -9,8 +9,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from pdserve.sim.engine.exposition import metrics_text
 from pdserve.sim.engine.loop import RankEngine
-from pdserve.sim.engine.metrics import metrics_text
 from pdserve.sim.engine.profile import Profile
 from pdserve.sim.engine.pull import PullNotices
 from pdserve.sim.engine.request import Kind, Request
