@@ -3,8 +3,9 @@ and without its step engine, and whether a DP8 simulator keeps up with the route
 
 Systems, each one DP8 `pdserve sim` process (role both) measured under the same loads:
 
-  * ``baseline``: the simulator of ``--baseline`` (default: the ``main`` branch), exported with
-    ``git archive`` into a temporary directory and run from there: the default path before;
+  * ``baseline``: the simulator of ``--baseline`` (default: 3b7c1f7, main just before the step
+    engine came), exported with ``git archive`` into a temporary directory and run from there: the
+    default path before;
   * ``fixed``: this tree's simulator without a profile (the path `make bench` and the tests
     use: fixed --ttft-ms/--itl-ms): it must not be slower than ``baseline``;
   * ``engine``: this tree's simulator with ``--profile h200-llama-3.1-8b`` (about 6 ms steps:
@@ -103,7 +104,9 @@ def measure(server: Server, load: tuple[str, bool, int, int, int]) -> dict[str, 
 
 def main() -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.sim_bench", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--baseline", default="main", help="git ref of the baseline simulator (default main)")
+    parser.add_argument(
+        "--baseline", default="3b7c1f7", help="git ref of the baseline simulator (default: before the engine)"
+    )
     parser.add_argument("--rounds", type=int, default=2, help="rounds, alternating the order (default 2)")
     parser.add_argument(
         "--ttft-ms", type=float, default=2.0, help="fixed systems' ttft (default 2, as make bench)"
