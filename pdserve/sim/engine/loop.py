@@ -146,9 +146,11 @@ class RankEngine:
         """Nothing to compute: wait for an arrival, a finished pull, freed blocks or a lease end."""
         self._wake.clear()
         expiry = self.scheduler.next_lease_expiry()
-        timeout = None if expiry is None else max(0.0, expiry - loop.time())
+        if expiry is None:  # the common case: no timer, no task
+            await self._wake.wait()
+            return
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._wake.wait(), timeout)
+            await asyncio.wait_for(self._wake.wait(), max(0.0, expiry - loop.time()))
 
     def _start_pulls(self, requests: list[Request]) -> None:
         for request in requests:
