@@ -34,6 +34,7 @@ PROFILE = {
     "description": "a fast engine for the replay cache test",
     "source": "tests/integration/test_replay_cache.py",
     "step": {"step_ms": 1.0, "prefill_token_ms": 0.001, "decode_seq_ms": 0.05, "context_ktoken_ms": 0.0},
+    "request": {"frontend_ms": 0.0},
     "kv_transfer": {"bytes_per_token": 1024, "bandwidth_gb_per_s": 20.0, "latency_ms": 0.5},
     "engine": {
         "block_size": 16,
