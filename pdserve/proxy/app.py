@@ -23,6 +23,7 @@ import aiohttp
 from quart import Quart, Response, g, request
 from werkzeug.exceptions import HTTPException
 
+from pdserve.proxy.admin.kv_capacity import watch_kv_capacity
 from pdserve.proxy.admin.merge import merge_debug, merge_served
 from pdserve.proxy.admin.readiness import local_engine_problem, sidecar_not_ready_reason
 from pdserve.proxy.engine.upstream import Upstream
@@ -30,7 +31,7 @@ from pdserve.proxy.flow.admission import ADMISSION_POLL_S, AdmissionGate
 from pdserve.proxy.flow.dispatcher import Dispatcher
 from pdserve.proxy.flow.trace import Deadlines
 from pdserve.proxy.metrics import ProxyMetrics
-from pdserve.proxy.policies import make_policy
+from pdserve.proxy.policies import ByRole, PrefixAffinity, make_policies
 from pdserve.proxy.serving.generation import GenerationApp, client_key_problem, request_id_of
 from pdserve.proxy.serving.server import Lifecycle
 from pdserve.proxy.serving.worker_views import Views, WorkerViewsError, gather_views, serve_views
@@ -124,9 +125,20 @@ def create_app(
     deadlines = Deadlines(
         settings.prefill_ttfb_timeout, settings.decode_ttfb_timeout, settings.stream_idle_timeout
     )
+    policy = make_policies(
+        settings.policy,
+        settings.prefill_policy,
+        shared.counters if shared is not None else None,
+        settings.prefix,
+        shared.prefix_log if shared is not None else None,
+        metrics.enable_prefix() if settings.prefill_policy == PrefixAffinity.name else None,
+    )
+    served.listeners.append(lambda state: policy.table_changed(state.slots))
+    prefix = policy.prefill if isinstance(policy, ByRole) else None
+    prefix = prefix if isinstance(prefix, PrefixAffinity) else None
     dispatcher = Dispatcher(
         served,
-        make_policy(settings.policy, shared.counters if shared is not None else None),
+        policy,
         book,
         upstream,
         metrics,
@@ -155,6 +167,13 @@ def create_app(
         if source.load_now is not None:
             source.load_now()
         tasks.append(asyncio.create_task(source.run()))
+        if prefix is not None and not settings.prefix.index_chunks:
+            headers = (
+                {AUTHORIZATION: f"Bearer {settings.backend_api_key}"} if settings.backend_api_key else {}
+            )
+            tasks.append(
+                asyncio.create_task(watch_kv_capacity(served, prefix, lambda: upstream.session, headers))
+            )
         if worker is not None and worker.count > 1:
             views_server.append(await serve_views(worker, local_views))
 
@@ -235,6 +254,7 @@ def create_app(
         out: dict[str, Any] = {
             "source": served.source,
             "policy": settings.policy,
+            "prefill_policy": settings.prefill_policy or settings.policy,
             "last_reload_error": served.rejected,
             "source_problem": served.problem,
             "generation": state.generation if state else None,
@@ -265,6 +285,11 @@ def create_app(
                     }
                 )
             out["slots"][role.value] = rows
+        described = policy.describe()
+        if described:
+            out["prefix"] = described
+            for row in out["slots"].get(Role.PREFILL.value, []):
+                row["prefix_index_chunks"] = described["slots"].get(row["slot"], {}).get("chunks", 0)
         return out
 
     local_views: Views = {

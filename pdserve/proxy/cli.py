@@ -9,9 +9,10 @@ CPUs available) share the port and one flat-interleaved counter per role in shar
 
 Environment variables give defaults for the main flags (a flag wins): PDSERVE_ROUTING_FILE,
 PDSERVE_ROUTING_CONFIGMAP, KUBECONFIG, PDSERVE_PROXY_HOST, PDSERVE_PROXY_PORT, PDSERVE_PROXY_POLICY,
-PROXY_HTTP_SERVER, PROXY_LISTEN_BACKLOG, PDSERVE_PROXY_MAX_RETRIES, PDSERVE_PROXY_API_KEY,
-PDSERVE_BACKEND_API_KEY, PDSERVE_PROXY_SHUTDOWN_GRACE_SECONDS, PDSERVE_PROXY_SHUTDOWN_DELAY_SECONDS,
-PDSERVE_PROXY_LOG_LEVEL, PDSERVE_PROXY_ADMIN_PORT, PDSERVE_PROXY_ADMIN_HOST, PDSERVE_LOCAL_DECODE, POD_NAME,
+PDSERVE_PROXY_PREFILL_POLICY, PDSERVE_PROXY_PREFIX_UNMATCHED, PROXY_HTTP_SERVER,
+PROXY_LISTEN_BACKLOG, PDSERVE_PROXY_MAX_RETRIES, PDSERVE_PROXY_API_KEY, PDSERVE_BACKEND_API_KEY,
+PDSERVE_PROXY_SHUTDOWN_GRACE_SECONDS, PDSERVE_PROXY_SHUTDOWN_DELAY_SECONDS, PDSERVE_PROXY_LOG_LEVEL,
+PDSERVE_PROXY_ADMIN_PORT, PDSERVE_PROXY_ADMIN_HOST, PDSERVE_LOCAL_DECODE, POD_NAME,
 PDSERVE_INSTANCE_INDEX. Prefer the environment for keys: command lines
 are visible to every user of the machine.
 """
@@ -25,7 +26,8 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from pdserve.proxy.policies import DEFAULT_POLICY, POLICIES
+from pdserve.proxy.policies import DEFAULT_POLICY, POLICIES, PREFILL_POLICIES, PrefixOptions
+from pdserve.proxy.policies.prefix_affinity import UNMATCHED_MODES
 from pdserve.proxy.serving.cpus import available_cpus
 from pdserve.proxy.settings import (
     DEFAULT_DECODE_TTFB_S,
@@ -113,6 +115,66 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="slot choice: flat-interleaved gives every slot exactly one request per cycle; "
         "least-outstanding picks the slot with the fewest in-flight requests (default %(default)s) "
         "[env PDSERVE_PROXY_POLICY]",
+    )
+    prefix = PrefixOptions()
+    add(
+        "--prefill-policy",
+        choices=PREFILL_POLICIES,
+        default=_env("PDSERVE_PROXY_PREFILL_POLICY"),
+        help="the prefill slots' choice, when it differs from --policy's: prefix-affinity sends a prompt "
+        "to the slot that already holds its longest prefix, among the slots whose load stays within "
+        "--prefix-balance, and otherwise to the flat interleave's slot (decode legs keep --policy) "
+        "(default: --policy's) [env PDSERVE_PROXY_PREFILL_POLICY]",
+    )
+    add(
+        "--prefix-balance",
+        type=float,
+        default=prefix.balance,
+        metavar="EPSILON",
+        help="prefix-affinity's load bound: a slot takes a request for its prefix only while its prefill "
+        "legs in flight stay within ceil((1 + EPSILON) x the mean over the live slots), this request "
+        "counted (default %(default)s)",
+    )
+    add(
+        "--prefix-min-match",
+        type=int,
+        default=prefix.min_match_chars,
+        metavar="CHARS",
+        help="prefix-affinity: the shortest prompt prefix (characters, rounded up to whole chunks) worth "
+        "leaving the flat interleave for (default %(default)s)",
+    )
+    add(
+        "--prefix-chunk-chars",
+        type=int,
+        default=prefix.chunk_chars,
+        metavar="CHARS",
+        help="prefix-affinity: prompts are indexed in chunks of this many characters, each hash chained "
+        "to the one before (default %(default)s)",
+    )
+    add(
+        "--prefix-index-chunks",
+        type=int,
+        default=prefix.index_chunks,
+        metavar="N",
+        help="prefix-affinity: chunks each prefill slot's index holds (LRU); 0 sizes it from the engine's "
+        "KV capacity (vllm:cache_config_info: num_gpu_blocks x block_size tokens x "
+        "--prefix-chars-per-token), 8192 until that is read (default %(default)s)",
+    )
+    add(
+        "--prefix-chars-per-token",
+        type=float,
+        default=prefix.chars_per_token,
+        help="prefix-affinity: characters per engine token, to size the index from the engine's KV "
+        "capacity (default %(default)s)",
+    )
+    add(
+        "--prefix-unmatched",
+        choices=UNMATCHED_MODES,
+        default=_env("PDSERVE_PROXY_PREFIX_UNMATCHED", prefix.unmatched),
+        help="prefix-affinity: where a prompt that matches no slot goes: flat (the flat interleave's next "
+        "slot: unique prompts keep exact shares; for one router) or rendezvous (the slot its first chunk "
+        "hashes to, within the load bound: several routers agree without talking) (default %(default)s) "
+        "[env PDSERVE_PROXY_PREFIX_UNMATCHED]",
     )
     add(
         "--http-server",
@@ -389,8 +451,27 @@ def local_decode(args: argparse.Namespace) -> LocalDecode | None:
     )
 
 
+def prefix_options(args: argparse.Namespace) -> PrefixOptions:
+    try:
+        return PrefixOptions(
+            chunk_chars=args.prefix_chunk_chars,
+            min_match_chars=args.prefix_min_match,
+            balance=args.prefix_balance,
+            index_chunks=args.prefix_index_chunks,
+            chars_per_token=args.prefix_chars_per_token,
+            unmatched=args.prefix_unmatched,
+        )
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+
+
 def settings_from_args(args: argparse.Namespace) -> ProxySettings:
     routing_file, configmap, kube = table_source(args)
+    if args.prefill_policy is not None and args.prefill_policy not in PREFILL_POLICIES:
+        raise UsageError(  # the environment variable (the flag's choices check the flag)
+            f"PDSERVE_PROXY_PREFILL_POLICY: expected one of {', '.join(PREFILL_POLICIES)}, "
+            f"got {args.prefill_policy!r}"
+        )
     return ProxySettings(
         routing_file=routing_file,
         routing_configmap=configmap,
@@ -398,6 +479,8 @@ def settings_from_args(args: argparse.Namespace) -> ProxySettings:
         host=args.host,
         port=args.port,
         policy=args.policy,
+        prefill_policy=args.prefill_policy,
+        prefix=prefix_options(args),
         http_server=args.http_server,
         backlog=args.backlog,
         max_retries=max(0, args.max_retries),

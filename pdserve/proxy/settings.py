@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from pdserve.proxy.policies import DEFAULT_POLICY
+from pdserve.proxy.policies import DEFAULT_POLICY, PrefixOptions
 from pdserve.proxy.serving.worker_views import WorkerInfo
 from pdserve.routing.sidecar import LocalDecode
 
@@ -50,6 +50,9 @@ class ProxySettings:
     host: str = "0.0.0.0"
     port: int = 8000
     policy: str = DEFAULT_POLICY
+    #: The prefill slots' policy (None: ``policy``'s); prefix-affinity reads ``prefix``.
+    prefill_policy: str | None = None
+    prefix: PrefixOptions = field(default_factory=PrefixOptions)
     http_server: str = DEFAULT_HTTP_SERVER
     backlog: int = 4096
     max_retries: int = 2

@@ -10,13 +10,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import ClassVar
 
-from pdserve.proxy.policies.base import live_and_ejected, rotation
+from pdserve.proxy.policies.base import OrderOnly, RequestView, live_and_ejected, rotation
 from pdserve.proxy.policies.counters import Counters, LocalCounters
 from pdserve.proxy.state.health import SlotBook
 from pdserve.routing import Role, Slot
 
 
-class LeastOutstanding:
+class LeastOutstanding(OrderOnly):
     name: ClassVar[str] = "least-outstanding"
 
     def __init__(self, counters: Counters | None = None) -> None:
@@ -25,7 +25,9 @@ class LeastOutstanding:
     def turn(self, role: Role, group: str = "") -> int:
         return self._counters.take(role.value, group)
 
-    def candidates(self, role: Role, slots: Sequence[Slot], book: SlotBook, turn: int) -> list[Slot]:
+    def candidates(
+        self, role: Role, slots: Sequence[Slot], book: SlotBook, turn: int, request: RequestView | None = None
+    ) -> list[Slot]:
         live, ejected = live_and_ejected(role, slots, book)
         # sorted() is stable, so equal in-flight counts keep the interleaved rotation order.
         by_load = sorted(rotation(live, turn), key=lambda s: book.in_flight(role, s.key))

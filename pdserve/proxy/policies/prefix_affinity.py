@@ -1,0 +1,315 @@
+"""Prefill policy ``prefix-affinity``: the slot that already holds the longest prefix of the
+prompt, among the slots whose load stays within a bound; the flat interleave otherwise.
+
+The router keeps, per prefill slot, an index of the prompt prefixes it sent there (chunks of the
+prompt text with chained hashes, bounded per slot: pdserve.proxy.policies.prefix). For each
+request, over the live slots in the flat interleave's order from the request's turn:
+
+* if no live slot holds at least the minimum match (``--prefix-min-match`` characters, in whole
+  chunks), the request takes the flat interleave's slot, exactly as flat-interleaved would: a
+  stream of unique prompts gets the flat interleave's per-slot counts, exactly;
+* otherwise the eligible slots are those whose load (prefill legs in flight, router-wide) would
+  stay within ``ceil((1 + ε) x mean)`` with this request counted (``ε``: ``--prefix-balance``); of
+  those, the one with the longest match, the first in the flat order on a tie; if no eligible slot
+  matches the minimum, the first eligible slot in the flat order. A hot prefix shared by every
+  prompt therefore spreads over the slots as their loads allow, and a slot is never given a
+  request with a prefix match that would take it past the bound. (At least one slot is always
+  eligible: the least loaded.)
+
+Several routers (replicas, or a router in every decode pod) each keep their own index. With
+``--prefix-unmatched rendezvous`` a prompt that matches nothing goes to the slot its first chunk
+ranks highest by rendezvous hashing (within the bound), so every router sends a new prefix to the
+same slot without talking; the price is that unique prompts are spread by hash within the bound
+rather than by exact counts. The default, ``flat``, is for one router (its worker processes share
+one index: pdserve.proxy.state.prefix_log).
+
+Decode legs keep the flat interleave.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from pdserve.proxy.metrics import PrefixMetrics
+from pdserve.proxy.policies.base import RequestView, live_and_ejected, rotation
+from pdserve.proxy.policies.counters import Counters, LocalCounters
+from pdserve.proxy.policies.prefix.chunks import Chunked, chunk_prompt, stable_hash
+from pdserve.proxy.policies.prefix.index import PrefixIndex
+from pdserve.proxy.state.health import SlotBook
+from pdserve.proxy.state.prefix_log import PrefixLog
+from pdserve.routing import Role, Slot, SlotTable
+
+#: Chunks per slot while the engine's KV capacity is unknown and no size is given (2 MB of text
+#: at the default chunk: about half a million tokens).
+DEFAULT_INDEX_CHUNKS = 8192
+#: The most chunks one slot's index holds, whatever its engine reports (memory: about 200
+#: bytes per chunk and slot, in every worker process).
+MAX_INDEX_CHUNKS = 1 << 18
+UNMATCHED_MODES = ("flat", "rendezvous")
+
+# How a slot was chosen (pdserve_proxy_prefix_routed_total{how}).
+AFFINITY = "affinity"
+FLAT = "flat"
+SPREAD = "spread"
+RENDEZVOUS = "rendezvous"
+UNCHUNKABLE = "unchunkable"
+
+
+@dataclass(frozen=True)
+class PrefixOptions:
+    chunk_chars: int = 256
+    min_match_chars: int = 1024
+    balance: float = 0.25
+    #: Chunks per slot; 0: from the engine's KV capacity (vllm:cache_config_info) once known.
+    index_chunks: int = 0
+    #: Characters per engine token, to turn the engine's KV capacity (tokens) into chunks.
+    chars_per_token: float = 4.0
+    unmatched: str = "flat"
+
+    def __post_init__(self) -> None:
+        if self.chunk_chars < 1:
+            raise ValueError(f"--prefix-chunk-chars: expected a value >= 1, got {self.chunk_chars}")
+        if self.min_match_chars < 0:
+            raise ValueError(f"--prefix-min-match: expected a value >= 0, got {self.min_match_chars}")
+        if not 0 <= self.balance <= 100:
+            raise ValueError(f"--prefix-balance: expected a value from 0 to 100, got {self.balance}")
+        if self.index_chunks < 0:
+            raise ValueError(f"--prefix-index-chunks: expected a value >= 0, got {self.index_chunks}")
+        if self.chars_per_token <= 0:
+            raise ValueError(f"--prefix-chars-per-token: expected a value > 0, got {self.chars_per_token}")
+        if self.unmatched not in UNMATCHED_MODES:
+            raise ValueError(
+                f"--prefix-unmatched: expected one of {', '.join(UNMATCHED_MODES)}, got {self.unmatched!r}"
+            )
+
+    @property
+    def min_chunks(self) -> int:
+        """The minimum match in whole chunks (at least one)."""
+        return max(1, math.ceil(self.min_match_chars / self.chunk_chars))
+
+    def chunks_for(self, tokens: int) -> int:
+        """Index chunks for an engine rank that holds ``tokens`` tokens of KV."""
+        return max(1, min(MAX_INDEX_CHUNKS, int(tokens * self.chars_per_token / self.chunk_chars)))
+
+
+def load_bound(total: int, slots: int, balance: float) -> int:
+    """``ceil((1 + ε) x mean)``, the mean counting the request being placed: a slot may take it
+    while its load plus one stays within this."""
+    return math.ceil(round((1 + balance) * (total + 1) / slots, 9))
+
+
+@dataclass(frozen=True)
+class Placement:
+    position: int  # in the flat order given to place()
+    how: str
+
+
+def place(
+    order: Sequence[str],
+    depths: Mapping[str, int],
+    loads: Sequence[int],
+    balance: float,
+    min_chunks: int,
+    spread: Sequence[int] | None = None,
+) -> Placement:
+    """The choice of the module doc, pure: ``order`` the live slots' keys in the flat order from
+    the request's turn, ``depths`` each slot's match in chunks, ``loads`` their loads (in
+    ``order``'s order); ``spread`` (rendezvous) the positions to try, best first, for a prompt
+    placed by no match (None: the flat order). ``loads`` is read only when a match or ``spread``
+    needs it."""
+    best_anywhere = max(depths.values(), default=0)
+    if best_anywhere < min_chunks and spread is None:
+        return Placement(0, FLAT)
+    bound = load_bound(sum(loads), len(order), balance)
+    if best_anywhere >= min_chunks:
+        best, chosen = 0, -1
+        for position, key in enumerate(order):
+            depth = depths.get(key, 0)
+            if depth > best and loads[position] + 1 <= bound:
+                best, chosen = depth, position
+        if best >= min_chunks:
+            return Placement(chosen, AFFINITY)
+    how = SPREAD if best_anywhere >= min_chunks else RENDEZVOUS
+    for position in spread if spread is not None else range(len(order)):
+        if loads[position] + 1 <= bound:
+            return Placement(position, how)
+    return Placement(0, how)  # unreachable: the least loaded slot is always within the bound
+
+
+class PrefixAffinity:
+    name: ClassVar[str] = "prefix-affinity"
+    reads_requests = True
+
+    def __init__(
+        self,
+        counters: Counters | None = None,
+        options: PrefixOptions | None = None,
+        log: PrefixLog | None = None,
+        metrics: PrefixMetrics | None = None,
+    ) -> None:
+        self._counters = counters or LocalCounters()
+        self.options = options or PrefixOptions()
+        self.index = PrefixIndex(self.options.index_chunks or DEFAULT_INDEX_CHUNKS)
+        self._log = log  # worker processes: one index, a copy in each (prefix_log.py)
+        self._metrics = metrics
+        self._by_hash: dict[int, str] = {}  # stable hash of a slot key -> the key (log records)
+        self._sizes_from: dict[str, str] = {}  # slot key -> "engine" when sized from its KV
+        self._masks: tuple[Sequence[Slot], int, dict[int, str]] | None = None
+
+    # --- the protocol -------------------------------------------------------------------------
+
+    def turn(self, role: Role, group: str = "") -> int:
+        return self._counters.take(role.value, group)
+
+    def view(self, endpoint: str, body: Mapping[str, Any]) -> Chunked:
+        return chunk_prompt(endpoint, body, self.options.chunk_chars)
+
+    def candidates(
+        self, role: Role, slots: Sequence[Slot], book: SlotBook, turn: int, request: RequestView | None = None
+    ) -> list[Slot]:
+        live, ejected = live_and_ejected(role, slots, book)
+        order = rotation(live, turn)
+        if role is not Role.PREFILL or not isinstance(request, Chunked) or not request.hashes or not order:
+            if isinstance(request, Chunked):
+                request.how = UNCHUNKABLE if request.reason else FLAT
+            return [*order, *ejected]
+        self._catch_up()
+        mask, keys_by_bit = self._live_mask(live)
+        depths = {keys_by_bit[bit]: depth for bit, depth in self.index.depths(request.hashes, mask).items()}
+        request.depths = depths
+        keys = [s.key for s in order]
+        opts = self.options
+        spread = None
+        if opts.unmatched == RENDEZVOUS and max(depths.values(), default=0) < opts.min_chunks:
+            spread = _rendezvous(keys, stable_hash(request.first))
+        if spread is None and max(depths.values(), default=0) < opts.min_chunks:
+            request.how = FLAT
+            return [*order, *ejected]  # no load read: the flat interleave, exactly
+        loads = [book.in_flight(Role.PREFILL, key) for key in keys]
+        choice = place(keys, depths, loads, opts.balance, opts.min_chunks, spread)
+        request.how = choice.how
+        if choice.position == 0:
+            return [*order, *ejected]
+        chosen = order[choice.position]
+        return [chosen, *order[: choice.position], *order[choice.position + 1 :], *ejected]
+
+    def sent(self, role: Role, slot: Slot, request: RequestView) -> None:
+        if role is not Role.PREFILL or not isinstance(request, Chunked):
+            return
+        key = slot.key
+        metrics = self._metrics
+        if request.hashes:
+            self.index.record(key, request.hashes)
+            if self._log is not None:
+                self._log.publish(_slot_hash(key), request.hashes)
+        if metrics is None:
+            return
+        how = request.how or FLAT
+        if request.reason:
+            metrics.unchunkable.labels(request.reason).inc()
+            how = UNCHUNKABLE
+        metrics.routed.labels(key, how).inc()
+        metrics.prompt_chars.labels(key).inc(request.chars)
+        matched = request.depths.get(key, 0) * self.options.chunk_chars
+        if matched:
+            metrics.matched_chars.labels(key).inc(min(matched, request.chars))
+        metrics.index_chunks.labels(key).set(self.index.size(key))
+
+    def table_changed(self, slots: SlotTable) -> None:
+        """A slot that left the table (removed, or draining) leaves the index; a new one starts
+        empty (it is made on its first use)."""
+        keys = [s.key for s in slots.prefill]
+        self._catch_up()
+        for key in self.index.keep_only(keys):
+            self._sizes_from.pop(key, None)
+            if self._metrics is not None:
+                self._metrics.index_chunks.labels(key).set(0)
+        self._by_hash = {_slot_hash(key): key for key in keys}
+        self._masks = None
+
+    def describe(self) -> dict[str, Any]:
+        opts = self.options
+        return {
+            "policy": self.name,
+            "chunk_chars": opts.chunk_chars,
+            "min_match_chars": opts.min_match_chars,
+            "balance": opts.balance,
+            "unmatched": opts.unmatched,
+            "index_chunks": self.index.total(),
+            "log_records_lost": self._log.lost if self._log is not None else 0,
+            "slots": {
+                key: {
+                    "chunks": self.index.size(key),
+                    "capacity": self.index.capacity(key),
+                    "sized_from": self._sizes_from.get(key, "flag" if opts.index_chunks else "default"),
+                }
+                for key in self.index.slot_keys()
+            },
+        }
+
+    # --- sizing -------------------------------------------------------------------------------
+
+    def engine_capacity(self, slot_keys: Sequence[str], tokens: int) -> None:
+        """The engine behind ``slot_keys`` holds ``tokens`` tokens of KV per rank
+        (``num_gpu_blocks x block_size``): their indexes are sized to match, unless a size was
+        given."""
+        if self.options.index_chunks:
+            return
+        chunks = self.options.chunks_for(tokens)
+        for key in slot_keys:
+            self.index.resize(key, chunks)
+            self._sizes_from[key] = "engine"
+
+    # --- internals ----------------------------------------------------------------------------
+
+    def _catch_up(self) -> None:
+        """Apply what the other workers sent (their records in the shared log)."""
+        log = self._log
+        if log is None or not log.pending():
+            return
+        by_hash = self._by_hash
+        for slot_hash, chunks in log.read():
+            key = by_hash.get(slot_hash)
+            if key is not None:  # a slot this worker's table has (not yet, or no more: dropped)
+                self.index.record(key, chunks)
+
+    def _live_mask(self, live: Sequence[Slot]) -> tuple[int, dict[int, str]]:
+        """The index bits of the live slots, and each bit's key (cached while ``live`` is the
+        table's own tuple, the common case)."""
+        cached = self._masks
+        if cached is not None and cached[0] is live:
+            return cached[1], cached[2]
+        keys_by_bit = {self.index.bit(s.key): s.key for s in live}
+        mask = 0
+        for bit in keys_by_bit:
+            mask |= bit
+        self._masks = (live, mask, keys_by_bit)
+        return mask, keys_by_bit
+
+
+@functools.lru_cache(maxsize=4096)
+def _slot_hash(key: str) -> int:
+    """A slot key's hash, the same in every worker and router (log records, rendezvous)."""
+    return stable_hash(key.encode(), "slot")
+
+
+_MASK64 = (1 << 64) - 1
+
+
+def _rendezvous(keys: Sequence[str], first: int) -> list[int]:
+    """Positions of ``keys`` ranked by rendezvous (highest random weight) hashing on ``first``:
+    every router ranks the same slots alike, and a slot's leaving moves only its own prompts."""
+    scores = [(_mix(first ^ _slot_hash(key)), position) for position, key in enumerate(keys)]
+    scores.sort(reverse=True)
+    return [position for _, position in scores]
+
+
+def _mix(value: int) -> int:
+    """SplitMix64's finalizer: a well-spread 64-bit function of ``value``."""
+    value = (value ^ (value >> 30)) * 0xBF58476D1CE4E5B9 & _MASK64
+    value = (value ^ (value >> 27)) * 0x94D049BB133111EB & _MASK64
+    return value ^ (value >> 31)
