@@ -17,11 +17,14 @@ request, over the live slots in the flat interleave's order from the request's t
   eligible: the least loaded.)
 
 Several routers (replicas, or a router in every decode pod) each keep their own index. With
-``--prefix-unmatched rendezvous`` a prompt that matches nothing goes to the slot its first chunk
-ranks highest by rendezvous hashing (within the bound), so every router sends a new prefix to the
-same slot without talking; the price is that unique prompts are spread by hash within the bound
-rather than by exact counts. The default, ``flat``, is for one router (its worker processes share
-one index: pdserve.proxy.state.prefix_log).
+``--prefix-unmatched rendezvous`` a prompt that matches nothing (and one whose holders are all over
+the bound) goes to the slot its *head* ranks highest by rendezvous hashing, within the bound; the
+head is the prompt's first minimum match (``--prefix-min-match``), so two prompts that would
+match each other have the same head, and every router sends a new prefix to the same slot
+without talking. The price: unique prompts are spread by hash within the bound rather than by
+exact counts, and a shared head longer than the minimum match (a long system prompt) starts
+every new conversation on the same slots, spread only by the bound. The default, ``flat``, is for
+one router (its worker processes share one index: pdserve.proxy.state.prefix_log).
 
 Decode legs keep the flat interleave.
 """
@@ -166,7 +169,7 @@ class PrefixAffinity:
         return self._counters.take(role.value, group)
 
     def view(self, endpoint: str, body: Mapping[str, Any]) -> Chunked:
-        return chunk_prompt(endpoint, body, self.options.chunk_chars)
+        return chunk_prompt(endpoint, body, self.options.chunk_chars, self.options.min_chunks)
 
     def candidates(
         self, role: Role, slots: Sequence[Slot], book: SlotBook, turn: int, request: RequestView | None = None
@@ -184,9 +187,9 @@ class PrefixAffinity:
         keys = [s.key for s in order]
         opts = self.options
         spread = None
-        if opts.unmatched == RENDEZVOUS and max(depths.values(), default=0) < opts.min_chunks:
-            spread = _rendezvous(keys, stable_hash(request.first))
-        if spread is None and max(depths.values(), default=0) < opts.min_chunks:
+        if opts.unmatched == RENDEZVOUS:
+            spread = _rendezvous(keys, stable_hash(request.head))
+        elif max(depths.values(), default=0) < opts.min_chunks:
             request.how = FLAT
             return [*order, *ejected]  # no load read: the flat interleave, exactly
         loads = [book.in_flight(Role.PREFILL, key) for key in keys]
@@ -300,10 +303,10 @@ def _slot_hash(key: str) -> int:
 _MASK64 = (1 << 64) - 1
 
 
-def _rendezvous(keys: Sequence[str], first: int) -> list[int]:
-    """Positions of ``keys`` ranked by rendezvous (highest random weight) hashing on ``first``:
+def _rendezvous(keys: Sequence[str], head: int) -> list[int]:
+    """Positions of ``keys`` ranked by rendezvous (highest random weight) hashing on ``head``:
     every router ranks the same slots alike, and a slot's leaving moves only its own prompts."""
-    scores = [(_mix(first ^ _slot_hash(key)), position) for position, key in enumerate(keys)]
+    scores = [(_mix(head ^ _slot_hash(key)), position) for position, key in enumerate(keys)]
     scores.sort(reverse=True)
     return [position for _, position in scores]
 

@@ -15,7 +15,7 @@ The hashes are Python's own (SipHash over the chunk, then over the pair with the
 hash): several times cheaper than a cryptographic hash on a prompt of tens of kilobytes, and
 the same in every worker process, which are forked from one supervisor and so share its hash
 secret. They are NOT the same in another router: what replicas must agree on without talking
-uses :func:`stable_hash` (the first chunk's, for rendezvous hashing).
+uses :func:`stable_hash` (of the prompt's head, for rendezvous hashing).
 """
 
 from __future__ import annotations
@@ -44,7 +44,9 @@ class Chunked(RequestView):
 
     hashes: list[int]
     chars: int  # the prompt's length (characters, or ids x 4 for a token-id prompt)
-    first: bytes = b""  # the first chunk (for stable_hash), empty without a full chunk
+    #: The prompt's first ``head_chunks`` full chunks (fewer if it has fewer), for stable_hash:
+    #: what several routers agree on without talking. Empty without a full chunk.
+    head: bytes = b""
     reason: str | None = None
     #: Filled by the policy when it chooses: the match depth (in chunks) of every live slot that
     #: matched at least one chunk, and how the choice was made.
@@ -120,22 +122,22 @@ def chunk_hashes(text: str | bytes, chunk: int) -> list[int]:
     return hashes
 
 
-def chunk_prompt(endpoint: str, body: Mapping[str, Any], chunk_chars: int) -> Chunked:
+def chunk_prompt(endpoint: str, body: Mapping[str, Any], chunk_chars: int, head_chunks: int = 1) -> Chunked:
     """``body``'s prompt (one sequence's) cut into chunks of ``chunk_chars`` characters."""
     text = prompt_text(endpoint, body)
     if isinstance(text, Unchunkable):
         return Chunked([], 0, reason=text.reason)
     if isinstance(text, str):
         hashes = chunk_hashes(text, chunk_chars)
-        first = text[:chunk_chars].encode() if hashes else b""
-        return Chunked(hashes, len(text), first)
+        head = text[: chunk_chars * min(head_chunks, len(hashes))].encode()
+        return Chunked(hashes, len(text), head)
     try:
         ids = array("q", text).tobytes()
     except OverflowError:
         return Chunked([], 0, reason=UNREADABLE)
     step = max(8, chunk_chars // 4 * 8)  # chunk_chars / 4 ids of 8 bytes
     hashes = chunk_hashes(ids, step)
-    return Chunked(hashes, len(text) * 4, ids[:step] if hashes else b"")
+    return Chunked(hashes, len(text) * 4, ids[: step * min(head_chunks, len(hashes))])
 
 
 def stable_hash(data: bytes, salt: str = "") -> int:
