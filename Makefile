@@ -38,7 +38,7 @@ lint: install
 	$(VENV)/bin/ruff check pdserve tests bench hack
 	$(VENV)/bin/ruff format --check pdserve tests bench hack
 	$(VENV)/bin/mypy
-	$(VENV)/bin/mypy --strict --ignore-missing-imports hack/cluster/*.py
+	$(VENV)/bin/mypy --strict --ignore-missing-imports hack/cluster/*.py hack/cluster/runner
 
 fmt: install
 	$(VENV)/bin/ruff format pdserve tests bench hack

@@ -194,8 +194,8 @@ def render_reference(crd: Mapping[str, Any], source: str) -> str:
 
 
 def _shape_rules() -> list[str]:
-    """How an instance larger than a node is split, and the shapes refused (multinode.py)."""
-    from pdserve.deployment.multinode import SHAPE_RULES
+    """How an instance larger than a node is split, and the shapes refused (spec/multinode.py)."""
+    from pdserve.deployment.spec.multinode import SHAPE_RULES
 
     out = [
         "## Multi-node shapes",
@@ -216,8 +216,8 @@ def _shape_rules() -> list[str]:
 
 
 def _vllm_rules() -> list[str]:
-    """The prefill/decode constraints read from vLLM, with where each comes from (admission.py)."""
-    from pdserve.deployment.admission import RULES
+    """The prefill/decode constraints read from vLLM, with where each comes from (spec/vllm_compat.py)."""
+    from pdserve.deployment.spec.vllm_compat import RULES
 
     out = [
         "## What vLLM accepts between prefill and decode",

@@ -36,7 +36,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from pdserve.deployment.spec import SpecError, load_manifest_file
+from pdserve.deployment.spec.pddeployment import SpecError, load_manifest_file
 from pdserve.deployment.validate import problems
 from pdserve.local.plan import (
     ENGINES,

@@ -31,12 +31,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from pdserve.deployment.groups import group_pods
 from pdserve.deployment.kvconfig import MORIIO, NIXL
 from pdserve.deployment.kvpod import UCX_DEFAULTS
-from pdserve.deployment.objects import router_deployment
-from pdserve.deployment.owned import ROUTER_CONTAINER
-from pdserve.deployment.spec import PDDeployment, RoleSpec
+from pdserve.deployment.render.groups import group_pods
+from pdserve.deployment.render.objects import router_deployment
+from pdserve.deployment.spec.owned import ROUTER_CONTAINER
+from pdserve.deployment.spec.pddeployment import PDDeployment, RoleSpec
 from pdserve.local.cpus import Cores, assign_cores
 from pdserve.routing import Role
 

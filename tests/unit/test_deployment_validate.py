@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from pdserve.deployment.spec import PDDeployment, parse_pddeployment
+from pdserve.deployment.spec.pddeployment import PDDeployment, parse_pddeployment
 from pdserve.deployment.validate import problems
 
 

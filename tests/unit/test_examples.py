@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.deployment.spec import PDDeployment, RoleSpec, load_manifest_file
+from pdserve.deployment.spec.pddeployment import PDDeployment, RoleSpec, load_manifest_file
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 SHAPES = ("1p-tp8-1d-tp8", "2p-tp8-1d-dp8ep", "2p-tp8-2d-tp8", "2p-dp8ep-3d-dp8ep", "2p-dp8ep-4d-tp8")
@@ -93,7 +93,7 @@ STORAGE = {
 
 @pytest.mark.parametrize("name", sorted(STORAGE))
 def test_storage_examples_show_what_their_name_says(name: str) -> None:
-    from pdserve.deployment.storage import served_from_disk
+    from pdserve.deployment.spec.storage import served_from_disk
 
     pdd = _load(EXAMPLES / "storage" / f"{name}.yaml")
     cache, token, on_disk = STORAGE[name]

@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
-from pdserve.deployment.objects import instance_pod, router_deployment
-from pdserve.deployment.spec import PDDeployment, load_manifest_file
+from pdserve.deployment.render.objects import instance_pod, router_deployment
+from pdserve.deployment.spec.pddeployment import PDDeployment, load_manifest_file
 from pdserve.local.plan import LOOPBACK, PlanError, SimTimings, plan_local_run
 from pdserve.local.view import instance_rows, render_frame, summary_line
 from pdserve.routing import Role
@@ -251,7 +251,7 @@ def test_summary_line_gives_totals_and_spread() -> None:
 
 
 def _multinode(api_servers: str = "perNode", **decode: Any) -> PDDeployment:
-    from pdserve.deployment.spec import parse_pddeployment
+    from pdserve.deployment.spec.pddeployment import parse_pddeployment
 
     return parse_pddeployment(
         {

@@ -9,9 +9,9 @@ import re
 
 import pytest
 
-from pdserve.deployment.groups import render_all
-from pdserve.deployment.objects import router_deployment
-from pdserve.deployment.spec import SpecError
+from pdserve.deployment.render.groups import render_all
+from pdserve.deployment.render.objects import router_deployment
+from pdserve.deployment.spec.pddeployment import SpecError
 from pdserve.proxy.cli import UsageError, configure, settings_from_args
 from pdserve.proxy.settings import ProxySettings
 from tests.unit.test_deployment_objects import pdd_of
@@ -72,10 +72,11 @@ def test_the_router_refuses_what_it_cannot_route_with(capsys: pytest.CaptureFixt
     with pytest.raises(SystemExit):
         parse("--prefill-policy", "prefix-affinity", "--prefix-unmatched", "random")
     for flags, message in (
-        (("--prefix-balance", "-0.5"), "--prefix-balance: expected a value from 0 to 100, got -0.5"),
+        (("--prefix-balance", "-0.5"), "--prefix-balance: expected a value >= 0, got -0.5"),
+        (("--prefix-balance", "1000"), "--prefix-balance: expected a value from 0 to 100, got 1000.0"),
         (("--prefix-chunk-chars", "0"), "--prefix-chunk-chars: expected a value >= 1, got 0"),
         (("--prefix-index-chunks", "-1"), "--prefix-index-chunks: expected a value >= 0, got -1"),
-        (("--prefix-chars-per-token", "0"), "--prefix-chars-per-token: expected a value > 0, got 0.0"),
+        (("--prefix-chars-per-token", "0"), "--prefix-chars-per-token: expected a value >= 0.01, got 0.0"),
     ):
         with pytest.raises(UsageError, match=re.escape(message)):
             parse("--prefill-policy", "prefix-affinity", *flags)
@@ -83,7 +84,9 @@ def test_the_router_refuses_what_it_cannot_route_with(capsys: pytest.CaptureFixt
 
 def test_the_environment_cannot_sneak_in_an_unknown_policy(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PDSERVE_PROXY_PREFILL_POLICY", "cache_aware")
-    with pytest.raises(UsageError, match="PDSERVE_PROXY_PREFILL_POLICY: expected one of"):
+    with pytest.raises(
+        UsageError, match="--prefill-policy: expected one of flat-interleaved, prefix-affinity"
+    ):
         parse()
 
 

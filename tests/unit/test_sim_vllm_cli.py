@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
-from pdserve.deployment.objects import instance_pod
-from pdserve.deployment.spec import parse_pddeployment
+from pdserve.deployment.render.objects import instance_pod
+from pdserve.deployment.spec.pddeployment import parse_pddeployment
 from pdserve.routing import Role
 from pdserve.sim import vllm_cli
 

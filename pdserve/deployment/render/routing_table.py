@@ -15,8 +15,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from pdserve.deployment.kvconfig import kv_address
-from pdserve.deployment.revision import pairing_revision
-from pdserve.deployment.spec import ENGINE_PORT, PDDeployment
+from pdserve.deployment.plan.revision import pairing_revision
+from pdserve.deployment.spec.pddeployment import ENGINE_PORT, PDDeployment
 from pdserve.routing import Endpoint, Instance, Role, RoutingTable
 
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from runner_spec import ConfigError, field_value, resource_value
+from .spec import ConfigError, field_value, resource_value
 
 CONTENT_KINDS = ("configMap", "secret", "downwardAPI", "projected")
 SHM_ROOT = Path("/dev/shm/pdserve-runner")

@@ -16,7 +16,7 @@ are never paired, rather than silently corrupting each other's KV):
   ``--flag value`` or ``--flag=value`` form, order-independent;
 * the role's ``env`` among :data:`KV_ENV`;
 * both roles' ``--block-size``, as a pair and in both revisions: NIXL pairs a prefill whose block
-  size divides the decode's (admission.py checks the pair), so the sizes need not be equal, but
+  size divides the decode's (spec/vllm_compat.py checks the pair), so the sizes need not be equal, but
   a change of either is a change of what the two sides agree on and rolls them as one.
 
 Everything else (DP/TP sizes, scheduling flags such as ``--max-num-seqs``, resources) may
@@ -30,7 +30,8 @@ import hashlib
 import json
 from collections.abc import Sequence
 
-from pdserve.deployment.spec import PDDeployment
+from pdserve.deployment.spec.pddeployment import PDDeployment
+from pdserve.deployment.spec.vllm_compat import last_value
 from pdserve.routing import Role
 
 #: vLLM flags whose value must be equal on both sides of a KV handoff.
@@ -93,17 +94,6 @@ def pairing_revision(pdd: PDDeployment, role: Role) -> str:
     factors.update({flag: pair for flag, pair in pairs.items() if pair != [None, None]})
     text = json.dumps(factors, sort_keys=True, separators=(",", ":"), default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:REVISION_LENGTH]
-
-
-def last_value(argv: Sequence[str], flag: str) -> str | None:
-    """The last value of ``flag`` (``--flag v`` or ``--flag=v``), as vLLM's parser keeps the last."""
-    value = None
-    for i, arg in enumerate(argv):
-        if arg == flag and i + 1 < len(argv):
-            value = argv[i + 1]
-        elif arg.startswith(flag + "="):
-            value = arg.split("=", 1)[1]
-    return value
 
 
 def kv_args(argv: Sequence[str]) -> list[tuple[str, str | None]]:

@@ -17,7 +17,7 @@ rules of a Kubernetes strategic merge patch (the ``patchMergeKey`` tags of the P
   ``tolerations`` are appended (an identical toleration is kept once), and a container's
   ``securityContext.capabilities.add`` is unioned, so the connector's ``IPC_LOCK`` stays.
 
-Fields pdserve owns cannot be set from a template: see :mod:`pdserve.deployment.owned`.
+Fields pdserve owns cannot be set from a template: see :mod:`pdserve.deployment.spec.owned`.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from pdserve.deployment.readers import SpecError, no_unknown, plain, read_object, read_string_map, show
+from pdserve.deployment.spec.readers import SpecError, no_unknown, plain, read_object, read_string_map, show
 
 
 @dataclass(frozen=True)

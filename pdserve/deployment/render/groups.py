@@ -1,6 +1,6 @@
 """Multi-node instances (groups) as Kubernetes objects, and every object of a deployment.
 
-An instance larger than ``gpusPerNode`` (pdserve/deployment/multinode.py) is, with backend
+An instance larger than ``gpusPerNode`` (pdserve/deployment/spec/multinode.py) is, with backend
 ``pods``, a group of pods the operator creates itself (:func:`group_pods`: the leader, then the
 workers once it has an address) and, with backend ``lws``, one LeaderWorkerSet
 (:func:`instance_lws`). Each pod runs the engine flags of its node (groupflags.py); the pod
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pdserve.deployment.groupflags import (
+from pdserve.deployment.render.groupflags import (
     LEADER_ADDRESS_ENV,
     LWS_LEADER_ADDRESS_ENV,
     LWS_WORKER_INDEX_ENV,
@@ -21,8 +21,7 @@ from pdserve.deployment.groupflags import (
     lws_object,
     shell_command,
 )
-from pdserve.deployment.multinode import BACKEND_LWS, GroupShape
-from pdserve.deployment.objects import (
+from pdserve.deployment.render.objects import (
     GROUP_LABEL,
     GROUP_SIZE_ANNOTATION,
     INSTANCE_LABEL,
@@ -39,8 +38,9 @@ from pdserve.deployment.objects import (
     routing_configmap,
     template_hash,
 )
-from pdserve.deployment.routing import build_routing_table
-from pdserve.deployment.spec import PDDeployment
+from pdserve.deployment.render.routing_table import build_routing_table
+from pdserve.deployment.spec.multinode import BACKEND_LWS, GroupShape
+from pdserve.deployment.spec.pddeployment import PDDeployment
 from pdserve.routing import Role, RoutingTable
 
 

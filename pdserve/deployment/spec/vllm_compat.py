@@ -1,8 +1,8 @@
-"""What vLLM accepts between prefill and decode, as admission rules (engine ``vllm``).
+"""vLLM compatibility rules: what vLLM accepts between a prefill and a decode (engine ``vllm``).
 
 Each :class:`Rule` is read from the vLLM version pdserve targets (0.32) and names its source.
 Rules a CEL expression can state are in the CRD too, with exactly :attr:`Rule.message` as the
-CEL message (tests/unit/test_admission.py compares them), so ``kubectl apply`` refuses them;
+CEL message (tests/unit/test_vllm_compat.py compares them), so ``kubectl apply`` refuses them;
 :func:`problems` checks every rule for the operator (``Degraded``, reason ``InvalidSpec``, and a
 Warning Event) and for ``pdserve render``, as ``spec.<message>`` for the CEL ones. Rules on
 engine flags in ``args`` (block size, dtypes) are checked here only: CEL does not parse flags.
@@ -14,10 +14,10 @@ before heterogeneous TP landed): check the version an image carries before relyi
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
-from pdserve.deployment.revision import last_value
-from pdserve.deployment.spec import PDDeploymentSpec, RoleSpec
+from pdserve.deployment.spec.pddeployment import PDDeploymentSpec, RoleSpec
 
 NIXL = "NixlConnector"
 MORIIO = "MoRIIOConnector"
@@ -125,3 +125,14 @@ def _block_sizes(prefill: RoleSpec, decode: RoleSpec) -> list[str]:
         f"spec.prefill.args, spec.decode.args: --block-size {p} on prefill and {d} on decode; with "
         "NixlConnector the prefill's block size must be at most the decode's and divide it"
     ]
+
+
+def last_value(argv: Sequence[str], flag: str) -> str | None:
+    """The last value of ``flag`` (``--flag v`` or ``--flag=v``), as vLLM's parser keeps the last."""
+    value = None
+    for i, arg in enumerate(argv):
+        if arg == flag and i + 1 < len(argv):
+            value = argv[i + 1]
+        elif arg.startswith(flag + "="):
+            value = arg.split("=", 1)[1]
+    return value

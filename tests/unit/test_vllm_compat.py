@@ -1,4 +1,4 @@
-"""Admission rules read from vLLM 0.32: refusals, exemptions, and agreement with the CRD's CEL."""
+"""vLLM compatibility rules read from vLLM 0.32: refusals, exemptions, and agreement with the CRD's CEL."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pdserve.deployment import admission
-from pdserve.deployment.spec import load_manifest_file
+from pdserve.deployment.spec import vllm_compat
+from pdserve.deployment.spec.pddeployment import load_manifest_file
 from pdserve.deployment.validate import problems
 from tests.support.specs import pdd_of
 
@@ -26,16 +26,16 @@ def test_tensor_parallel_sizes_that_divide_are_accepted(p: int, d: int) -> None:
 @pytest.mark.parametrize(("p", "d"), [(8, 3), (3, 8), (4, 6), (6, 4)])
 def test_tensor_parallel_sizes_that_do_not_divide_are_refused(p: int, d: int) -> None:
     found = problems(pdd_of(prefill={"tensorParallel": p}, decode={"tensorParallel": d}), None)
-    assert found == [f"spec.{admission.TP_RATIO.message}"]
+    assert found == [f"spec.{vllm_compat.TP_RATIO.message}"]
 
 
 def test_moriio_needs_amd_gpus_and_no_instance_with_both_dp_and_tp() -> None:
-    assert problems(pdd_of(kvTransfer=MORIIO), None) == [f"spec.{admission.MORIIO_AMD.message}"]
+    assert problems(pdd_of(kvTransfer=MORIIO), None) == [f"spec.{vllm_compat.MORIIO_AMD.message}"]
     amd = {"kvTransfer": MORIIO, "gpuResource": "amd.com/gpu"}
     assert problems(pdd_of(**amd, decode={"dataParallel": 8}), None) == []
     assert problems(pdd_of(**amd, decode={"tensorParallel": 8}), None) == []
     found = problems(pdd_of(**amd, prefill={"dataParallel": 2, "tensorParallel": 4}), None)
-    assert found == [f"spec.{admission.MORIIO_DP_TP.message}"]
+    assert found == [f"spec.{vllm_compat.MORIIO_DP_TP.message}"]
     # NIXL has no such limit: its listener is per DP rank and serves every TP rank.
     assert problems(pdd_of(prefill={"dataParallel": 2, "tensorParallel": 4}), None) == []
 
@@ -96,13 +96,13 @@ def test_every_example_passes_every_rule() -> None:
 
 def test_cel_rules_carry_the_rules_messages() -> None:
     messages = {r["message"] for r in SPEC["x-kubernetes-validations"]}
-    for rule in admission.RULES:
+    for rule in vllm_compat.RULES:
         assert (rule.message in messages) is rule.cel, rule.id
         assert rule.source.startswith(("vllm/", "docs/")), rule.id
 
 
 def test_the_reference_lists_every_rule_with_its_source() -> None:
     text = (REPO / "docs" / "reference.md").read_text()
-    for rule in admission.RULES:
+    for rule in vllm_compat.RULES:
         assert f"| `{rule.id}` |" in text
         assert rule.source.split()[0] in text

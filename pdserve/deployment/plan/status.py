@@ -36,8 +36,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from pdserve.deployment.drain import RoutersSummary
-from pdserve.deployment.rollout import ObservedPod
+from pdserve.deployment.plan.drain import RoutersSummary
+from pdserve.deployment.plan.rollout import ObservedPod
 from pdserve.routing.table import Role
 
 CONDITION_TYPES = ("Ready", "Progressing", "Degraded")

@@ -22,11 +22,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from pdserve.deployment.defaults import ROUTER_PRESTOP_SECONDS, ROUTER_SHUTDOWN_GRACE_SECONDS
-from pdserve.deployment.owned import ROUTER_CONTAINER
-from pdserve.deployment.podtemplate import merge_pod_spec
-from pdserve.deployment.security import router_admin_args, router_admin_port, router_key_env
-from pdserve.deployment.spec import DEFAULT_IMAGE, ENGINE_PORT, PDDeployment
+from pdserve.deployment.render.defaults import ROUTER_PRESTOP_SECONDS, ROUTER_SHUTDOWN_GRACE_SECONDS
+from pdserve.deployment.render.security import router_admin_args, router_admin_port, router_key_env
+from pdserve.deployment.spec.owned import ROUTER_CONTAINER
+from pdserve.deployment.spec.pddeployment import DEFAULT_IMAGE, ENGINE_PORT, PDDeployment
+from pdserve.deployment.spec.podtemplate import merge_pod_spec
 
 #: The sidecar's client port inside a decode pod (the engine listens on ENGINE_PORT).
 SIDECAR_PORT = 8200

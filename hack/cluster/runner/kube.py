@@ -15,8 +15,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from runner_spec import ConfigError
-from runner_volumes import decode_data
+from .spec import ConfigError
+from .volumes import decode_data
 
 log = logging.getLogger("pod-runner")
 

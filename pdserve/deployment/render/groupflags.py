@@ -1,8 +1,9 @@
 """What each pod of a multi-node instance (a group) runs: its engine flags, and the LWS wrapper.
 
-Pure and below :mod:`pdserve.deployment.objects` and :mod:`pdserve.deployment.groups`, which render the pods
-(:func:`~pdserve.deployment.groups.group_pods`, :func:`~pdserve.deployment.groups.instance_lws`).
-The flags follow vLLM 0.32 (multinode.py cites the source):
+Pure and below :mod:`pdserve.deployment.render.objects` and :mod:`pdserve.deployment.render.groups`,
+which render the pods (:func:`~pdserve.deployment.render.groups.group_pods`,
+:func:`~pdserve.deployment.render.groups.instance_lws`).
+The flags follow vLLM 0.32 (spec/multinode.py cites the source):
 
 * data parallelism over nodes (a rank fits a node), every node::
 
@@ -28,7 +29,7 @@ import shlex
 from dataclasses import dataclass
 from typing import Any
 
-from pdserve.deployment.multinode import API_PER_NODE, GroupShape
+from pdserve.deployment.spec.multinode import API_PER_NODE, GroupShape
 
 #: Env var of a pods-backend worker holding its leader's address (the operator sets the leader's IP).
 LEADER_ADDRESS_ENV = "PDSERVE_LEADER_ADDRESS"

@@ -24,8 +24,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from pdserve.deployment.owned import Reserved
-from pdserve.deployment.readers import (
+from pdserve.deployment.spec.owned import Reserved
+from pdserve.deployment.spec.readers import (
     SecretKeyRef,
     SpecError,
     no_unknown,

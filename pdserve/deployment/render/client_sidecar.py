@@ -4,15 +4,17 @@ An application that calls the model can run ``pdserve proxy`` in its own pod and
 requests to ``http://127.0.0.1:<port>``: no shared router in the path, one hop less. What that
 pod needs, rendered from the operator's own router pieces (no second copy of them):
 
-* the ``router`` container of the router Deployment (:func:`pdserve.deployment.objects.router_deployment`:
-  image, flags, keys, ``spec.router.template``'s router container), with its client port on
+* the ``router`` container of the router Deployment
+  (:func:`pdserve.deployment.render.objects.router_deployment`: image, flags, keys,
+  ``spec.router.template``'s router container), with its client port on
   127.0.0.1 (only the application reaches it) and its admin port (probes, metrics, ``/debug``)
   on the pod's address (``--admin-host 0.0.0.0``): the kubelet probes the admin port;
 * the routing ConfigMap ``NAME-routing`` watched through the API server, in the PDDeployment's
   namespace (``$(POD_NAMESPACE)`` when the application runs there too);
 * the API token for that watch as a projected volume mounted into the ``router`` container only
-  (:func:`pdserve.deployment.sidecar.token_volume`, what the decode sidecar gets), so the pod can
-  keep ``automountServiceAccountToken: false`` and the application holds no API credentials;
+  (:func:`pdserve.deployment.render.decode_sidecar.token_volume`, what the decode sidecar
+  gets), so the pod can keep ``automountServiceAccountToken: false`` and the application holds
+  no API credentials;
 * RBAC: a Role in the PDDeployment's namespace that reads that one ConfigMap (the rules of the
   router's own Role) and a RoleBinding for the application's ServiceAccount, plus that
   ServiceAccount.
@@ -26,11 +28,11 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from pdserve.deployment.objects import router_deployment, router_role, routing_configmap_name
-from pdserve.deployment.owned import ROUTER_CONTAINER
-from pdserve.deployment.security import ADMIN_PORT_NAME
-from pdserve.deployment.sidecar import SIDECAR_PORT, TOKEN_PATH, TOKEN_VOLUME, token_volume
-from pdserve.deployment.spec import PDDeployment
+from pdserve.deployment.render.decode_sidecar import SIDECAR_PORT, TOKEN_PATH, TOKEN_VOLUME, token_volume
+from pdserve.deployment.render.objects import router_deployment, router_role, routing_configmap_name
+from pdserve.deployment.render.security import ADMIN_PORT_NAME
+from pdserve.deployment.spec.owned import ROUTER_CONTAINER
+from pdserve.deployment.spec.pddeployment import PDDeployment
 
 LOCALHOST = "127.0.0.1"
 #: Labels of the client RBAC objects; not the operator's (it neither owns nor prunes them).

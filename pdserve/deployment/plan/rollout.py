@@ -31,7 +31,7 @@ decode):
   (a pending surge pod just waits for the freed GPUs). A role with more than one routable
   instance is never drained down to zero this way.
 * **Drains end** when every router has let go of the pod (``released``, decided by
-  :func:`pdserve.deployment.drain.drain_verdict`) or at the latest after ``drain_seconds``; then
+  :func:`pdserve.deployment.plan.drain.drain_verdict`) or at the latest after ``drain_seconds``; then
   the pod is deleted.
 * **Scale down** drains the pods past ``instances`` within ``max_unavailable``, highest index
   first, after in-place replacements (the surplus keeps serving meanwhile); removals still in
@@ -59,7 +59,7 @@ from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from enum import StrEnum
 
-from pdserve.deployment.spec import PDDeployment
+from pdserve.deployment.spec.pddeployment import PDDeployment
 from pdserve.routing.table import Role
 
 

@@ -18,8 +18,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from pdserve.deployment.owned import Reserved
-from pdserve.deployment.spec import PDDeploymentSpec
+from pdserve.deployment.spec.owned import Reserved
+from pdserve.deployment.spec.pddeployment import PDDeploymentSpec
 
 ADMIN_PORT_NAME = "admin"
 

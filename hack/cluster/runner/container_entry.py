@@ -1,6 +1,6 @@
 """Container entry of the pod runner: bind-mount the volumes, then exec the container's command.
 
-Runs as ``unshare --mount --propagation private python runner_exec.py SPEC.json``, so the
+Runs as ``unshare --mount --propagation private python container_entry.py SPEC.json``, so the
 mounts exist only in this container's mount namespace and vanish with its last process. The
 exec keeps the PID (and the process group the runner created), so the runner signals the
 container's own process. Nothing here imports beyond the standard library: it is on the start

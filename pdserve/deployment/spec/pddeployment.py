@@ -22,7 +22,7 @@ from typing import Any
 import yaml
 
 from pdserve import __version__
-from pdserve.deployment.multinode import (
+from pdserve.deployment.spec.multinode import (
     API_SERVERS,
     BACKENDS,
     DEFAULT_API_SERVERS,
@@ -36,21 +36,21 @@ from pdserve.deployment.multinode import (
     MultiNodeSpec,
     group_shape,
 )
-from pdserve.deployment.podtemplate import PodTemplate, parse_template
-from pdserve.deployment.readers import SecretKeyRef, SpecError, read_secret_ref
-from pdserve.deployment.readers import no_unknown as _no_unknown
-from pdserve.deployment.readers import plain as _plain
-from pdserve.deployment.readers import read_boolean as _boolean
-from pdserve.deployment.readers import read_choice as _choice
-from pdserve.deployment.readers import read_env_list as _env_list
-from pdserve.deployment.readers import read_integer as _integer
-from pdserve.deployment.readers import read_object as _object
-from pdserve.deployment.readers import read_object_list as _object_list
-from pdserve.deployment.readers import read_string as _string
-from pdserve.deployment.readers import read_string_list as _string_list
-from pdserve.deployment.readers import read_string_map as _string_map
-from pdserve.deployment.readers import show as _show
-from pdserve.deployment.storage import ModelCache, parse_model, parse_model_cache
+from pdserve.deployment.spec.podtemplate import PodTemplate, parse_template
+from pdserve.deployment.spec.readers import SecretKeyRef, SpecError, read_secret_ref
+from pdserve.deployment.spec.readers import no_unknown as _no_unknown
+from pdserve.deployment.spec.readers import plain as _plain
+from pdserve.deployment.spec.readers import read_boolean as _boolean
+from pdserve.deployment.spec.readers import read_choice as _choice
+from pdserve.deployment.spec.readers import read_env_list as _env_list
+from pdserve.deployment.spec.readers import read_integer as _integer
+from pdserve.deployment.spec.readers import read_object as _object
+from pdserve.deployment.spec.readers import read_object_list as _object_list
+from pdserve.deployment.spec.readers import read_string as _string
+from pdserve.deployment.spec.readers import read_string_list as _string_list
+from pdserve.deployment.spec.readers import read_string_map as _string_map
+from pdserve.deployment.spec.readers import show as _show
+from pdserve.deployment.spec.storage import ModelCache, parse_model, parse_model_cache
 from pdserve.routing import Connector, Role
 
 __all__ = ["GroupShape", "ModelCache", "MultiNodeSpec", "SecretKeyRef", "SpecError"]
@@ -110,7 +110,7 @@ DEFAULT_DISRUPTION_MAX_UNAVAILABLE = 1
 #: one-GPU pod and 8Gi to its ROCm example; NCCL's SHM transport and vLLM's shared-memory queues
 #: grow with the ranks of an instance. It counts against the pod's memory limit when used.
 DEFAULT_SHM_SIZE = "8Gi"
-#: Seconds the startup probe allows a vLLM engine to load its model (defaults.py).
+#: Seconds the startup probe allows a vLLM engine to load its model (render/defaults.py).
 DEFAULT_STARTUP_TIMEOUT = 3600
 MAX_STARTUP_TIMEOUT = 86400
 _PERCENT = re.compile(r"^(100|[1-9]?[0-9])%$")
@@ -178,7 +178,7 @@ class RoleSpec:
     template: PodTemplate = field(default_factory=PodTemplate)
     shm_size: str = DEFAULT_SHM_SIZE
     startup_timeout_seconds: int = DEFAULT_STARTUP_TIMEOUT
-    #: Rendered as the role's PodDisruptionBudget (objects.py); the operator's own deletes ignore it.
+    #: Rendered as the role's PodDisruptionBudget (render/objects.py); the operator's own deletes ignore it.
     disruption_budget: DisruptionBudgetSpec = field(default_factory=DisruptionBudgetSpec)
 
     @property

@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from pdserve.deployment.podtemplate import PodTemplate
+from pdserve.deployment.spec.podtemplate import PodTemplate
 
 ENGINE_CONTAINER = "engine"
 ROUTER_CONTAINER = "router"

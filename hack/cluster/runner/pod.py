@@ -2,7 +2,7 @@
 
 A :class:`PodWorker` thread owns one pod from the moment it is bound to a runner node until its
 object is deleted: it prepares the volumes, runs the init containers in order, then the
-containers (each ``unshare -m`` + ``runner_exec.py``, one session and process group each),
+containers (each ``unshare -m`` + ``container_entry.py``, one session and process group each),
 restarts them per ``restartPolicy`` with the kubelet's back-off, runs the probes, writes
 ``status`` as the kubelet would, and on deletion runs ``preStop``, sends SIGTERM, waits the grace
 period, sends SIGKILL and deletes the object (grace 0, uid precondition).
@@ -25,9 +25,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from runner_kube import Kube, now_iso, write_pidfile
-from runner_probes import run_action
-from runner_spec import (
+from .kube import Kube, now_iso, write_pidfile
+from .probes import run_action
+from .spec import (
     BACKOFF_RESET_AFTER,
     ConfigError,
     Lookups,
@@ -38,7 +38,7 @@ from runner_spec import (
     unsupported,
     with_pod_address,
 )
-from runner_volumes import PodVolumes
+from .volumes import PodVolumes
 
 log = logging.getLogger("pod-runner")
 HERE = Path(__file__).resolve().parent
@@ -333,7 +333,7 @@ class PodWorker(threading.Thread):
                     "--propagation",
                     "private",
                     sys.executable,
-                    str(HERE / "runner_exec.py"),
+                    str(HERE / "container_entry.py"),
                     str(spec_file),
                 ],
                 stdin=subprocess.DEVNULL,

@@ -9,16 +9,16 @@ prints them, and the tests compare them with golden files. Names:
   ``hostname`` ``<role>-<index>-<suffix>`` + ``subdomain`` give it a DNS name. Rendered without
   a cluster (``pdserve render``, local mode) the suffix is left out. An instance larger than
   ``gpusPerNode`` is a group of such pods, or a LeaderWorkerSet (groups.py, which also renders
-  the whole set, :func:`~pdserve.deployment.groups.render_all`); :func:`pod_spec` renders each.
+  the whole set, :func:`~pdserve.deployment.render.groups.render_all`); :func:`pod_spec` renders each.
 * headless Service ``<name>-engines`` (that subdomain; not-ready pods included)
 * Deployment ``<name>-router`` running ``pdserve proxy``, Service ``<name>`` on the router port;
   with ``spec.router.placement: decode-sidecar`` no Deployment: a ``router`` container in every
-  decode pod (sidecar.py), and the Service selects the decode pods
+  decode pod (decode_sidecar.py), and the Service selects the decode pods
 * PodDisruptionBudget ``<name>-prefill`` and ``<name>-decode``, one per role (:func:`disruption_budget`)
 * ConfigMap ``<name>-routing`` holding ``routing.json``; the router pods watch it through the
   API server as ServiceAccount ``<name>-router``, whose Role ``<name>-router`` (bound by
   RoleBinding ``<name>-router``) grants get/list/watch on that one ConfigMap (``resourceNames``)
-  and nothing else. A router template may not set ``serviceAccountName`` (owned.py), so the
+  and nothing else. A router template may not set ``serviceAccountName`` (spec/owned.py), so the
   account is always this one.
 
 Choices the issue left open: engine ``sim`` requests no GPUs (the issue's "no GPUs", so demos
@@ -37,7 +37,11 @@ import shlex
 from collections.abc import Mapping
 from typing import Any
 
-from pdserve.deployment.defaults import (
+from pdserve.deployment.kvconfig import MORIIO, NIXL, kv_transfer_config_json
+from pdserve.deployment.kvpod import kv_pod_settings
+from pdserve.deployment.plan.revision import pairing_revision
+from pdserve.deployment.render.decode_sidecar import SIDECAR_PORT_NAME, add_sidecar
+from pdserve.deployment.render.defaults import (
     ENGINE_PRESTOP_SECONDS,
     ENGINE_TERMINATION_GRACE_SECONDS,
     ROUTER_PRESTOP_SECONDS,
@@ -49,20 +53,28 @@ from pdserve.deployment.defaults import (
     startup_failure_threshold,
     with_default_requests,
 )
-from pdserve.deployment.groupflags import (
+from pdserve.deployment.render.groupflags import (
     GroupMember,
     group_flags,
 )
-from pdserve.deployment.kvconfig import MORIIO, NIXL, kv_transfer_config_json
-from pdserve.deployment.kvpod import kv_pod_settings
-from pdserve.deployment.multinode import GroupShape
-from pdserve.deployment.owned import ENGINE_ENV_OWNED
-from pdserve.deployment.podtemplate import merge_metadata, merge_pod_spec
-from pdserve.deployment.revision import pairing_revision
-from pdserve.deployment.security import engine_key_env, router_admin_args, router_admin_port, router_key_env
-from pdserve.deployment.sidecar import SIDECAR_PORT_NAME, add_sidecar
-from pdserve.deployment.spec import API_VERSION, DEFAULT_IMAGE, ENGINE_PORT, KIND, PDDeployment, RoleSpec
-from pdserve.deployment.storage import model_argument, storage_env, storage_mounts, storage_volumes
+from pdserve.deployment.render.security import (
+    engine_key_env,
+    router_admin_args,
+    router_admin_port,
+    router_key_env,
+)
+from pdserve.deployment.spec.multinode import GroupShape
+from pdserve.deployment.spec.owned import ENGINE_ENV_OWNED
+from pdserve.deployment.spec.pddeployment import (
+    API_VERSION,
+    DEFAULT_IMAGE,
+    ENGINE_PORT,
+    KIND,
+    PDDeployment,
+    RoleSpec,
+)
+from pdserve.deployment.spec.podtemplate import merge_metadata, merge_pod_spec
+from pdserve.deployment.spec.storage import model_argument, storage_env, storage_mounts, storage_volumes
 from pdserve.routing import CONFIGMAP_KEY, Role, RoutingTable
 
 SHM_MOUNT = "/dev/shm"
@@ -81,7 +93,7 @@ TIER_LABEL = "pdserve.io/tier"  # "engine" on every engine pod: what the headles
 # old pods keep serving with their old size, and the routing table must advertise that one.
 DP_SIZE_ANNOTATION = "pdserve.io/dp-size"
 TP_SIZE_ANNOTATION = "pdserve.io/tp-size"
-# Likewise the pairing revision (pdserve.deployment.revision): old pods keep theirs until replaced.
+# Likewise the pairing revision (pdserve.deployment.plan.revision): old pods keep theirs until replaced.
 REVISION_ANNOTATION = "pdserve.io/revision"
 # Pods of a multi-node instance (a group; only on those): the leader's pod name (pods backend) or
 # the LeaderWorkerSet's name, the pod's node index in the group (0 = leader), and the group's size.
@@ -354,7 +366,7 @@ def pod_spec(
         }
     else:
         pod["securityContext"] = engine_security_context(sim)
-    if role is Role.DECODE and spec.router.decode_sidecar:  # the router in the pod (sidecar.py)
+    if role is Role.DECODE and spec.router.decode_sidecar:  # the router in the pod (decode_sidecar.py)
         revision = pairing_revision(pdd, role)
         add_sidecar(pod, pdd, routing_configmap_name(pdd), router_account_name(pdd), revision)
     merged = merge_pod_spec(pod, rs.template.spec)

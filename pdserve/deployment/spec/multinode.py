@@ -37,7 +37,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
-from pdserve.deployment.readers import SpecError
+from pdserve.deployment.spec.readers import SpecError
 
 BACKEND_PODS = "pods"
 BACKEND_LWS = "lws"
