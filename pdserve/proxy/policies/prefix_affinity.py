@@ -3,18 +3,21 @@ prompt, among the slots whose load stays within a bound; the flat interleave oth
 
 The router keeps, per prefill slot, an index of the prompt prefixes it sent there (chunks of the
 prompt text with chained hashes, bounded per slot: pdserve.proxy.policies.prefix). For each
-request, over the live slots in the flat interleave's order from the request's turn:
+request, over the live slots:
 
 * if no live slot holds at least the minimum match (``--prefix-min-match`` characters, in whole
-  chunks), the request takes the flat interleave's slot, exactly as flat-interleaved would: a
-  stream of unique prompts gets the flat interleave's per-slot counts, exactly;
+  chunks), the request takes the next turn of the flat interleave's counter and its slot,
+  exactly as flat-interleaved would: a stream of unique prompts gets the flat interleave's
+  per-slot counts, exactly. Requests placed by their prefix take no turn of that counter, so
+  they never shift it (a benchmark of sequential conversations of four turns would otherwise
+  start every conversation on the same slot of two);
 * otherwise the eligible slots are those whose load (prefill legs in flight, router-wide) would
   stay within ``ceil((1 + ε) x mean)`` with this request counted (``ε``: ``--prefix-balance``); of
-  those, the one with the longest match, the first in the flat order on a tie; if no eligible slot
-  matches the minimum, the first eligible slot in the flat order. A hot prefix shared by every
-  prompt therefore spreads over the slots as their loads allow, and a slot is never given a
-  request with a prefix match that would take it past the bound. (At least one slot is always
-  eligible: the least loaded.)
+  those, the one with the longest match; if no eligible slot matches the minimum, the first
+  eligible one. Ties, and that first one, follow an interleave of its own (a second counter).
+  A hot prefix shared by every prompt therefore spreads round-robin over the slots as their
+  loads allow, and a slot is never given a request with a prefix match that would take it past
+  the bound. (At least one slot is always eligible: the least loaded.)
 
 Several routers (replicas, or a router in every decode pod) each keep their own index. With
 ``--prefix-unmatched rendezvous`` a prompt that matches nothing (and one whose holders are all over
@@ -60,6 +63,13 @@ FLAT = "flat"
 SPREAD = "spread"
 RENDEZVOUS = "rendezvous"
 UNCHUNKABLE = "unchunkable"
+
+#: What :meth:`PrefixAffinity.turn` answers for a prefill: its turn is taken later, lazily.
+LAZY = -1
+#: The counters of the prefill role: the flat interleave's (flat-interleaved's own, so unique
+#: prompts walk exactly as they would there), and the one that breaks ties among prefix holders.
+FLAT_GROUP = ""
+TIE_GROUP = "prefix-ties"
 
 
 @dataclass(frozen=True)
@@ -162,10 +172,15 @@ class PrefixAffinity:
         self._by_hash: dict[int, str] = {}  # stable hash of a slot key -> the key (log records)
         self._sizes_from: dict[str, str] = {}  # slot key -> "engine" when sized from its KV
         self._masks: tuple[Sequence[Slot], int, dict[int, str]] | None = None
+        self._table_keys: list[str] = []  # the prefill slots of the table served
 
     # --- the protocol -------------------------------------------------------------------------
 
     def turn(self, role: Role, group: str = "") -> int:
+        """A decode's turn as any policy's; a prefill's is taken in :meth:`candidates`, once per
+        request and only by the placement that needs it (:data:`LAZY`)."""
+        if role is Role.PREFILL:
+            return LAZY
         return self._counters.take(role.value, group)
 
     def view(self, endpoint: str, body: Mapping[str, Any]) -> Chunked:
@@ -175,30 +190,41 @@ class PrefixAffinity:
         self, role: Role, slots: Sequence[Slot], book: SlotBook, turn: int, request: RequestView | None = None
     ) -> list[Slot]:
         live, ejected = live_and_ejected(role, slots, book)
-        order = rotation(live, turn)
-        if role is not Role.PREFILL or not isinstance(request, Chunked) or not request.hashes or not order:
-            if isinstance(request, Chunked):
-                request.how = UNCHUNKABLE if request.reason else FLAT
-            return [*order, *ejected]
+        if role is not Role.PREFILL or not isinstance(request, Chunked):
+            return [*rotation(live, turn if turn != LAZY else self._take(FLAT_GROUP)), *ejected]
+        if not request.hashes or not live:
+            request.how = UNCHUNKABLE if request.reason else FLAT
+            return [*rotation(live, self._flat_turn(request)), *ejected]
         self._catch_up()
         mask, keys_by_bit = self._live_mask(live)
         depths = {keys_by_bit[bit]: depth for bit, depth in self.index.depths(request.hashes, mask).items()}
         request.depths = depths
-        keys = [s.key for s in order]
         opts = self.options
-        spread = None
-        if opts.unmatched == RENDEZVOUS:
-            spread = _rendezvous(keys, stable_hash(request.head))
-        elif max(depths.values(), default=0) < opts.min_chunks:
+        rendezvous = opts.unmatched == RENDEZVOUS
+        if max(depths.values(), default=0) < opts.min_chunks and not rendezvous:
             request.how = FLAT
-            return [*order, *ejected]  # no load read: the flat interleave, exactly
+            return [*rotation(live, self._flat_turn(request)), *ejected]  # exactly flat-interleaved
+        # Placed by its prefix: ties and spreading follow a turn of a counter of their own, so that
+        # these requests never shift the flat interleave of the others.
+        if request.tie_turn is None:
+            request.tie_turn = self._take(TIE_GROUP)
+        order = rotation(live, request.tie_turn)
+        keys = [s.key for s in order]
+        spread = _rendezvous(keys, stable_hash(request.head)) if rendezvous else None
         loads = [book.in_flight(Role.PREFILL, key) for key in keys]
         choice = place(keys, depths, loads, opts.balance, opts.min_chunks, spread)
         request.how = choice.how
-        if choice.position == 0:
-            return [*order, *ejected]
         chosen = order[choice.position]
         return [chosen, *order[: choice.position], *order[choice.position + 1 :], *ejected]
+
+    def _take(self, group: str) -> int:
+        return self._counters.take(Role.PREFILL.value, group)
+
+    def _flat_turn(self, request: Chunked) -> int:
+        """The request's turn of the flat interleave's counter, taken the first time it is asked."""
+        if request.turn is None:
+            request.turn = self._take(FLAT_GROUP)
+        return request.turn
 
     def sent(self, role: Role, slot: Slot, request: RequestView) -> None:
         if role is not Role.PREFILL or not isinstance(request, Chunked):
@@ -232,6 +258,7 @@ class PrefixAffinity:
             if self._metrics is not None:
                 self._metrics.index_chunks.labels(key).set(0)
         self._by_hash = {_slot_hash(key): key for key in keys}
+        self._table_keys = keys
         self._masks = None
 
     def describe(self) -> dict[str, Any]:
@@ -250,7 +277,7 @@ class PrefixAffinity:
                     "capacity": self.index.capacity(key),
                     "sized_from": self._sizes_from.get(key, "flag" if opts.index_chunks else "default"),
                 }
-                for key in self.index.slot_keys()
+                for key in dict.fromkeys([*self._table_keys, *self.index.slot_keys()])
             },
         }
 

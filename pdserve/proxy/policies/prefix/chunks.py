@@ -52,6 +52,9 @@ class Chunked(RequestView):
     #: matched at least one chunk, and how the choice was made.
     depths: dict[str, int] = field(default_factory=dict)
     how: str = ""
+    #: The request's turns, taken once each when first needed (flat interleave, tie-breaks).
+    turn: int | None = None
+    tie_turn: int | None = None
 
 
 @dataclass(frozen=True)
