@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: install test test-workers unit lint fmt bench bench-operator bench-routing cluster-build cluster-up cluster-down kind-e2e demo clean \
+.PHONY: install test test-workers unit lint fmt bench bench-operator bench-replay bench-routing cluster-build cluster-up cluster-down kind-e2e demo clean \
 	e2e-vllm record-vllm-fixtures
 
 install: $(VENV)/.installed
@@ -50,6 +50,11 @@ bench: install
 ## 200 PDDeployments x 10 pods (issue 12 item 7's scale, about 7 minutes); --shape small: see bench/operator_bench.py.
 bench-operator: install cluster-up
 	$(PY) -m bench.operator_bench
+
+## The Mooncake trace x4 through `pdserve up examples/sim/mooncake.yaml` with an H200 profile (about 5 minutes);
+## results in bench/results/replay-latest.md (docs/benchmarking.md).
+bench-replay: install
+	$(PY) -m bench.replay_bench
 
 bench-routing: install cluster-up
 	$(PY) -m bench.routing_lag_bench

@@ -66,6 +66,16 @@ RULES = {
         "pdserve.sim",
         "pdserve.operator",
     ),
+    # a client of any server: wire formats and the routing table's parser, nothing of the components
+    "pdserve.loadgen.replay": (
+        "kopf",
+        "kubernetes",
+        "pdserve.proxy",
+        "pdserve.operator",
+        "pdserve.local",
+        "pdserve.deployment",
+        "pdserve.sim",
+    ),
     "pdserve.local.runner": ("kopf", "kubernetes", "pdserve.operator", "pdserve.proxy.", "pdserve.sim."),
 }
 
@@ -95,7 +105,7 @@ FLOORS: tuple[frozenset[str], ...] = (
     frozenset({"routing", "wire", "kv"}),
     frozenset({"deployment"}),
     frozenset({"proxy", "sim"}),
-    frozenset({"operator", "local"}),
+    frozenset({"operator", "local", "loadgen"}),  # loadgen: a client (pdserve bench), above what it loads
     frozenset({"cli"}),  # ``pdserve`` itself: loads a component by name, never by import
 )
 
