@@ -265,7 +265,7 @@ def report(rows: dict[str, dict[str, Any]], config: dict[str, Any], png: Path) -
     lines = [
         f"# Prefix-affinity bench ({config['label']})",
         "",
-        f"Mooncake {config['trace']} (first {config['requests']} requests) at x{config['speedup']:g}; "
+        f"Mooncake {config['trace']} ({config['requests']} requests) at x{config['speedup']:g}; "
         f"engines `pdserve sim --profile {PROFILE}`: prefill 1 x DP8 with {config['prefill_blocks']:,} "
         f"blocks of 16 tokens per rank, decode 2 x DP4; every system on freshly started engines; "
         f"goodput: TTFT <= {config['slo_ttft_ms']:g} ms and mean ITL <= {config['slo_itl_ms']:g} ms. "
@@ -366,9 +366,9 @@ def main(argv: list[str] | None = None) -> int:
         "--systems", default=",".join(DEFAULT_SYSTEMS), help=f"comma-separated, of {', '.join(SYSTEMS)}"
     )
     parser.add_argument("--speedup", type=float, default=4.0, help="trace time compression (default: 4)")
-    parser.add_argument("--limit", type=int, default=1500, help="the first N requests (default: 1500)")
+    parser.add_argument("--limit", type=int, help="the first N requests only (default: all)")
     parser.add_argument(
-        "--prefill-blocks", type=int, default=16000, help="KV blocks per prefill rank (default: 16000)"
+        "--prefill-blocks", type=int, default=32000, help="KV blocks per prefill rank (default: 32000)"
     )
     parser.add_argument("--slo-ttft-ms", type=float, default=2000.0)
     parser.add_argument("--slo-itl-ms", type=float, default=100.0)

@@ -5,7 +5,9 @@ one system after the other on those same backends:
 
   * ``pdserve``: `pdserve proxy` in its default configuration (uvicorn, ``--workers`` = the
     CPUs available, back-pressure on), which is what the image and the chart run, with a routing
-    file naming the two simulators; ``pdserve-1w`` (``--workers 1``) and ``pdserve-hypercorn`` on
+    file naming the two simulators; ``pdserve-1w`` (``--workers 1``), ``pdserve-hypercorn``,
+    ``pdserve-prefix`` (``--prefill-policy prefix-affinity``) and ``pdserve-baseline`` (the default
+    configuration from the checkout in $PDSERVE_BENCH_BASELINE, e.g. main's, side by side) on
     request (``--systems``);
   * ``vllm-router``: the PyPI router in P/D mode (--vllm-pd-disaggregation --kv-connector nixl);
   * ``direct``: the client talking to the decode simulator itself, the floor no proxy can beat.
@@ -52,7 +54,12 @@ PDSERVE_SYSTEMS: dict[str, tuple[str, ...]] = {
     "pdserve": (),
     "pdserve-1w": ("--workers", "1"),
     "pdserve-hypercorn": ("--http-server", "hypercorn"),
+    "pdserve-prefix": ("--prefill-policy", "prefix-affinity"),
+    "pdserve-baseline": (),  # the default configuration, from the checkout in $PDSERVE_BENCH_BASELINE
 }
+#: ``pdserve-baseline`` runs the router of another checkout (e.g. main's) side by side with this
+#: one's: its directory is put first on PYTHONPATH.
+BASELINE_ENV = "PDSERVE_BENCH_BASELINE"
 SYSTEMS = ("direct", *PDSERVE_SYSTEMS, "vllm-router")
 DEFAULT_SYSTEMS = ("direct", "pdserve", "pdserve-1w", "vllm-router")
 
@@ -107,6 +114,8 @@ def start_system(
     if system in PDSERVE_SYSTEMS:
         table = routing_file(prefill, decode, dp_size, logs / "routing.json")
         argv = [sys.executable, "-m", "pdserve.cli", "proxy", "--routing-file", str(table)]
+        if system == "pdserve-baseline":
+            argv = ["env", f"PYTHONPATH={os.environ[BASELINE_ENV]}", *argv]
         argv += [*PDSERVE_SYSTEMS[system], "--log-level", LOG_LEVEL]
         argv += ["--host", "127.0.0.1", "--port", str(port)]
         return start(system, argv, port, "/ready", logs, limit=limit)
@@ -296,6 +305,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
     systems = list(args.systems)
+    if "pdserve-baseline" in systems and not os.environ.get(BASELINE_ENV):
+        parser.error(f"pdserve-baseline needs {BASELINE_ENV}: the directory of the checkout to compare with")
     notes: list[str] = []
     if any(s in PDSERVE_SYSTEMS for s in systems) and not pdserve_proxy_available():
         systems = [s for s in systems if s not in PDSERVE_SYSTEMS]
