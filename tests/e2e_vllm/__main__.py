@@ -3,6 +3,7 @@
 run      the whole e2e (default); figures printed at the end, exit 1 on a failed check
 record   re-record tests/fixtures/vllm-<version>/ from real vLLM (one command per version)
 install  only the cached vLLM virtualenv and the tiny model
+prefix   only the prefill-policy check (step 8 of run: prefix-affinity against the flat interleave)
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("command", nargs="?", default="run", choices=("run", "record", "install"))
+    parser.add_argument("command", nargs="?", default="run", choices=("run", "record", "install", "prefix"))
     parser.add_argument("--out", type=Path, default=None, help="keep logs and recordings here")
     args = parser.parse_args(argv)
     try:
@@ -31,6 +32,20 @@ def main(argv: list[str] | None = None) -> int:
 
             ensure_venv()
             ensure_model()
+            return 0
+        if args.command == "prefix":
+            import tempfile
+
+            from tests.e2e_vllm.model import ensure_model
+            from tests.e2e_vllm.prefix import prefix_policies
+            from tests.e2e_vllm.venv import ensure_venv
+
+            ensure_venv()
+            ensure_model()
+            work = args.out or Path(tempfile.mkdtemp(prefix="pdserve-e2e-prefix-"))
+            work.mkdir(parents=True, exist_ok=True)
+            print(json.dumps(prefix_policies(work), indent=1), flush=True)
+            say("passed")
             return 0
         from tests.e2e_vllm.run import run
 
