@@ -70,7 +70,8 @@ class PrefixIndex:
         return gone
 
     def drop(self, key: str) -> None:
-        """Forget the slot and everything sent to it; its bit may be reused by a new slot."""
+        """Forget the slot, everything sent to it and its size; its bit may be reused by a new slot."""
+        self._capacities.pop(key, None)
         entry = self._slots.pop(key, None)
         if entry is None:
             return
