@@ -85,8 +85,15 @@ def _check(value: object) -> None:
             raise SettingsError(f"{flag.names[0]}: expected one of {', '.join(flag.choices)}, got {given!r}")
 
 
+class Checked:
+    """A settings dataclass whose flags' checks run when it is made."""
+
+    def __post_init__(self) -> None:
+        _check(self)
+
+
 @dataclass(frozen=True)
-class ListenSettings:
+class ListenSettings(Checked):
     """Where the router listens: the client port, and optionally an admin port."""
 
     host: str = setting("0.0.0.0", "--host", env="PDSERVE_PROXY_HOST", help="address to listen on")
@@ -117,13 +124,13 @@ class ListenSettings:
     )
 
     def __post_init__(self) -> None:
-        _check(self)
+        super().__post_init__()
         if self.admin_port is not None and self.admin_port == self.port:
             raise SettingsError(f"--admin-port must differ from --port ({self.port})")
 
 
 @dataclass(frozen=True)
-class ServerSettings:
+class ServerSettings(Checked):
     """The HTTP server and the processes that run it."""
 
     http_server: str = setting(
@@ -173,12 +180,9 @@ class ServerSettings:
         help="log level; info logs one line per request",
     )
 
-    def __post_init__(self) -> None:
-        _check(self)
-
 
 @dataclass(frozen=True)
-class TableSettings:
+class TableSettings(Checked):
     """Where the routing table comes from: exactly one source, a watched file or a ConfigMap.
 
     The source's flags (``--routing-file``, ``--routing-configmap``, ``--kubeconfig``) are the
@@ -194,7 +198,7 @@ class TableSettings:
     )
 
     def __post_init__(self) -> None:
-        _check(self)
+        super().__post_init__()
         if (self.routing_file is None) == (self.routing_configmap is None):
             raise SettingsError("give one routing table source: --routing-file or --routing-configmap")
         if self.routing_configmap is not None and self.kube is None:
@@ -209,7 +213,7 @@ class TableSettings:
 
 
 @dataclass(frozen=True)
-class SidecarSettings:
+class SidecarSettings(Checked):
     """Decode-sidecar mode (``--local-decode``): the router inside a decode pod (pdserve.routing.sidecar)."""
 
     url: str | None = setting(
@@ -261,7 +265,7 @@ class SidecarSettings:
     )
 
     def __post_init__(self) -> None:
-        _check(self)
+        super().__post_init__()
         if self.url is not None and not self.url.startswith(("http://", "https://")):
             raise SettingsError(
                 f"--local-decode: expected an http(s) URL such as http://127.0.0.1:8000, got {self.url!r}"
@@ -278,7 +282,7 @@ class SidecarSettings:
 
 
 @dataclass(frozen=True)
-class RetrySettings:
+class RetrySettings(Checked):
     """How a request survives a failed leg: how often it is tried again, and what is skipped."""
 
     max_retries: int = setting(
@@ -306,12 +310,9 @@ class RetrySettings:
         "0 always re-prefills",
     )
 
-    def __post_init__(self) -> None:
-        _check(self)
-
 
 @dataclass(frozen=True)
-class DeadlineSettings:
+class DeadlineSettings(Checked):
     """How long each step may take. Real models need minutes for a long prompt's prefill or a busy
     decode's first token, so the deadlines only catch what is truly stuck."""
 
@@ -340,12 +341,9 @@ class DeadlineSettings:
         5.0, "--connect-timeout", minimum=0.001, help="seconds to open a TCP connection to a backend"
     )
 
-    def __post_init__(self) -> None:
-        _check(self)
-
 
 @dataclass(frozen=True)
-class AdmissionSettings:
+class AdmissionSettings(Checked):
     """Back-pressure: legs in flight per slot, and the queue of requests waiting for room."""
 
     # vLLM runs up to max_num_seqs (256 by default) at once per rank and queues the rest itself;
@@ -372,12 +370,9 @@ class AdmissionSettings:
         help="seconds a request may wait in the admission queue before it gets 429",
     )
 
-    def __post_init__(self) -> None:
-        _check(self)
-
 
 @dataclass(frozen=True)
-class RequestSettings:
+class RequestSettings(Checked):
     """What a client request may be, and the keys on either side of the router."""
 
     max_body_bytes: int = setting(
@@ -407,12 +402,9 @@ class RequestSettings:
         help="key sent to the vLLM backends; without it the client's Authorization header is forwarded",
     )
 
-    def __post_init__(self) -> None:
-        _check(self)
-
 
 @dataclass(frozen=True)
-class PrefixSettings:
+class PrefixSettings(Checked):
     """The prefix-affinity prefill policy (pdserve.proxy.policies.prefix_affinity; docs/proxy.md)."""
 
     balance: float = setting(
@@ -465,7 +457,7 @@ class PrefixSettings:
     )
 
     def __post_init__(self) -> None:
-        _check(self)
+        super().__post_init__()
         try:
             self.options  # noqa: B018  (PrefixOptions checks what a flag's minimum cannot say)
         except ValueError as exc:
@@ -484,7 +476,7 @@ class PrefixSettings:
 
 
 @dataclass(frozen=True)
-class ProxySettings:
+class ProxySettings(Checked):
     """The router's whole configuration: built by the CLI, or by tests and benches directly."""
 
     table: TableSettings
@@ -515,9 +507,6 @@ class ProxySettings:
     admission: AdmissionSettings = field(default_factory=AdmissionSettings)
     requests: RequestSettings = field(default_factory=RequestSettings)
     prefix: PrefixSettings = field(default_factory=PrefixSettings)
-
-    def __post_init__(self) -> None:
-        _check(self)
 
 
 #: The concerns in the order ``pdserve proxy --help`` lists them: (ProxySettings field, title, class).

@@ -13,6 +13,7 @@ from pdserve.deployment.spec.pddeployment import PDDeployment, load_manifest_fil
 from pdserve.local.plan import LOOPBACK, PlanError, SimTimings, plan_local_run
 from pdserve.local.view import instance_rows, prefix_cache_counts, render_frame, summary_line
 from pdserve.routing import Role
+from tests.support.specs import pdd_of
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 PYTHON = "/usr/bin/python3"
@@ -273,22 +274,14 @@ def test_view_shows_the_engines_prefix_cache_hit_ratio_and_the_routers_index() -
 
 
 def _multinode(api_servers: str = "perNode", **decode: Any) -> PDDeployment:
-    from pdserve.deployment.spec.pddeployment import parse_pddeployment
-
-    return parse_pddeployment(
-        {
-            "apiVersion": "pdserve.io/v1alpha1",
-            "kind": "PDDeployment",
-            "metadata": {"name": "mn"},
-            "spec": {
-                "model": "m",
-                "engine": "sim",
-                "gpusPerNode": 2,
-                "multiNode": {"apiServers": api_servers},
-                "prefill": {"instances": 2, "dataParallel": 4},
-                "decode": {"instances": 1, "dataParallel": 2, **decode},
-            },
-        }
+    return pdd_of(
+        "mn",
+        engine="sim",
+        image=None,
+        gpusPerNode=2,
+        multiNode={"apiServers": api_servers},
+        prefill={"instances": 2, "dataParallel": 4},
+        decode={"instances": 1, "dataParallel": 2, **decode},
     )
 
 

@@ -98,3 +98,19 @@ def test_defaults() -> None:
         "flat",
         0,
     )
+
+
+def test_every_prefill_policy_is_known_to_the_spec_parser_and_the_crd() -> None:
+    from pathlib import Path
+
+    import yaml
+
+    from pdserve.deployment.spec import pddeployment
+    from pdserve.proxy.policies import PREFILL_POLICIES
+
+    crd = yaml.safe_load(
+        (Path(__file__).resolve().parents[2] / "crds" / "pddeployments.pdserve.io.yaml").read_text()
+    )
+    spec = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
+    enum = spec["properties"]["router"]["properties"]["prefillPolicy"]["enum"]
+    assert set(PREFILL_POLICIES) == set(pddeployment.PREFILL_POLICIES) == set(enum)

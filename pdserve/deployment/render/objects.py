@@ -45,11 +45,11 @@ from pdserve.deployment.render.defaults import (
     ENGINE_PRESTOP_SECONDS,
     ENGINE_TERMINATION_GRACE_SECONDS,
     ROUTER_PRESTOP_SECONDS,
-    ROUTER_SHUTDOWN_GRACE_SECONDS,
     ROUTER_TERMINATION_GRACE_SECONDS,
     STARTUP_PERIOD_SECONDS,
     default_requests,
     engine_security_context,
+    router_args,
     startup_failure_threshold,
     with_default_requests,
 )
@@ -516,24 +516,7 @@ def _router_deployment(pdd: PDDeployment) -> dict[str, Any]:
         "name": "router",
         "image": router.image or DEFAULT_IMAGE,
         "command": ["pdserve"],
-        "args": [
-            "proxy",
-            # Watched through the API server: a new table is served within a second of being
-            # written (a mounted ConfigMap would follow only on the kubelet's sync period).
-            "--routing-configmap",
-            f"$(POD_NAMESPACE)/{routing_configmap_name(pdd)}",
-            "--shutdown-grace-seconds",
-            str(ROUTER_SHUTDOWN_GRACE_SECONDS),
-            "--host",
-            "0.0.0.0",
-            "--port",
-            str(router.port),
-            *router.policy_args(),
-            "--backlog",
-            str(router.backlog),
-            "--workers",
-            str(router.workers),
-        ],
+        "args": router_args(router, routing_configmap_name(pdd), router.port),
         "ports": [{"name": "http", "containerPort": router.port, "protocol": "TCP"}],
         "env": [{"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}}],
         # Ready only with a table that has a routable slot per role; 503 at once on SIGTERM.

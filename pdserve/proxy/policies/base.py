@@ -25,6 +25,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar, Protocol
 
+from pdserve.proxy.policies.counters import Counters, LocalCounters
 from pdserve.proxy.state.health import SlotBook
 from pdserve.routing import Role, Slot, SlotTable
 
@@ -83,6 +84,17 @@ class OrderOnly:
 
     def describe(self) -> dict[str, Any]:
         return {}
+
+
+class Turns:
+    """The turns of a policy: one counter per (role, group), in this process, or in shared memory
+    for every worker process (pdserve.proxy.policies.counters)."""
+
+    def __init__(self, counters: Counters | None = None) -> None:
+        self._counters = counters or LocalCounters()
+
+    def turn(self, role: Role, group: str = "") -> int:
+        return self._counters.take(role.value, group)
 
 
 def rotation(slots: Sequence[Slot], start: int) -> list[Slot]:

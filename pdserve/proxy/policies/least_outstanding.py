@@ -10,20 +10,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import ClassVar
 
-from pdserve.proxy.policies.base import OrderOnly, RequestView, live_and_ejected, rotation
-from pdserve.proxy.policies.counters import Counters, LocalCounters
+from pdserve.proxy.policies.base import OrderOnly, RequestView, Turns, live_and_ejected, rotation
 from pdserve.proxy.state.health import SlotBook
 from pdserve.routing import Role, Slot
 
 
-class LeastOutstanding(OrderOnly):
+class LeastOutstanding(Turns, OrderOnly):
     name: ClassVar[str] = "least-outstanding"
-
-    def __init__(self, counters: Counters | None = None) -> None:
-        self._counters = counters or LocalCounters()
-
-    def turn(self, role: Role, group: str = "") -> int:
-        return self._counters.take(role.value, group)
 
     def candidates(
         self, role: Role, slots: Sequence[Slot], book: SlotBook, turn: int, request: RequestView | None = None
