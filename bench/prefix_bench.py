@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import shutil
 import subprocess
@@ -246,6 +247,7 @@ def figures(outcome: Outcome, slo: Slo) -> dict[str, Any]:
         "load_computed": round(max(computed) / mean_computed, 3) if mean_computed else None,
         "throughput_rps": summary["request_throughput"],
         "requests_per_slot": [s["requests"] for s in slots],
+        "send_lag_p99_ms": (summary["send_lag_ms"] or {}).get("p99"),  # the client's own delay
     }
 
 
@@ -272,14 +274,14 @@ def report(rows: dict[str, dict[str, Any]], config: dict[str, Any], png: Path) -
         f"Run {config['run']}.",
         "",
         "| system | prefill hit ratio | TTFT p50 (ms) | TTFT p99 (ms) | goodput | req/s | "
-        "max/mean prefill requests | max/mean prefill computed tokens | failed |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "max/mean prefill requests | max/mean prefill computed tokens | failed | load avg (start, end) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for system, f in rows.items():
         lines.append(
             f"| {system} | {_pct(f['hit_ratio'])} | {_ms(f['ttft_p50_ms'])} | {_ms(f['ttft_p99_ms'])} | "
             f"{_pct(f['goodput_share'])} | {_x(f['throughput_rps'])} | {_x(f['load_requests'])} | "
-            f"{_x(f['load_computed'])} | {f['failed']} |"
+            f"{_x(f['load_computed'])} | {f['failed']} | {', '.join(str(x) for x in f.get('loadavg', []))} |"
         )
     lines += ["", *targets(rows), "", f"![hit ratio, TTFT and load]({png.name})", ""]
     return "\n".join(lines)
@@ -387,8 +389,11 @@ def main(argv: list[str] | None = None) -> int:
     rows: dict[str, dict[str, Any]] = {}
     raw: dict[str, Any] = {}
     for system in systems:
+        load_before = os.getloadavg()[0]
         outcome = run_system(system, args, arrivals, logs)
         rows[system] = figures(outcome, slo)
+        # The machine is shared: its load during each run says how comparable the runs are.
+        rows[system]["loadavg"] = [round(load_before, 1), round(os.getloadavg()[0], 1)]
         raw[system] = {"figures": rows[system], "engines": outcome.engines}
         print(system, json.dumps(rows[system]), flush=True)
     config = {
