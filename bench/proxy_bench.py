@@ -461,6 +461,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 )
                 + (f", the decode holding its first byte {load.hold_ms} ms" if load.hold_ms else "")
                 for load in loads(args)
+                if not args.loads or load.name in args.loads
             )
             + f"; {args.rounds} round(s), alternating order, pooled; both proxies at --log-level {LOG_LEVEL}"
         ),
@@ -472,7 +473,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.baseline is not None:
         prefix = "baseline-" + prefix
         meta["baseline"] = describe_tree(args.baseline)
-    written = write_results(RESULTS, prefix, summaries, meta, vars(args))
+    # The checkout by its commit, never by a path of this machine.
+    recorded = {**vars(args), "baseline": meta.get("baseline")}
+    written = write_results(RESULTS, prefix, summaries, meta, recorded)
     log(f"wrote {', '.join(f'bench/results/{name}' for name in written)}")
     return 0
 

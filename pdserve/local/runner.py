@@ -221,9 +221,11 @@ class LocalRunner:
         return 0
 
     def _on_signal(self, sig: int) -> None:
-        if not self.stopping.is_set():
+        if self.stopping.is_set():
+            return
+        self.stopping.set()  # first: saying so may fail (stdout gone: a closed pipe)
+        with contextlib.suppress(OSError):
             self.reporter.event(f"{signal.Signals(sig).name}: stopping every process")
-        self.stopping.set()
 
     async def _tick(self, session: aiohttp.ClientSession) -> None:
         for router in self.routers.values():
