@@ -5,7 +5,8 @@ one system after the other on those same backends:
 
   * ``pdserve``: `pdserve proxy` in its default configuration (uvicorn, ``--workers`` = the
     CPUs available, back-pressure on), which is what the image and the chart run, with a routing
-    file naming the two simulators; ``pdserve-1w`` (``--workers 1``) and ``pdserve-hypercorn`` on
+    file naming the two simulators; ``pdserve-1w`` (``--workers 1``), ``pdserve-hypercorn`` and
+    ``pdserve-prefix`` (``--prefill-policy prefix-affinity``) on
     request (``--systems``);
   * ``vllm-router``: the PyPI router in P/D mode (--vllm-pd-disaggregation --kv-connector nixl);
   * ``direct``: the client talking to the decode simulator itself, the floor no proxy can beat;
@@ -56,6 +57,7 @@ PDSERVE_SYSTEMS: dict[str, tuple[str, ...]] = {
     "pdserve": (),
     "pdserve-1w": ("--workers", "1"),
     "pdserve-hypercorn": ("--http-server", "hypercorn"),
+    "pdserve-prefix": ("--prefill-policy", "prefix-affinity"),
 }
 SYSTEMS = ("direct", *PDSERVE_SYSTEMS, "vllm-router")
 DEFAULT_SYSTEMS = ("direct", "pdserve", "pdserve-1w", "vllm-router")
