@@ -5,7 +5,8 @@ one system after the other on those same backends:
 
   * ``pdserve``: `pdserve proxy` in its default configuration (uvicorn, ``--workers`` = the
     CPUs available, back-pressure on), which is what the image and the chart run, with a routing
-    file naming the two simulators; ``pdserve-1w`` (``--workers 1``) and ``pdserve-hypercorn`` on
+    file naming the two simulators; ``pdserve-1w`` (``--workers 1``), ``pdserve-hypercorn`` and
+    ``pdserve-prefix`` (``--prefill-policy prefix-affinity``) on
     request (``--systems``);
   * ``vllm-router``: the PyPI router in P/D mode (--vllm-pd-disaggregation --kv-connector nixl);
   * ``direct``: the client talking to the decode simulator itself, the floor no proxy can beat;
@@ -65,6 +66,7 @@ PDSERVE_SYSTEMS: dict[str, tuple[str, ...]] = {
     "pdserve": (),
     "pdserve-1w": ("--workers", "1"),
     "pdserve-hypercorn": ("--http-server", "hypercorn"),
+    "pdserve-prefix": ("--prefill-policy", "prefix-affinity"),
     "pdserve-traced": TRACED_FLAGS,
     "pdserve-1w-traced": ("--workers", "1", *TRACED_FLAGS),
     "pdserve-1w-sampled": ("--workers", "1", *SAMPLED_FLAGS),
@@ -510,6 +512,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 )
                 + (f", the decode holding its first byte {load.hold_ms} ms" if load.hold_ms else "")
                 for load in loads(args)
+                if not args.loads or load.name in args.loads
             )
             + f"; {args.rounds} round(s), alternating order, pooled; both proxies at --log-level {LOG_LEVEL}"
         ),
@@ -523,10 +526,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         meta["baseline"] = describe_tree(args.baseline)
     if args.label:
         prefix = f"{args.label}-" + prefix.removeprefix("baseline-")
-    # The arguments as JSON, without this machine's paths: the baseline checkout by its description.
-    recorded = {k: v for k, v in vars(args).items() if k not in ("otlp", "otlp_stats")}
-    if args.baseline is not None:
-        recorded["baseline"] = describe_tree(args.baseline)
+    # The checkout by its commit, never by a path of this machine; the sink's URLs left out.
+    recorded = {**vars(args), "baseline": meta.get("baseline")}
+    recorded = {k: v for k, v in recorded.items() if k not in ("otlp", "otlp_stats")}
     written = write_results(RESULTS, prefix, summaries, meta, recorded)
     log(f"wrote {', '.join(f'bench/results/{name}' for name in written)}")
     return 0

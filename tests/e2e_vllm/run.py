@@ -17,6 +17,9 @@
    for a retry, none once no decode is left: those requests fail fast with a clean 503) and no
    KV lease expired unpulled; the restarted decode (same ports) serves again.
 8. Ctrl-C: `pdserve up` exits 0 and no process of the run is left.
+9. Prefill DP2 with prefix caching (examples/cpu/nixl-2p-dp2-prefix.yaml), a multi-turn workload
+   through the flat interleave and through a prefix-affinity router: vLLM's own
+   ``vllm:prefix_cache_hits_total`` rises more with prefix-affinity (tests/e2e_vllm/prefix.py).
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ from tests.e2e_vllm.common import (
     total,
 )
 from tests.e2e_vllm.model import ensure_model
+from tests.e2e_vllm.prefix import prefix_policies
 from tests.e2e_vllm.record import record
 from tests.e2e_vllm.up import Up
 from tests.e2e_vllm.venv import ensure_venv
@@ -74,7 +78,7 @@ def run(out: Path | None = None, record_only: bool = False, keep: bool = False) 
         figures["commands_checked_by_vllm"] = check_rendered_commands(work)
         collector = start_collector(work / "otelcol", build_collector(say))
         tracing = ("--otlp-traces-endpoint", collector.grpc_endpoint)
-    up = Up(work / "up", tracing, dict(FAST_EXPORT))
+    up = Up(work / "up", extra_args=tracing, extra_env=dict(FAST_EXPORT))
     try:
         up.start()
         figures["seconds_to_serving"] = round(up.wait_serving(), 1)
@@ -105,6 +109,8 @@ def run(out: Path | None = None, record_only: bool = False, keep: bool = False) 
             figures["killed_decode"] = killed_decode(up, prefill["url"], decode)
         figures["seconds_to_stop"] = round(up.stop(), 1)
         say(f"stopped in {figures['seconds_to_stop']} s; no process of the run is left")
+        if not record_only:
+            figures["prefill_policies"] = prefix_policies(work)
     except BaseException:
         say(f"failed; logs kept in {work}")
         up.kill()

@@ -180,6 +180,11 @@ REFUSED = [
     pytest.param({"engine": "trtllm"}, 'Unsupported value: "trtllm"', id="enum-engine"),
     pytest.param({"router": {"policy": "random"}}, 'Unsupported value: "random"', id="enum-policy"),
     pytest.param(
+        {"router": {"prefillPolicy": "cache_aware"}},
+        'Unsupported value: "cache_aware"',
+        id="enum-prefill-policy",
+    ),
+    pytest.param(
         {"kvTransfer": {"connector": "LMCache"}}, 'Unsupported value: "LMCache"', id="enum-connector"
     ),
     pytest.param(

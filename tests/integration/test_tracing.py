@@ -150,15 +150,16 @@ def test_a_retried_prefill_shows_two_attempt_spans(stack: PDStack, otelcol: Coll
     for i in range(2):
         answer = stack.complete(headers={"X-Request-Id": f"retry-{i}"})
         assert answer.status == 200, answer.body
-    spans = otelcol.wait_for(
-        lambda spans: (
-            any(s.name == "prefill" and s.attributes.get("pdserve.attempt") == 2 for s in spans)
-            and sum(s.name == "llm_request" for s in spans) >= 4
-        ),
-        what="a second prefill attempt",
-    )
-    retried = next(s for s in spans if s.name == "prefill" and s.attributes.get("pdserve.attempt") == 2)
-    trace = of_trace(spans, retried.trace_id)
+
+    def retried(spans: list[ExportedSpan]) -> list[ExportedSpan]:
+        """The trace of the request whose prefill was retried, once all of it has arrived: the
+        router's request span ends last, the decode's vLLM span too."""
+        second = [s for s in spans if s.name == "prefill" and s.attributes.get("pdserve.attempt") == 2]
+        trace = of_trace(spans, second[0].trace_id) if second else []
+        done = any(s.kind == "SERVER" and s.service == ROUTER for s in trace)
+        return trace if done and sum(s.name == "llm_request" for s in trace) == 2 else []
+
+    trace = retried(otelcol.wait_for(lambda spans: bool(retried(spans)), what="a retried prefill's trace"))
     first, second = named(trace, ROUTER, "prefill")
     server = one(trace, ROUTER, "POST /v1/completions")
     assert [r.attributes["pdserve.attempt"] for r in named(trace, ROUTER, "route")] == [1, 2]

@@ -26,7 +26,7 @@ import pytest
 from pdserve.routing.table import RoutingTable, load_routing_table
 from tests.support.kube import REPO, KubeCluster, eventually
 from tests.support.procs import free_port
-from tests.support.specs import NIXL, manifest
+from tests.support.specs import vllm_manifest
 
 WAIT = 60.0
 
@@ -48,12 +48,9 @@ def pdd_manifest(
     its router pod asks for no GPU and really runs on the pod runner's node, unless
     ``silent_router`` pins it to a kwok node too, where it is Ready but never answers (so drains
     end at the ``drainSeconds`` bound)."""
-    return manifest(
+    return vllm_manifest(
         name,
         model="Qwen/Qwen2.5-0.5B-Instruct",
-        image="vllm/vllm-openai:v0.11.0",
-        engine="vllm",
-        kvTransfer=NIXL,
         prefill={"instances": prefill_instances, "dataParallel": prefill_dp, "tensorParallel": 1},
         decode={
             "instances": decode_instances,

@@ -93,7 +93,7 @@ def router_args(spec: PDDeploymentSpec, configmap: str, port: int) -> list[str]:
     """``pdserve proxy``'s flags in a router container: the routing ConfigMap watched through the
     API server (a new table is served within a second of being written; a mounted ConfigMap would
     follow only on the kubelet's sync period), its grace period, its port, spec.router's tuning
-    and spec.tracing's endpoint (render/tracing.py)."""
+    (the policy flags: RouterSpec.policy_args) and spec.tracing's endpoint (render/tracing.py)."""
     router = spec.router
     return [
         "proxy",
@@ -105,8 +105,7 @@ def router_args(spec: PDDeploymentSpec, configmap: str, port: int) -> list[str]:
         "0.0.0.0",
         "--port",
         str(port),
-        "--policy",
-        router.policy,
+        *router.policy_args(),
         "--backlog",
         str(router.backlog),
         "--workers",

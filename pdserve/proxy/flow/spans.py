@@ -45,18 +45,23 @@ _FINE = frozenset({"ok", "streaming", "cancelled"})
 class RequestTracer:
     """Starts the spans of each request; one per router process (each worker has its own)."""
 
-    def __init__(self, tracing: Tracing, policy: str) -> None:
+    def __init__(self, tracing: Tracing, policy: str, prefill_policy: str | None = None) -> None:
         self._tracing = tracing
         self._tracer = tracing.tracer
         self._propagator = TraceContextTextMapPropagator()
-        self.policy = policy
+        self.policies: dict[str, Any] = {"pdserve.policy": policy}
+        if prefill_policy is not None:
+            self.policies["pdserve.prefill_policy"] = prefill_policy
 
     @classmethod
-    def start(cls, settings: TracingSettings, policy: str) -> RequestTracer:
+    def start(
+        cls, settings: TracingSettings, policy: str, prefill_policy: str | None = None
+    ) -> RequestTracer:
         endpoint = settings.otlp
         assert endpoint is not None
         version = {"service.version": __version__}
-        return cls(start_tracing(SCOPE, endpoint, SERVICE, settings.sampling_ratio, version), policy)
+        tracing = start_tracing(SCOPE, endpoint, SERVICE, settings.sampling_ratio, version)
+        return cls(tracing, policy, prefill_policy)
 
     def shutdown(self) -> None:
         self._tracing.shutdown()
@@ -83,7 +88,7 @@ class RequestSpans:
 
     def __init__(self, owner: RequestTracer, span: Span, state: str | None) -> None:
         self._tracer = owner._tracer
-        self.policy = owner.policy
+        self.policies = owner.policies
         self.span = span
         self.recording = span.is_recording()
         ctx = span.get_span_context()
@@ -139,7 +144,7 @@ class RequestSpans:
         if not self.recording:
             return
         attributes: dict[str, Any] = {
-            "pdserve.policy": self.policy,
+            **self.policies,
             "pdserve.table.generation": generation,
             "pdserve.attempt": attempt,
         }
