@@ -96,7 +96,7 @@ class RequestSpans:
         self.trace_id = f"{ctx.trace_id:032x}" if self.recording else None
         self._flags = int(ctx.trace_flags)
         self._traceparent = traceparent(ctx.trace_id, ctx.span_id, self._flags)
-        self._parent = otel.set_span_in_context(span)
+        self._parent = otel.set_span_in_context(span) if self.recording else None  # children's parent
         self.tracestate = state  # the client's, passed on unchanged
 
     # --- what the legs send ---------------------------------------------------------------------
