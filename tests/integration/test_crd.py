@@ -32,7 +32,7 @@ CRD_NAME = "pddeployments.pdserve.io"
 def crd(kube_cluster: KubeCluster) -> KubeCluster:
     """The CRD applied (idempotent: server-side apply of the same file) and served."""
     kube_cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", CRD_PATH)
-    kube_cluster.kubectl("wait", "--for=condition=Established", f"crd/{CRD_NAME}", "--timeout=60s")
+    kube_cluster.wait_established(CRD_NAME, timeout=60)
     eventually(
         lambda: kube_cluster.kubectl("get", "pdd", "-A", check=False).returncode == 0,
         timeout=60,

@@ -76,9 +76,7 @@ KWOK_PLACEMENT: dict[str, Any] = {
 @pytest.fixture(scope="session")
 def pdd_crd(kube_cluster: KubeCluster) -> KubeCluster:
     kube_cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(REPO / "crds"))
-    kube_cluster.kubectl(
-        "wait", "--for=condition=Established", "crd/pddeployments.pdserve.io", "--timeout=60s", timeout=90
-    )
+    kube_cluster.wait_established("pddeployments.pdserve.io", timeout=60)
     return kube_cluster
 
 
