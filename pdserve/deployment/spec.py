@@ -52,6 +52,7 @@ from pdserve.deployment.readers import read_string_map as _string_map
 from pdserve.deployment.readers import show as _show
 from pdserve.deployment.storage import ModelCache, parse_model, parse_model_cache
 from pdserve.routing import Connector, Role
+from pdserve.wire import vllm
 
 __all__ = ["GroupShape", "ModelCache", "MultiNodeSpec", "SecretKeyRef", "SpecError"]
 
@@ -360,9 +361,7 @@ def parse_spec(spec: Mapping[str, Any] | object) -> PDDeploymentSpec:
     image = _string(doc, "image", path, default="")
     engine = _choice(doc, "engine", path, ENGINES, DEFAULT_ENGINE)
     if engine == "vllm" and not image:
-        raise SpecError(
-            f"{path}.image", "required when engine is vllm (for example vllm/vllm-openai:v0.11.0)"
-        )
+        raise SpecError(f"{path}.image", f"required when engine is vllm (for example {vllm.IMAGE})")
     gpu_resource = _string(doc, "gpuResource", path, default=DEFAULT_GPU_RESOURCE)
     if not _RESOURCE_NAME.match(gpu_resource):
         raise SpecError(
