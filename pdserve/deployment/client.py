@@ -26,7 +26,7 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from pdserve.deployment.objects import router_deployment, router_role, routing_configmap_name
+from pdserve.deployment.objects import namespaced, router_deployment, router_role, routing_configmap_name
 from pdserve.deployment.owned import ROUTER_CONTAINER
 from pdserve.deployment.security import ADMIN_PORT_NAME
 from pdserve.deployment.sidecar import SIDECAR_PORT, TOKEN_PATH, TOKEN_VOLUME, token_volume
@@ -128,7 +128,7 @@ def client_rbac(
     role = client_role_name(pdd)
 
     def meta(name: str, namespace: str) -> dict[str, Any]:
-        return {"name": name, "namespace": namespace, "labels": _client_labels(pdd)}
+        return {"name": name, **namespaced(namespace), "labels": _client_labels(pdd)}
 
     return [
         {
@@ -147,6 +147,6 @@ def client_rbac(
             "kind": "RoleBinding",
             "metadata": meta(client_binding_name(pdd, account), pdd.namespace),
             "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": role},
-            "subjects": [{"kind": "ServiceAccount", "name": account, "namespace": app_namespace}],
+            "subjects": [{"kind": "ServiceAccount", "name": account, **namespaced(app_namespace)}],
         },
     ]

@@ -262,6 +262,7 @@ class PDDeploymentSpec:
 @dataclass(frozen=True)
 class PDDeployment:
     name: str
+    #: "" renders objects without a namespace, for ``kubectl apply -n`` (``pdserve render``).
     namespace: str
     uid: str  # "" for a file that never went through an API server
     generation: int
