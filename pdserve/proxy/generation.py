@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import json
 import logging
 import random
 from collections.abc import Awaitable, Callable, Mapping, MutableMapping
@@ -24,11 +23,11 @@ from pdserve.proxy.flow import Dispatcher, Reply
 from pdserve.proxy.ports import refused_here
 from pdserve.wire.headers import ERROR_REASON
 from pdserve.wire.openai import (
-    VALIDATION_ERROR_TYPE,
     Endpoint,
     RequestError,
     check_generation_request,
     error_body,
+    invalid_json,
 )
 
 log = logging.getLogger("pdserve.proxy")
@@ -211,15 +210,11 @@ class GenerationApp:
 
 
 def parse_request(raw: bytes, endpoint: Endpoint) -> Mapping[str, Any]:
-    """The body of a generation request, or the refusal vLLM would answer (its status, type, param)."""
+    """The body of a generation request, or the refusal vLLM would answer (its status and param)."""
     try:
         body = codec.loads(raw)
-    except json.JSONDecodeError as exc:
-        message = f"request body is not valid JSON: {exc}"
-        raise RequestError(400, message, f"body.{exc.pos}", "invalid_json", VALIDATION_ERROR_TYPE) from None
-    except ValueError as exc:  # UnicodeDecodeError
-        message = f"request body is not valid JSON: {exc}"
-        raise RequestError(400, message, "body", "invalid_json", VALIDATION_ERROR_TYPE) from None
+    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError
+        raise invalid_json(exc) from None
     return check_generation_request(body, endpoint)
 
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import aiohttp
 
 from pdserve.proxy import h1
+from pdserve.wire.openai import normalize_error_body
 
 # Idle pooled connections are kept this long; a connection the
 # engine closed meanwhile is seen closed when taken from the pool and not used.
@@ -149,7 +150,8 @@ def _checked(answer: Answer) -> Answer:
     if answer.status >= 500:
         raise LegError("http_5xx", f"HTTP {answer.status}: {_snippet(answer.body)}")
     if answer.status >= 400:
-        raise BackendRefusal(answer.status, answer.body, answer.content_type)
+        # vLLM's refusal, passed back to the client in the router's vocabulary (one error type per status).
+        raise BackendRefusal(answer.status, normalize_error_body(answer.body), answer.content_type)
     return answer
 
 
