@@ -26,7 +26,8 @@ from tests.support import vllm_fixtures
 
 REPO = Path(__file__).resolve().parents[2]
 DASHBOARD = REPO / "charts" / "pdserve" / "files" / "dashboards" / "pdserve.json"
-DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md")), REPO / "charts/pdserve/templates/NOTES.txt"]
+NOTES = REPO / "charts" / "pdserve" / "templates" / "NOTES.txt"
+DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md")), NOTES]
 NAME = re.compile(r"\b(?:pdserve_(?:proxy|operator)_[a-z0-9_]+|vllm:[a-z0-9_:]+)")
 
 
