@@ -193,6 +193,8 @@ async def _run_with_view(runner: LocalRunner, reporter: Reporter) -> int:
         if view_task is not None:
             runner.stopping.set()
             await view_task
+        if runner.stop_report:
+            reporter.final(runner.stop_report)
 
 
 def _refuse(message: str) -> int:

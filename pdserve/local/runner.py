@@ -73,6 +73,10 @@ class Reporter:
     def event(self, text: str) -> None:
         print(f"[pdserve up {time.monotonic() - self._t0:6.1f}s] {text}", flush=True)
 
+    def final(self, text: str) -> None:
+        """The last word, once nothing is drawn any more (the live view prints it under its frame)."""
+        self.event(text)
+
 
 @dataclass
 class Child:
@@ -179,6 +183,8 @@ class LocalRunner:
         self.table: RoutingTable | None = None
         self.stopping = asyncio.Event()
         self.failure: str | None = None
+        self.stop_cause: str | None = None  # the signal that stopped the run, said in the stop report
+        self.stop_report = ""  # what was stopped, and how: set once every process is gone
         self._announced = False
         self._tree_refreshed = 0.0
 
@@ -214,7 +220,7 @@ class LocalRunner:
         finally:
             for sig in (signal.SIGINT, signal.SIGTERM):
                 loop.remove_signal_handler(sig)
-            await self.stop_all()
+            self.stop_report = await self.stop_all()
         if self.failure:
             self.reporter.event(f"error: {self.failure}")
             return 1
@@ -222,14 +228,16 @@ class LocalRunner:
 
     def _on_signal(self, sig: int) -> None:
         if not self.stopping.is_set():
-            self.reporter.event(f"{signal.Signals(sig).name}: stopping every process")
+            name = signal.Signals(sig).name
+            self.stop_cause = f"{name} (Ctrl-C)" if sig == signal.SIGINT else name
+            self.reporter.event(f"{name}: stopping every process")
         self.stopping.set()
 
     async def _tick(self, session: aiohttp.ClientSession) -> None:
         for router in self.routers.values():
             if not router.running:
                 code = router.popen.returncode if router.popen else None
-                self._fail(f"{router.name} exited with code {code}:\n{router.log_tail()}")
+                self._fail(f"{router.name} {describe_exit(code)}:\n{router.log_tail()}")
                 return
         self._restart_exited_engines()
         if self.stopping.is_set():
@@ -281,7 +289,7 @@ class LocalRunner:
                 child.failed_starts = 0 if child.healthy_once else child.failed_starts + 1
                 if child.failed_starts >= MAX_FAILED_STARTS:
                     self._fail(
-                        f"{child.name} exited with code {code} {child.failed_starts} times without becoming "
+                        f"{child.name} {describe_exit(code)}, {child.failed_starts} times without becoming "
                         f"healthy; last lines of {child.log_path}:\n{child.log_tail()}"
                     )
                     return
@@ -289,7 +297,7 @@ class LocalRunner:
                 child.restart_at = now + delay
                 leftovers = f"; stopping the {len(left)} process(es) it left running" if left else ""
                 self.reporter.event(
-                    f"{child.name} exited with code {code}{leftovers}; restarting in {delay:.0f}s "
+                    f"{child.name} {describe_exit(code)}{leftovers}; restarting in {delay:.0f}s "
                     f"(log: {child.log_path})"
                 )
                 continue
@@ -371,25 +379,35 @@ class LocalRunner:
 
     # --- stopping --------------------------------------------------------------------------------
 
-    async def stop_all(self) -> None:
+    async def stop_all(self) -> str:
         """SIGTERM to every process of every child (the front and the routers first, so they stop
-        taking requests), SIGKILL to what is left after the grace period; returns once none is left."""
+        taking requests), SIGKILL to what is left after the grace period; returns once none is left,
+        with what it stopped, in a sentence."""
         if self.front is not None:
             await self.front.stop()
         children = [*self.routers.values(), *self.engines.values()]
-        for child in children:
-            child.signal_tree(signal.SIGTERM)
+        terminated = sum(len(child.signal_tree(signal.SIGTERM)) for child in children)
         deadline = time.monotonic() + self.stop_grace
         while time.monotonic() < deadline and _any_alive(children, running_too=True):
             await asyncio.sleep(0.05)
+        killed = 0
         for child in children:
-            child.signal_tree(signal.SIGKILL)
+            killed += len(child.signal_tree(signal.SIGKILL))
             if child.popen is not None:
                 with contextlib.suppress(subprocess.TimeoutExpired):
                     child.popen.wait(5)
         deadline = time.monotonic() + 5
         while time.monotonic() < deadline and _any_alive(children):
             await asyncio.sleep(0.05)
+        left = sum(1 for child in children if child.tree_alive())
+        why = " after the error above" if self.failure else ""
+        why = f" on {self.stop_cause}" if self.stop_cause else why
+        routers = f"{len(self.routers)} sidecar router(s)" if self.plan.sidecars else "the router"
+        how = f"{terminated} process(es) got SIGTERM"
+        if killed:
+            how += f", {killed} still running after {self.stop_grace:g}s got SIGKILL"
+        gone = "every process exited" if not left else f"{left} process tree(s) could not be stopped"
+        return f"stopped{why}: {len(self.engines)} engine(s) and {routers}; {how}; {gone}"
 
 
 def _any_alive(children: Sequence[Child], running_too: bool = False) -> bool:
@@ -398,6 +416,21 @@ def _any_alive(children: Sequence[Child], running_too: bool = False) -> bool:
         return True
     table = scan()
     return any(c.tree_alive(table) for c in children)
+
+
+def describe_exit(code: int | None) -> str:
+    """How a process ended, saying a signal when one ended it: a negative returncode is death by
+    that signal, 128 + n is how a shell or a handler that re-raised reports signal n."""
+    if code is None:
+        return "stopped"
+    number = -code if code < 0 else code - 128 if 128 < code <= 128 + 64 else 0
+    if not number:
+        return f"exited with code {code}"
+    try:
+        name = signal.Signals(number).name
+    except ValueError:
+        name = f"signal {number}"
+    return f"was stopped by {name}" if code < 0 else f"exited with code {code} (stopped by {name})"
 
 
 def describe_routers(plan: LocalPlan) -> str:

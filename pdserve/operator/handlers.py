@@ -27,7 +27,7 @@ from typing import Any
 import kopf
 
 from pdserve.deployment.objects import DEPLOYMENT_LABEL, ROLE_LABEL
-from pdserve.deployment.spec import GROUP, PLURAL, VERSION
+from pdserve.deployment.spec import DEFAULT_IMAGE, GROUP, PLURAL, VERSION
 from pdserve.operator.cache import ClusterCache
 from pdserve.operator.controller import Controller
 from pdserve.operator.kube import Kube, KubeError
@@ -48,6 +48,8 @@ class OperatorOptions:
     elector: LeaderElector | None = None
     #: kopf's stop flag (``kopf.run(stop_flag=...)``): set when leadership is lost.
     stop: asyncio.Event | None = None
+    #: The image of routers and ``engine: sim`` pods whose spec names none (--pdserve-image).
+    pdserve_image: str = DEFAULT_IMAGE
 
 
 #: After losing the lease the process ends within this many seconds, even if kopf's shutdown hangs.
@@ -67,7 +69,7 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) ->
     if await asyncio.to_thread(seed_nodes, kube, nodes):
         watch_nodes()
     controller = Controller(
-        Reconciler(kube, cache, nodes=nodes),
+        Reconciler(kube, cache, nodes=nodes, pdserve_image=options.pdserve_image),
         cache,
         nodes=nodes,
         debounce=options.debounce_seconds,

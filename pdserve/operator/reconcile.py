@@ -56,10 +56,10 @@ from pdserve.deployment.rollout import (
 from pdserve.deployment.scheduling import (
     unschedulable_messages,
 )
-from pdserve.deployment.spec import PDDeployment, SpecError, parse_pddeployment
+from pdserve.deployment.spec import DEFAULT_IMAGE, PDDeployment, SpecError, parse_pddeployment
 from pdserve.deployment.status import Observation, RoleObservation, compute_status
 from pdserve.deployment.validate import problems as spec_problems
-from pdserve.deployment.validate import with_node_default
+from pdserve.deployment.validate import with_node_default, with_pdserve_image
 from pdserve.operator import metrics
 from pdserve.operator.cache import Body, ClusterCache, version_number
 from pdserve.operator.kube import Kube, KubeError, NotLeader
@@ -111,8 +111,10 @@ class Reconciler:
         nodes: NodeCache | None = None,
         clock: Callable[[], float] = time.time,
         routers: Routers | None = None,
+        pdserve_image: str = DEFAULT_IMAGE,
     ) -> None:
         self._kube = kube
+        self._pdserve_image = pdserve_image
         self._routers = routers or Routers(kube)
         self._cache = cache or ClusterCache()
         self._nodes = nodes or NodeCache()
@@ -253,7 +255,7 @@ class Reconciler:
         meta = body["metadata"]
         generation = int(meta.get("generation") or 0)
         try:
-            pdd = parse_pddeployment(body)
+            pdd = with_pdserve_image(parse_pddeployment(body), self._pdserve_image)
         except SpecError as exc:
             outcome.result = "invalid"
             self._write_status(body, Observation(generation, None, (), 0, 0, problems=[str(exc)]), outcome)

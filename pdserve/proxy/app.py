@@ -246,6 +246,9 @@ def create_app(
             "revisions": state.slots.revisions() if state else {},
             "unpaired": [u.describe() for u in state.slots.unpaired] if state else [],
             "unreachable": dispatcher.unreachable.snapshot(),
+            # Client requests answered, by outcome: a request retried on another slot counts once
+            # here and once per slot tried below.
+            "requests": metrics.request_outcomes(),
             "slots": {},
         }
         for role in Role:

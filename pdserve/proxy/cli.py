@@ -25,6 +25,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from pdserve.listen import unavailable
 from pdserve.proxy.cpus import available_cpus
 from pdserve.proxy.policies import DEFAULT_POLICY, POLICIES
 from pdserve.proxy.settings import (
@@ -430,6 +431,17 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if args.admin_port is not None and args.admin_port == args.port:
         print(f"pdserve proxy: --admin-port must differ from --port ({args.port})", file=sys.stderr)
+        return 2
+    taken = unavailable(
+        [(settings.host, settings.port, "--port")]
+        + (
+            [(settings.admin_host or settings.host, settings.admin_port, "--admin-port")]
+            if settings.admin_port
+            else []
+        )
+    )
+    if taken:
+        print(f"pdserve proxy: {taken}", file=sys.stderr)
         return 2
     logging.basicConfig(
         level=settings.log_level.upper(),

@@ -102,7 +102,7 @@ class GenerationApp:
         request_id = request_id_of(client_id)
         problem = self._refusal(scope, headers)
         if problem is not None:
-            _log_refusal(request_id, scope["path"], problem)
+            self._refused(request_id, scope["path"], problem)
             await self._drain(receive)
             await _send_reply(send, _error_reply(problem), request_id)
             return
@@ -110,7 +110,7 @@ class GenerationApp:
         if body is None:
             return  # the client went away while sending
         if isinstance(body, RequestError):
-            _log_refusal(request_id, scope["path"], body)
+            self._refused(request_id, scope["path"], body)
             await _send_reply(send, _error_reply(body), request_id)
             return
         # Serve in this task and watch for the client's disconnect in one other: a disconnect
@@ -146,6 +146,15 @@ class GenerationApp:
             finished = True
             watching.remove_done_callback(hang_up)
             watching.cancel()  # not awaited: it ends in its next step, and this task need not wait
+
+    def _refused(self, request_id: str, path: str, exc: RequestError) -> None:
+        """A request refused before routing: logged, and counted with the client requests
+        (``pdserve_proxy_requests_total``; the dispatcher counts every other one)."""
+        _log_refusal(request_id, path, exc)
+        metrics = self.dispatcher.metrics
+        endpoint = "chat" if path.endswith("chat/completions") else "completions"
+        outcome = "client_error" if exc.status < 500 else "upstream_error"
+        metrics.child(metrics.requests, endpoint, outcome).inc()
 
     def _refusal(self, scope: Scope, headers: dict[str, str]) -> RequestError | None:
         if scope["method"] != "POST":
@@ -196,7 +205,7 @@ class GenerationApp:
             checked = parse_request(raw, endpoint)
             fan = plan_fan_out(checked, endpoint, self.dispatcher.max_fan_out)
         except RequestError as exc:
-            _log_refusal(request_id, path, exc)
+            self._refused(request_id, path, exc)
             await _send_reply(send, _error_reply(exc), request_id)
             return
         try:

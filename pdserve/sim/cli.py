@@ -28,10 +28,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import signal
 import sys
 from collections.abc import Coroutine
 from typing import Any
 
+from pdserve.listen import unavailable
 from pdserve.sim.faults import FaultSpecError, parse_faults
 from pdserve.sim.group import GroupConfig, GroupConfigError
 from pdserve.sim.payloads import Identity
@@ -191,22 +193,35 @@ def run(args: argparse.Namespace) -> int:
         group=group,
         keep_alive_on_engine_death=os.environ.get("VLLM_KEEP_ALIVE_ON_ENGINE_DEATH", "") not in ("", "0"),
     )
+    ports = [(args.host, args.port, "--port")]
+    if group.leader and group.rpc_port is not None:
+        flag = "--master-port" if args.nnodes > 1 else "--data-parallel-rpc-port"
+        ports.append((group.address or args.host, group.rpc_port, flag))
+    taken = unavailable(ports)
+    if taken:
+        print(f"pdserve sim: error: {taken}", file=sys.stderr)
+        return 1
     simulator = Simulator(config)
     try:
-        _run_event_loop(serve(simulator, args.host, args.port, args.backlog))
+        stopped_by = _run_event_loop(serve(simulator, args.host, args.port, args.backlog))
     except OSError as exc:
         print(f"pdserve sim: error: cannot listen on {args.host}:{args.port}: {exc}", file=sys.stderr)
         return 1
+    if stopped_by is not None:
+        # Stopped cleanly, and said so the Unix way: dying of the signal once everything is closed,
+        # so whoever waits for it (pdserve up, the kubelet, a shell) sees a signal, not "exit 0".
+        print(f"pdserve sim: stopped by {signal.Signals(stopped_by).name}", flush=True)
+        signal.signal(stopped_by, signal.SIG_DFL)
+        os.kill(os.getpid(), stopped_by)
     return 0
 
 
-def _run_event_loop(main: Coroutine[Any, Any, None]) -> None:
+def _run_event_loop(main: Coroutine[Any, Any, int | None]) -> int | None:
     try:
         import uvloop
     except ImportError:  # pragma: no cover - uvloop is a dependency except on Windows
-        asyncio.run(main)
-    else:
-        uvloop.run(main)
+        return asyncio.run(main)
+    return uvloop.run(main)
 
 
 def _positive_int(text: str) -> int:
