@@ -26,7 +26,7 @@ PROXY_WORKER_TESTS := tests/integration/test_proxy_routing.py tests/integration/
 	tests/integration/test_proxy_faults.py tests/integration/test_proxy_retries.py \
 	tests/integration/test_proxy_backpressure.py tests/integration/test_proxy_admin.py \
 	tests/integration/test_proxy_load.py tests/integration/test_proxy_workers.py \
-	tests/integration/test_proxy_multinode.py
+	tests/integration/test_proxy_multinode.py tests/integration/test_proxy_engine_loss.py
 test-workers: install
 	PDSERVE_TEST_PROXY_WORKERS=2 $(VENV)/bin/pytest $(PROXY_WORKER_TESTS) $(PYTEST_ARGS)
 

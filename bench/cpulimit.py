@@ -2,7 +2,7 @@
 cgroup with a CFS quota (cgroup v2 ``cpu.max``, or v1 ``cpu.cfs_quota_us``).
 
 Both routers size themselves to it: ``pdserve proxy`` starts one worker per CPU of the quota
-(pdserve/proxy/cpus.py), vllm-router one tokio worker thread per CPU (Rust reads the quota too).
+(pdserve/proxy/serving/cpus.py), vllm-router one tokio worker thread per CPU (Rust reads the quota too).
 Creating a cgroup needs root and a writable cgroup filesystem; without them :func:`create` says so.
 """
 

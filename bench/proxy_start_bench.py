@@ -225,7 +225,8 @@ def main(argv: list[str] | None = None) -> int:
             router_kubeconfig = configmap_kubeconfig(args.kubeconfig, work)
         variants: list[Variant] = []
         for label, tree in trees:
-            watch_capable = (tree / "pdserve" / "proxy" / "kubewatch.py").exists()
+            proxy = tree / "pdserve" / "proxy"
+            watch_capable = (proxy / "table" / "configmap.py").exists() or (proxy / "kubewatch.py").exists()
             for source in sources:
                 if source == "file":
                     variants.append(Variant(label, tree, source, ["--routing-file", str(routing)]))

@@ -6,7 +6,7 @@
   ``/v1/*``; ``/health`` and ``/metrics`` stay open, as in vLLM) and the router's
   ``PDSERVE_BACKEND_API_KEY``, so the router sends it instead of the client's header.
 * ``spec.router.adminPort``: ``pdserve proxy --admin-port``, a container port named ``admin``
-  serving ``/metrics``, ``/debug/*`` and profiling (pdserve/proxy/ports.py); the client Service
+  serving ``/metrics``, ``/debug/*`` and profiling (pdserve/proxy/serving/ports.py); the client Service
   exposes only the client port.
 
 Every key reaches the container as an environment variable from a ``secretKeyRef``: the kubelet

@@ -80,7 +80,7 @@ def sidecar_container(pdd: PDDeployment, configmap: str, revision: str) -> dict[
             _field("PDSERVE_INSTANCE_INDEX", "metadata.labels['pdserve.io/instance']"),
             *router_key_env(spec),
         ],
-        # The engine's health, a prefill to pair with, and not draining (pdserve.proxy.sidecar).
+        # The engine's health, a prefill to pair with, and not draining (pdserve.proxy.admin.readiness).
         "readinessProbe": {
             "httpGet": {"path": "/ready", "port": SIDECAR_PORT_NAME},
             "periodSeconds": 2,

@@ -1,7 +1,7 @@
 """The proxy's HTTP surface (app factory).
 
-Generation requests are served by :class:`pdserve.proxy.generation.GenerationApp` (plain ASGI,
-the hot path) through :class:`pdserve.proxy.flow.Dispatcher`; everything else is a small Quart
+Generation requests are served by :class:`pdserve.proxy.serving.generation.GenerationApp` (plain ASGI,
+the hot path) through :class:`pdserve.proxy.flow.dispatcher.Dispatcher`; everything else is a small Quart
 app: probes, metrics, what the router serves (/routing/served), the routing debug view, model
 listing and profiler fan-out.
 Every answer carries the request's ``X-Request-Id`` and every error is OpenAI-style JSON.
@@ -23,20 +23,22 @@ import aiohttp
 from quart import Quart, Response, g, request
 from werkzeug.exceptions import HTTPException
 
-from pdserve.proxy.admission import ADMISSION_POLL_S, AdmissionGate
-from pdserve.proxy.fanin import FanInError, Views, gather_views, serve_views
-from pdserve.proxy.flow import Deadlines, Dispatcher
-from pdserve.proxy.generation import GenerationApp, client_key_problem, request_id_of
-from pdserve.proxy.health import SlotBook
-from pdserve.proxy.merge import merge_debug, merge_served
+from pdserve.proxy.admin.merge import merge_debug, merge_served
+from pdserve.proxy.admin.readiness import local_engine_problem, sidecar_not_ready_reason
+from pdserve.proxy.engine.upstream import Upstream
+from pdserve.proxy.flow.admission import ADMISSION_POLL_S, AdmissionGate
+from pdserve.proxy.flow.dispatcher import Dispatcher
+from pdserve.proxy.flow.trace import Deadlines
 from pdserve.proxy.metrics import ProxyMetrics
 from pdserve.proxy.policies import make_policy
-from pdserve.proxy.reload import RoutingWatcher
-from pdserve.proxy.served import ServedTable, SlotBuilder, endpoint_fields, served_view
+from pdserve.proxy.serving.generation import GenerationApp, client_key_problem, request_id_of
+from pdserve.proxy.serving.server import Lifecycle
+from pdserve.proxy.serving.worker_views import Views, WorkerViewsError, gather_views, serve_views
 from pdserve.proxy.settings import ProxySettings
-from pdserve.proxy.shared import SharedState
-from pdserve.proxy.sidecar import local_engine_problem, sidecar_not_ready_reason
-from pdserve.proxy.upstream import Upstream
+from pdserve.proxy.state.health import SlotBook
+from pdserve.proxy.state.shared import SharedState
+from pdserve.proxy.table.file import RoutingWatcher
+from pdserve.proxy.table.served import ServedTable, SlotBuilder, endpoint_fields, served_view
 from pdserve.routing import Instance, Role, build_slot_table
 from pdserve.routing.sidecar import build_sidecar_slot_table
 from pdserve.wire.headers import AUTHORIZATION, ERROR_REASON, REQUEST_ID
@@ -74,13 +76,6 @@ def refusal_response(exc: RequestError) -> Response:
     return response
 
 
-@dataclass
-class Lifecycle:
-    """Set by the server on SIGTERM: /ready turns 503 at once, before connections stop."""
-
-    stopping: bool = False
-
-
 @dataclass(frozen=True)
 class TableSource:
     """``run`` keeps the served table current; ``load_now`` (the file) reads once before serving."""
@@ -91,7 +86,7 @@ class TableSource:
 
 def table_source(settings: ProxySettings, served: ServedTable, metrics: ProxyMetrics) -> TableSource:
     if settings.routing_configmap is not None:
-        from pdserve.proxy.kubewatch import ConfigMapWatch  # only the ConfigMap source needs it
+        from pdserve.proxy.table.configmap import ConfigMapWatch  # only the ConfigMap source needs it
 
         assert settings.kube is not None
         return TableSource(ConfigMapWatch(settings.routing_configmap, settings.kube, served, metrics).run)
@@ -103,7 +98,7 @@ def table_source(settings: ProxySettings, served: ServedTable, metrics: ProxyMet
 def create_app(
     settings: ProxySettings, lifecycle: Lifecycle | None = None, shared: SharedState | None = None
 ) -> GenerationApp:
-    """``shared``: the state worker processes share (pdserve.proxy.workers); None in one process."""
+    """``shared``: the state worker processes share (pdserve.proxy.serving.workers); None in one process."""
     """The proxy's ASGI app: the generation endpoints, with a Quart app for everything else."""
     lifecycle = lifecycle or Lifecycle()
     app = Quart("pdserve.proxy")
@@ -117,6 +112,7 @@ def create_app(
         settings.eject_seconds,
         shared=shared.ejections if shared is not None else None,
         shared_in_flight=shared.in_flight if shared is not None else None,
+        shared_unreachable=shared.unreachable if shared is not None else None,
     )
     local = settings.local_decode
     build: SlotBuilder = build_slot_table
@@ -298,7 +294,7 @@ def create_app(
             return json_response(view)
         try:
             return json_response(merge(await gather_views(worker, name, local_views[name])))
-        except FanInError as exc:
+        except WorkerViewsError as exc:
             return openai_error(503, f"cannot answer for the whole router: {exc}", "fan_in_failed")
 
     @app.get("/routing/served")

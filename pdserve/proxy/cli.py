@@ -26,8 +26,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from pdserve.listen import unavailable
-from pdserve.proxy.cpus import available_cpus
 from pdserve.proxy.policies import DEFAULT_POLICY, POLICIES
+from pdserve.proxy.serving.cpus import available_cpus
 from pdserve.proxy.settings import (
     DEFAULT_DECODE_TTFB_S,
     DEFAULT_HTTP_SERVER,
@@ -46,7 +46,11 @@ from pdserve.proxy.settings import (
 from pdserve.routing.sidecar import LocalDecode
 
 if TYPE_CHECKING:  # the ConfigMap source's modules load only when it is chosen (start-up time)
-    from pdserve.proxy.kubeconfig import ApiCredentials, ConfigMapRef
+    import socket
+    from collections.abc import Sequence
+
+    from pdserve.proxy.state.shared import SharedState
+    from pdserve.proxy.table.kubeconfig import ApiCredentials, ConfigMapRef
 
 
 def _env(name: str, default: str | None = None) -> str | None:
@@ -338,7 +342,7 @@ def table_source(
             "a routing table source is required: --routing-configmap [NAMESPACE/]NAME (in a cluster) or "
             "--routing-file PATH (env PDSERVE_ROUTING_CONFIGMAP or PDSERVE_ROUTING_FILE)"
         )
-    from pdserve.proxy.kubeconfig import (
+    from pdserve.proxy.table.kubeconfig import (
         CredentialsError,
         default_namespace,
         in_cluster,
@@ -449,10 +453,19 @@ def run(args: argparse.Namespace) -> int:
         stream=sys.stderr,
     )
     if settings.workers > 1:
-        from pdserve.proxy.workers import run_workers  # forks before the server's imports
+        from pdserve.proxy.serving.workers import run_workers  # forks before the server's imports
 
-        return run_workers(settings)
-    from pdserve.proxy.server import run_server  # heavy imports only once the flags are valid
-
-    run_server(settings)
+        return run_workers(settings, serve_process)
+    serve_process(settings)
     return 0
+
+
+def serve_process(
+    settings: ProxySettings, shared: SharedState | None = None, sockets: Sequence[socket.socket] = ()
+) -> None:
+    """One process of the router: the app (pdserve.proxy.app) on the chosen HTTP server. The heavy
+    imports happen here, once the flags are valid (and in a worker, after the fork)."""
+    from pdserve.proxy.app import create_app
+    from pdserve.proxy.serving.server import run_server
+
+    run_server(settings, create_app, shared, sockets)

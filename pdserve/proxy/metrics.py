@@ -10,7 +10,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.multiprocess import MultiProcessCollector
 
-#: Set by pdserve.proxy.workers before prometheus_client is imported: values go to files there.
+#: Set by pdserve.proxy.serving.workers before prometheus_client is imported: values go to files there.
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
 M = TypeVar("M", Counter, Gauge, Histogram)
@@ -65,7 +65,7 @@ class ProxyMetrics:
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
-        # multiprocess_mode says how worker processes' values combine (pdserve.proxy.workers);
+        # multiprocess_mode says how worker processes' values combine (pdserve.proxy.serving.workers);
         # a single process ignores it.
         self.in_flight = Gauge(
             "pdserve_proxy_in_flight", "Client requests being served", registry=r, multiprocess_mode="livesum"

@@ -6,12 +6,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from pdserve.proxy.fanin import WorkerInfo
 from pdserve.proxy.policies import DEFAULT_POLICY
+from pdserve.proxy.serving.worker_views import WorkerInfo
 from pdserve.routing.sidecar import LocalDecode
 
 if TYPE_CHECKING:  # the ConfigMap source's types; the file source never imports them
-    from pdserve.proxy.kubeconfig import ApiCredentials, ConfigMapRef
+    from pdserve.proxy.table.kubeconfig import ApiCredentials, ConfigMapRef
 
 # Defaults suit real models: a long prompt's prefill or a busy decode's first token can take
 # minutes, so deadlines only catch what is truly stuck.
@@ -23,7 +23,7 @@ DEFAULT_MAX_BODY_BYTES = 32 * 1024 * 1024
 DEFAULT_KV_LEASE_S = 30.0
 # Sequences one request may ask for (prompts x n): OpenAI's own limit for n.
 DEFAULT_MAX_FAN_OUT = 128
-# The ASGI servers the proxy can run on (pdserve.proxy.server has one function per name).
+# The ASGI servers the proxy can run on (pdserve.proxy.serving.server has one function per name).
 # uvicorn (httptools) by default: Hypercorn's h11 protocol stack cost about a third more CPU per
 # request and per streamed chunk, and no Hypercorn setting removes it (bench/results/latest.md).
 HTTP_SERVERS = ("hypercorn", "uvicorn")
@@ -73,16 +73,16 @@ class ProxySettings:
     #: The admin port's address; None: ``host`` (a client sidecar keeps its client port on
     #: localhost and its admin port, with the probes, on the pod's address).
     admin_host: str | None = None
-    #: Decode-sidecar mode: every decode leg goes to this local engine (pdserve.proxy.sidecar).
+    #: Decode-sidecar mode: every decode leg goes to this local engine (pdserve.proxy.admin.readiness).
     local_decode: LocalDecode | None = None
     #: Legs in flight per slot, router-wide (the workers count them in shared memory); 0: no limit.
     max_per_slot: int = DEFAULT_MAX_PER_SLOT
     #: Requests that may wait for a slot with room (per worker), and for how long.
     admission_queue: int = DEFAULT_QUEUE_SIZE
     admission_timeout: float = DEFAULT_QUEUE_TIMEOUT_S
-    #: Worker processes (pdserve.proxy.workers); 1 serves in this process.
+    #: Worker processes (pdserve.proxy.serving.workers); 1 serves in this process.
     workers: int = 1
-    #: Set in each worker process by pdserve.proxy.workers (None: the only process).
+    #: Set in each worker process by pdserve.proxy.serving.workers (None: the only process).
     worker: WorkerInfo | None = None
 
     @property

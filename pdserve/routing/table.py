@@ -110,7 +110,7 @@ class Instance:
         return next((e for e in self.endpoints if e.holds(rank)), None)
 
     def api_urls(self) -> tuple[str, ...]:
-        """Every API server of the instance (admin fan-out: profiling)."""
+        """Every API server of the instance (the profiler broadcast)."""
         return tuple(e.url for e in self.endpoints) if self.endpoints else (self.url,)
 
     def to_dict(self) -> dict[str, Any]:

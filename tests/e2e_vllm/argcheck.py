@@ -9,14 +9,16 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import subprocess
 from pathlib import Path
 from typing import Any
 
+from pdserve.deployment.groups import instance_objects
 from pdserve.deployment.kvconfig import MORIIO
-from pdserve.deployment.objects import instance_pod
+from pdserve.deployment.objects import engine_argv
 from pdserve.deployment.spec import PDDeployment, load_manifest_file
-from pdserve.local.plan import plan_local_run
+from pdserve.local.plan import engine_process_count, plan_local_run
 from pdserve.routing import Role
 from tests.e2e_vllm.common import HERE, REPO, check, python_of_venv, say
 
@@ -24,27 +26,50 @@ EXAMPLES = REPO / "examples"
 
 
 def rendered_commands() -> list[dict[str, Any]]:
+    """Every engine command of every example: each pod of instance 0's group (leader and
+    workers, or a LeaderWorkerSet's two templates) as the operator renders it, and each
+    process of `pdserve up --engine vllm` on GPUs and on CPU, planned with as many ports as it
+    runs processes. Needs no vLLM: `make test` runs it (tests/unit/test_e2e_vllm_plan.py)."""
     commands: list[dict[str, Any]] = []
     for path in sorted(EXAMPLES.rglob("*.yaml")):
         pdd = _as_vllm(load_manifest_file(path))
         where = str(path.relative_to(REPO))
         for role in (Role.PREFILL, Role.DECODE):
-            container = instance_pod(pdd, role, 0)["spec"]["containers"][0]
-            argv = [*container["command"], *container["args"]]
-            commands.append({"name": f"{where} {role.value} (pod)", "argv": argv})
+            pods = _pod_templates(pdd, role)
+            for node, pod in enumerate(pods):
+                container = next(c for c in pod["spec"]["containers"] if c["name"] == "engine")
+                argv = [*container["command"][:2], *(_expand(a) for a in engine_argv(pod))]
+                member = f", node {node} of {len(pods)}" if len(pods) > 1 else ""
+                commands.append({"name": f"{where} {role.value} (pod{member})", "argv": argv})
         if pdd.spec.kv_transfer.connector == MORIIO:
             continue  # local mode refuses MoRIIO with vLLM (fixed ports)
-        count = pdd.spec.prefill.instances + pdd.spec.decode.instances
+        if any(pdd.spec.group_shape(r).multi_node for r in (Role.PREFILL, Role.DECODE)):
+            continue  # local mode runs multi-node instances with --engine sim only (it says so)
+        ports = list(range(20000, 20000 + engine_process_count(pdd)))
         for device in ("gpu", "cpu"):
-            plan = plan_local_run(
-                pdd, "vllm", list(range(20000, 20000 + count)), 8000, "routing.json",
-                device=device, cores=[0, 1],
-            )  # fmt: skip
+            plan = plan_local_run(pdd, "vllm", ports, 8000, "routing.json", device=device, cores=[0, 1])
             for engine in plan.engines:
                 if engine.index == 0:
                     name = f"{where} {engine.role.value} (pdserve up, {device})"
                     commands.append({"name": name, "argv": list(engine.argv)})
     return commands
+
+
+def _pod_templates(pdd: PDDeployment, role: Role) -> list[dict[str, Any]]:
+    """Instance 0's pods, leader first; a LeaderWorkerSet's leader and worker templates."""
+    pods: list[dict[str, Any]] = []
+    for obj in instance_objects(pdd, role, 0, "argcheck"):
+        if obj["kind"] == "Pod":
+            pods.append(obj)
+        else:
+            spec = obj["spec"]["leaderWorkerTemplate"]
+            pods += [spec["leaderTemplate"], spec["workerTemplate"]]
+    return pods
+
+
+def _expand(arg: str) -> str:
+    """Kubelet expands ``$(VAR)`` in args (pod IP, leader address); an address stands in here."""
+    return re.sub(r"\$\(([A-Z_]+)\)", "10.0.0.1", arg)
 
 
 def _as_vllm(pdd: PDDeployment) -> PDDeployment:

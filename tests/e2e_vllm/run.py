@@ -9,8 +9,10 @@
    succeeds; the decode's external prefix-cache hits rise by exactly the prompt tokens (the KV
    came over NIXL), one NIXL transfer per request; each decode rank's
    ``vllm:request_success_total`` is exactly half; the router counts every stream ok.
-6. The decode's main process SIGKILLed: it and everything it started go; requests then fail
-   fast with a clean 503 and start no prefill; the restarted decode (same ports) serves again.
+6. The decode's main process SIGKILLed while streams decode on it: it and everything it started
+   go; the real prefill served exactly one prefill per request sent while the decode lived (none
+   for a retry, none once no decode is left: those requests fail fast with a clean 503) and no
+   KV lease expired unpulled; the restarted decode (same ports) serves again.
 7. Ctrl-C: `pdserve up` exits 0 and no process of the run is left.
 """
 
@@ -37,7 +39,9 @@ from tests.e2e_vllm.venv import ensure_venv
 from tests.support.vllm_fixtures import compare_recordings
 
 BURST = 24
+IN_FLIGHT = 4
 AFTER_KILL = 6
+KV_LEASE_S = 30.0  # vLLM's kv_lease_duration for NIXL
 PROMPT_WORDS = ["the", "of", "and", "to", "in", "is", "that", "for", "it", "as", "with", "was", "on", "model"]
 
 
@@ -188,12 +192,30 @@ def burst(up: Up, prefill_url: str, decode_url: str) -> dict[str, Any]:
 
 
 def killed_decode(up: Up, prefill_url: str, decode: dict[str, Any]) -> dict[str, Any]:
+    """SIGKILL the decode while streams decode on it, then send more. Real vLLM's prefill counts
+    every prefill it served: exactly one per request sent while the decode was alive, none for a
+    retry or a request once no decode is left; and no KV lease expires unpulled (the in-flight
+    requests had pulled theirs, the later ones were never prefilled)."""
     procs = up.engine_processes(_port(decode))
     main = procs[0]
-    say(f"SIGKILL to the decode's main process {main.pid} ({len(procs) - 1} processes under it)")
     before_p = metrics(prefill_url)
-    killed = time.monotonic()
-    os.kill(main.pid, signal.SIGKILL)
+    say(f"{IN_FLIGHT} long streams decoding when the decode's main process {main.pid} is SIGKILLed")
+    with ThreadPoolExecutor(IN_FLIGHT) as pool:
+        streams = [
+            pool.submit(request, "POST", up.url + "/v1/completions", _long_stream(i))
+            for i in range(IN_FLIGHT)
+        ]
+        _wait_decoding(decode["url"], IN_FLIGHT)
+        killed = time.monotonic()
+        os.kill(main.pid, signal.SIGKILL)
+        in_flight = [s.result(timeout=120) for s in streams]
+    for answer in in_flight:  # the stream had started: it ends with an error event, or 503 if not
+        check(answer.status in (200, 503), f"a stream in flight at the kill: HTTP {answer.status}")
+        if answer.status == 200:
+            check(
+                any(isinstance(e, dict) and "error" in e for e in answer.events()),
+                "a cut stream without an error event",
+            )
     while request("GET", up.url + "/ready", timeout=5).status == 200:
         check(time.monotonic() - killed < 30, "the router still routes to the killed decode after 30 s")
         time.sleep(0.05)
@@ -209,25 +231,52 @@ def killed_decode(up: Up, prefill_url: str, decode: dict[str, Any]) -> dict[str,
         check(answer.headers.get(ERROR_REASON.lower()) == "no_decode_slot", f"reason {answer.headers}")
         error = answer.json()["error"]
         check(error["code"] == 503 and error["type"] == "ServiceUnavailableError", f"error body {error}")
+    # past the KV lease (vLLM's kv_lease_duration, 30 s): a prefill nobody pulled has expired by now
+    time.sleep(max(0.0, KV_LEASE_S + 5 - (time.monotonic() - killed)))
     after_p = metrics(prefill_url)
-    extra = total(after_p, "vllm:request_success_total") - total(before_p, "vllm:request_success_total")
-    extra_tokens = total(after_p, "vllm:prompt_tokens_total") - total(before_p, "vllm:prompt_tokens_total")
-    check(
-        (extra, extra_tokens) == (0, 0),
-        f"{extra} prefills ({extra_tokens} tokens) for requests no decode could take",
+    prefills = total(after_p, "vllm:request_success_total") - total(before_p, "vllm:request_success_total")
+    expired = total(after_p, "vllm:nixl_num_kv_expired_reqs_total") - total(
+        before_p, "vllm:nixl_num_kv_expired_reqs_total"
     )
+    check(
+        "vllm:nixl_num_kv_expired_reqs_total" in after_p,
+        "the prefill reports no vllm:nixl_num_kv_expired_reqs_total",
+    )
+    check(
+        prefills == IN_FLIGHT,
+        f"{prefills} prefills for {IN_FLIGHT} requests in flight at the kill and {AFTER_KILL} after it "
+        f"(expected {IN_FLIGHT}: one each, none for a retry or once no decode was left)",
+    )
+    check(expired == 0, f"{expired} prefills' KV expired unpulled")
     say("decode back: waiting for its restart on the same ports")
     back = up.wait_serving(timeout=600)
     again = [request("POST", up.url + path, body) for path, body in map(_body, range(4))]
     for (path, body), answer in zip(map(_body, range(4)), again, strict=True):
         _prompt_tokens(path, body, answer)
     figures = {
+        "streams_in_flight_at_kill": IN_FLIGHT,
+        "in_flight_outcomes": sorted(a.status for a in in_flight),
         "seconds_out_of_routing_table": round(out_of_table, 2),
         "seconds_until_its_processes_were_gone": round(gone, 2),
         "requests_after_kill": AFTER_KILL,
         "slowest_error_seconds": round(max(a.seconds for a in answers), 3),
-        "extra_prefills": extra,
+        "prefills": prefills,
+        "kv_expired_unpulled": expired,
         "seconds_until_restarted_decode_served": round(back, 1),
     }
     say(f"killed decode: {figures}")
     return figures
+
+
+def _long_stream(i: int) -> dict[str, Any]:
+    """A stream that decodes long enough to be cut by the kill (the model ignores EOS here)."""
+    prompt = " ".join(PROMPT_WORDS[: 4 + i]) + f" stream {i}"
+    return {"model": SERVED_NAME, "prompt": prompt, "max_tokens": 400, "ignore_eos": True, "stream": True}
+
+
+def _wait_decoding(decode_url: str, n: int, timeout: float = 120.0) -> None:
+    """Until the decode runs ``n`` requests: their KV pulled, their tokens being generated."""
+    deadline = time.monotonic() + timeout
+    while total(metrics(decode_url), "vllm:num_requests_running") < n:
+        check(time.monotonic() < deadline, f"the decode never ran {n} requests at once")
+        time.sleep(0.05)

@@ -1,5 +1,5 @@
 """The proxy's HTTP surface with real simulators: bad input, auth, keys kept out of logs,
-request ids, probes, the routing debug view, model listing and profiler fan-out."""
+request ids, probes, the routing debug view, model listing and profiler broadcast."""
 
 from __future__ import annotations
 

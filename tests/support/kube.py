@@ -322,7 +322,7 @@ def router_kubeconfig(
 ) -> Path:
     """A kubeconfig with a TokenRequest token of the ServiceAccount (what a router pod mounts),
     for the admin kubeconfig's API server, or ``server`` (a forwarder, a closed port)."""
-    from pdserve.proxy.kubeconfig import token_kubeconfig
+    from pdserve.proxy.table.kubeconfig import token_kubeconfig
 
     admin = json.loads(kubectl("config", "view", "--raw", "--minify", "-o", "json").stdout)
     cluster = admin["clusters"][0]["cluster"]

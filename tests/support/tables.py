@@ -5,7 +5,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from pdserve.routing import Connector, Instance, RoutingTable
+from pdserve.proxy.policies import Policy
+from pdserve.proxy.state.health import SlotBook
+from pdserve.routing import Connector, Instance, Role, RoutingTable, Slot
 
 
 def instance(name: str, dp: int = 1, ready: bool = True, draining: bool = False, port: int = 9) -> Instance:
@@ -22,3 +24,8 @@ def table_json(
     prefill = prefill or (instance("p0", port=1),)
     decode = decode or (instance("d0", port=2),)
     return RoutingTable(deployment, generation, Connector("nixl"), tuple(prefill), tuple(decode)).to_json()
+
+
+def choose(policy: Policy, role: Role, slots: Sequence[Slot], book: SlotBook, group: str = "") -> list[Slot]:
+    """One request's candidates: it takes its turn of the (role, group) counter, then asks."""
+    return policy.candidates(role, slots, book, policy.turn(role, group))

@@ -20,9 +20,9 @@ from pdserve.deployment.drain import (
 from pdserve.deployment.rollout import ActionKind, ObservedPod, RolloutPolicy, plan_role
 from pdserve.deployment.status import Observation, compute_status
 from pdserve.operator.routers import fetch_reports, ready_router_addresses
-from pdserve.proxy.health import SlotBook
 from pdserve.proxy.metrics import ProxyMetrics
-from pdserve.proxy.served import ServedTable, served_view
+from pdserve.proxy.state.health import SlotBook
+from pdserve.proxy.table.served import ServedTable, served_view
 from pdserve.routing import Role
 from tests.support.procs import free_port
 from tests.support.tables import instance as inst

@@ -6,7 +6,7 @@ import asyncio
 import json
 from pathlib import Path
 
-from pdserve.proxy.admission import (
+from pdserve.proxy.flow.admission import (
     SHED_QUEUE_FULL,
     SHED_QUEUE_TIMEOUT,
     AdmissionGate,
@@ -14,9 +14,9 @@ from pdserve.proxy.admission import (
     room_first,
     shed_reply,
 )
-from pdserve.proxy.cpus import cgroup_v1_quota, quota_cpus, v1_quota_cpus
-from pdserve.proxy.health import SlotBook
 from pdserve.proxy.metrics import ProxyMetrics
+from pdserve.proxy.serving.cpus import cgroup_v1_quota, quota_cpus, v1_quota_cpus
+from pdserve.proxy.state.health import SlotBook
 from pdserve.routing import Instance, Role, interleaved_slots
 
 

@@ -4,17 +4,17 @@ from __future__ import annotations
 
 import pytest
 
-from pdserve.proxy.attempts import (
+from pdserve.proxy.engine.upstream import LegError
+from pdserve.proxy.flow.attempts import (
     Handoff,
     LegFailure,
-    Unreachable,
+    Walk,
     handoff_reusable,
-    next_candidate,
     no_slot_detail,
     no_slot_reply,
 )
-from pdserve.proxy.health import SlotBook
-from pdserve.proxy.upstream import LegError
+from pdserve.proxy.policies import POLICIES, make_policy
+from pdserve.proxy.state.health import SlotBook, Unreachable
 from pdserve.routing import Connector, Instance, Role, RoutingTable, Slot, build_slot_table, interleaved_slots
 
 P = Instance("p", "http://p:1", 1, 1, True)
@@ -73,20 +73,28 @@ def test_unreachable_instances_come_back_after_the_cool_down() -> None:
     assert down.reachable(Role.DECODE, d0) and not down.any() and down.snapshot() == {}
 
 
-def test_candidates_skip_unreachable_then_prefer_healthy() -> None:
+@pytest.mark.parametrize("name", sorted(POLICIES))
+def test_candidates_skip_unreachable_then_put_ejected_last(name: str) -> None:
     clock = Clock()
-    book, down = SlotBook(10.0, clock), Unreachable(10.0, clock)
+    policy, book = make_policy(name), SlotBook(10.0, clock)
     slots = list(interleaved_slots([D0, D1]))  # d0/0, d1/0, d0/1
-    remaining = list(slots)
-    assert next_candidate(Role.DECODE, remaining, book, down) == slots[0]  # nothing wrong: in order
+    assert policy.candidates(Role.DECODE, slots, book, 0) == slots  # nothing wrong: in order
     book.eject(Role.DECODE, "d1/0")
-    assert next_candidate(Role.DECODE, remaining, book, down) == slots[2]  # healthy before ejected
-    assert next_candidate(Role.DECODE, remaining, book, down) == slots[1]  # ejected: a last resort
-    assert next_candidate(Role.DECODE, remaining, book, down) is None
-    remaining = list(slots)
-    down.mark(Role.DECODE, "d0")
-    assert next_candidate(Role.DECODE, remaining, book, down) == slots[1]  # unreachable: never
-    assert next_candidate(Role.DECODE, remaining, book, down) is None and remaining == []
+    assert policy.candidates(Role.DECODE, slots, book, 0) == [slots[0], slots[2], slots[1]]
+    book.unreachable.mark(Role.DECODE, "d0")
+    assert policy.candidates(Role.DECODE, slots, book, 0) == [slots[1]]  # unreachable: never
+    clock.now += 10.5
+    assert policy.candidates(Role.DECODE, slots, book, 0) == slots
+
+
+def test_a_retry_tries_the_slots_that_failed_last() -> None:
+    slots = list(interleaved_slots([D0, D1]))  # d0/0, d1/0, d0/1
+    walk = Walk(prefill_turn=0)
+    assert walk.tried_last(Role.DECODE, slots) == slots
+    walk.failed.add((Role.DECODE, "d0/0"))
+    walk.failed.add((Role.PREFILL, "d1/0"))  # another role's failure changes nothing here
+    assert walk.tried_last(Role.DECODE, slots) == [slots[1], slots[2], slots[0]]
+    assert walk.tried_last(Role.DECODE, slots[:1]) == slots[:1]  # nothing else left: tried again
 
 
 def test_no_slot_replies_say_why_and_when_to_retry() -> None:

@@ -1,4 +1,4 @@
-"""The legs' HTTP/1.1 client (pdserve.proxy.h1) against real servers on loopback."""
+"""The legs' HTTP/1.1 client (pdserve.proxy.engine.h1) against real servers on loopback."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator
 import pytest
 from aiohttp import web
 
-from pdserve.proxy import h1
+from pdserve.proxy.engine import h1
 
 
 def test_origin_parse_keeps_port_path_and_query() -> None:

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import yaml
 
-from pdserve.proxy.kubeconfig import (
+from pdserve.proxy.table.kubeconfig import (
     ConfigMapRef,
     CredentialsError,
     PemSource,

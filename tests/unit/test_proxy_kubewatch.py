@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
-from pdserve.proxy.kubeconfig import ApiCredentials, ConfigMapRef
-from pdserve.proxy.kubewatch import (
+from pdserve.proxy.metrics import ProxyMetrics
+from pdserve.proxy.table.configmap import (
     Backoff,
     ConfigMapWatch,
     LineBuffer,
@@ -20,8 +20,8 @@ from pdserve.proxy.kubewatch import (
     http_failure,
     list_step,
 )
-from pdserve.proxy.metrics import ProxyMetrics
-from pdserve.proxy.served import ServedTable
+from pdserve.proxy.table.kubeconfig import ApiCredentials, ConfigMapRef
+from pdserve.proxy.table.served import ServedTable
 from tests.support.tables import table_json as table
 
 REF = ConfigMapRef("ns1", "llama-routing")

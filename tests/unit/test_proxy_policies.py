@@ -6,9 +6,10 @@ from collections import Counter
 
 import pytest
 
-from pdserve.proxy.health import SlotBook
 from pdserve.proxy.policies import DEFAULT_POLICY, POLICIES, make_policy
+from pdserve.proxy.state.health import SlotBook
 from pdserve.routing import Instance, Role, Slot, interleaved_slots
+from tests.support.tables import choose
 
 
 class FakeClock:
@@ -38,10 +39,10 @@ def test_registry() -> None:
 
 def test_flat_interleaved_candidates_rotate_once_per_request() -> None:
     policy, book = make_policy("flat-interleaved"), SlotBook(10)
-    assert keys(policy.candidates(Role.PREFILL, slots(), book)) == ["a/0", "b/0", "a/1", "b/1"]
-    assert keys(policy.candidates(Role.PREFILL, slots(), book)) == ["b/0", "a/1", "b/1", "a/0"]
+    assert keys(choose(policy, Role.PREFILL, slots(), book)) == ["a/0", "b/0", "a/1", "b/1"]
+    assert keys(choose(policy, Role.PREFILL, slots(), book)) == ["b/0", "a/1", "b/1", "a/0"]
     # each role has its own counter
-    assert keys(policy.candidates(Role.DECODE, slots(), book))[0] == "a/0"
+    assert keys(choose(policy, Role.DECODE, slots(), book))[0] == "a/0"
 
 
 @pytest.mark.parametrize("name", sorted(POLICIES))
@@ -52,12 +53,12 @@ def test_ejected_slots_come_last_until_the_cool_down_ends(name: str) -> None:
     assert book.eject(Role.PREFILL, "a/0") is False  # already ejected: extended, not counted twice
     assert book.state(Role.PREFILL, "a/0").ejections == 1
     for _ in range(8):
-        order = keys(policy.candidates(Role.PREFILL, slots(), book))
+        order = keys(choose(policy, Role.PREFILL, slots(), book))
         assert order[-1] == "a/0" and sorted(order) == ["a/0", "a/1", "b/0", "b/1"]
     assert book.ejected_for(Role.PREFILL, "a/0") == pytest.approx(10)
     clock.now += 10.5
     assert not book.ejected(Role.PREFILL, "a/0")
-    firsts = Counter(keys(policy.candidates(Role.PREFILL, slots(), book))[0] for _ in range(4))
+    firsts = Counter(keys(choose(policy, Role.PREFILL, slots(), book))[0] for _ in range(4))
     assert firsts == {"a/0": 1, "a/1": 1, "b/0": 1, "b/1": 1}
 
 
@@ -65,7 +66,7 @@ def test_all_ejected_still_yields_every_slot() -> None:
     policy, book = make_policy("flat-interleaved"), SlotBook(10)
     for s in slots():
         book.eject(Role.DECODE, s.key)
-    assert sorted(keys(policy.candidates(Role.DECODE, slots(), book))) == ["a/0", "a/1", "b/0", "b/1"]
+    assert sorted(keys(choose(policy, Role.DECODE, slots(), book))) == ["a/0", "a/1", "b/0", "b/1"]
 
 
 def test_least_outstanding_prefers_the_idlest_slot() -> None:
@@ -73,7 +74,7 @@ def test_least_outstanding_prefers_the_idlest_slot() -> None:
     for key, n in {"a/0": 3, "b/0": 1, "a/1": 2, "b/1": 0}.items():
         for _ in range(n):
             book.started(Role.DECODE, key)
-    assert keys(policy.candidates(Role.DECODE, slots(), book)) == ["b/1", "b/0", "a/1", "a/0"]
+    assert keys(choose(policy, Role.DECODE, slots(), book)) == ["b/1", "b/0", "a/1", "a/0"]
     book.finished(Role.DECODE, "a/0", ok=False)
     assert book.state(Role.DECODE, "a/0").errors == 1 and book.in_flight(Role.DECODE, "a/0") == 2
 
@@ -81,23 +82,23 @@ def test_least_outstanding_prefers_the_idlest_slot() -> None:
 def test_least_outstanding_ties_follow_the_interleaved_rotation() -> None:
     """An idle proxy spreads requests exactly like flat-interleaved."""
     policy, book = make_policy("least-outstanding"), SlotBook(10)
-    firsts = [policy.candidates(Role.PREFILL, slots(), book)[0].key for _ in range(8)]
+    firsts = [choose(policy, Role.PREFILL, slots(), book)[0].key for _ in range(8)]
     assert firsts == ["a/0", "b/0", "a/1", "b/1"] * 2
     book.started(Role.PREFILL, "a/0")  # a/0 busy: ties among the idle three, in rotation order
-    assert keys(policy.candidates(Role.PREFILL, slots(), book)) == ["b/0", "a/1", "b/1", "a/0"]
+    assert keys(choose(policy, Role.PREFILL, slots(), book)) == ["b/0", "a/1", "b/1", "a/0"]
 
 
 def test_empty_role_has_no_candidates() -> None:
     for name in POLICIES:
-        assert make_policy(name).candidates(Role.PREFILL, (), SlotBook(1)) == []
+        assert choose(make_policy(name), Role.PREFILL, (), SlotBook(1)) == []
 
 
 @pytest.mark.parametrize("name", sorted(POLICIES))
 def test_each_group_has_its_own_counter(name: str) -> None:
     """The decode slots of each revision are walked by a counter of their own."""
     policy, book = make_policy(name), SlotBook(10)
-    firsts = [policy.candidates(Role.DECODE, slots(), book, "ra")[0].key for _ in range(3)]
+    firsts = [choose(policy, Role.DECODE, slots(), book, "ra")[0].key for _ in range(3)]
     assert firsts == ["a/0", "b/0", "a/1"]
-    assert policy.candidates(Role.DECODE, slots(), book, "rb")[0].key == "a/0"  # untouched by ra
-    assert policy.candidates(Role.DECODE, slots(), book)[0].key == "a/0"  # nor the default group
-    assert policy.candidates(Role.DECODE, slots(), book, "ra")[0].key == "b/1"
+    assert choose(policy, Role.DECODE, slots(), book, "rb")[0].key == "a/0"  # untouched by ra
+    assert choose(policy, Role.DECODE, slots(), book)[0].key == "a/0"  # nor the default group
+    assert choose(policy, Role.DECODE, slots(), book, "ra")[0].key == "b/1"

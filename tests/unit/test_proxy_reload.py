@@ -8,8 +8,8 @@ from pathlib import Path
 from typing import Any
 
 from pdserve.proxy.metrics import ProxyMetrics
-from pdserve.proxy.reload import RoutingWatcher
-from pdserve.proxy.served import ServedTable
+from pdserve.proxy.table.file import RoutingWatcher
+from pdserve.proxy.table.served import ServedTable
 
 
 def watch(path: Path, metrics: ProxyMetrics | None = None) -> tuple[RoutingWatcher, ServedTable]:

@@ -11,10 +11,10 @@ import pytest
 import yaml
 
 from pdserve.proxy import cli
-from pdserve.proxy.health import SlotBook
-from pdserve.proxy.kubeconfig import ConfigMapRef
 from pdserve.proxy.metrics import ProxyMetrics
-from pdserve.proxy.served import ServedTable, served_view
+from pdserve.proxy.state.health import SlotBook
+from pdserve.proxy.table.kubeconfig import ConfigMapRef
+from pdserve.proxy.table.served import ServedTable, served_view
 from pdserve.routing import Instance, Role
 from tests.support.tables import instance as inst
 from tests.support.tables import table_json

@@ -5,11 +5,11 @@ from __future__ import annotations
 import multiprocessing
 from collections import Counter
 
-from pdserve.proxy.counters import LocalCounters
-from pdserve.proxy.health import SlotBook
-from pdserve.proxy.merge import merge_debug, merge_served
+from pdserve.proxy.admin.merge import merge_debug, merge_served
 from pdserve.proxy.policies import make_policy
-from pdserve.proxy.shared import (
+from pdserve.proxy.policies.counters import LocalCounters
+from pdserve.proxy.state.health import SlotBook
+from pdserve.proxy.state.shared import (
     SharedConnections,
     SharedCounters,
     SharedInFlight,
@@ -19,6 +19,7 @@ from pdserve.proxy.shared import (
     probe,
 )
 from pdserve.routing import Instance, Role, interleaved_slots
+from tests.support.tables import choose
 
 
 def _take_many(counters: SharedCounters, n: int, out: multiprocessing.Queue) -> None:  # type: ignore[type-arg]
@@ -48,7 +49,7 @@ def test_flat_interleaved_on_shared_counters_is_exact_whoever_asks() -> None:
     )
     workers = [make_policy("flat-interleaved", shared) for _ in range(2)]  # two workers' policies
     book = SlotBook(10)
-    firsts = Counter(workers[i % 3 % 2].candidates(Role.PREFILL, slots, book)[0].key for i in range(40))
+    firsts = Counter(choose(workers[i % 3 % 2], Role.PREFILL, slots, book)[0].key for i in range(40))
     assert firsts == {s.key: 10 for s in slots}
 
 
@@ -134,7 +135,7 @@ def test_shared_claims_and_deadlines() -> None:
 def test_backward_shift_deletion_keeps_every_probe_run_reachable() -> None:
     import mmap
 
-    from pdserve.proxy.shared import _INT, SharedTable
+    from pdserve.proxy.state.shared import _INT, SharedTable
 
     table = SharedTable(mmap.mmap(-1, 8 * 16), 0, 8, multiprocessing.get_context("fork").Lock(), _INT)
     keys = [8, 16, 24, 3, 11, 7]  # 8, 16, 24 share home 0; 3 and 11 home 3; 7 wraps around

@@ -15,9 +15,10 @@ from collections import Counter
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pdserve.proxy.health import SlotBook
 from pdserve.proxy.policies import make_policy
+from pdserve.proxy.state.health import SlotBook
 from pdserve.routing import Connector, Endpoint, Instance, Role, RoutingTable, Slot, build_slot_table
+from tests.support.tables import choose
 
 
 def group(name: str, subnet: int, nodes: int, per_node: int) -> Instance:
@@ -49,8 +50,8 @@ def walk(table: RoutingTable, k: int) -> dict[Role, Counter[str]]:
     requests = k * math.lcm(p, d)
     counts: dict[Role, Counter[str]] = {Role.PREFILL: Counter(), Role.DECODE: Counter()}
     for _ in range(requests):
-        prefill = policy.candidates(Role.PREFILL, slots.prefill, book)[0]
-        decode = policy.candidates(Role.DECODE, slots.decode_for(prefill.revision), book)[0]
+        prefill = choose(policy, Role.PREFILL, slots.prefill, book)[0]
+        decode = choose(policy, Role.DECODE, slots.decode_for(prefill.revision), book)[0]
         for role, slot in ((Role.PREFILL, prefill), (Role.DECODE, decode)):
             assert (slot.url, slot.local_rank) == expected_route(slot)
             assert slot.rank_header == (slot.local_rank if slot.instance.dp_size > 1 else None)

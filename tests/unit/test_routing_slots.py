@@ -12,9 +12,10 @@ from collections import Counter
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pdserve.proxy.health import SlotBook
 from pdserve.proxy.policies import make_policy
+from pdserve.proxy.state.health import SlotBook
 from pdserve.routing import Connector, Instance, Role, RoutingTable, build_slot_table, interleaved_slots
+from tests.support.tables import choose
 
 instance_shapes = st.lists(
     st.tuples(st.integers(1, 8), st.booleans(), st.booleans()),  # dpSize, ready, draining
@@ -81,12 +82,12 @@ def test_policy_gives_each_slot_exactly_k_of_k_times_s_requests(
     book = SlotBook(eject_seconds=10)
     for role in Role:
         for _ in range(offset):  # wherever the counter stands, any k·S window is exact
-            policy.candidates(role, slots.slots(role), book)
+            choose(policy, role, slots.slots(role), book)
     for role in Role:
         role_slots = slots.slots(role)
         if not role_slots:
             continue
-        chosen = [policy.candidates(role, role_slots, book)[0] for _ in range(k * len(role_slots))]
+        chosen = [choose(policy, role, role_slots, book)[0] for _ in range(k * len(role_slots))]
         counts = Counter(s.key for s in chosen)
         assert counts == {s.key: k for s in role_slots}
         # consecutive requests walk the flat list in its interleaved order
@@ -169,10 +170,10 @@ def test_pairing_is_exact_within_each_revision_and_weighted_by_prefill_slots(
         return
     policy, book = make_policy("flat-interleaved"), SlotBook(eject_seconds=10)
     for _ in range(prefill_offset):  # wherever the counters stand, the window below is exact
-        policy.candidates(Role.PREFILL, slots.prefill, book)
+        choose(policy, Role.PREFILL, slots.prefill, book)
     for rev in paired:
         for _ in range(decode_offset):
-            policy.candidates(Role.DECODE, slots.decode_for(rev), book, rev)
+            choose(policy, Role.DECODE, slots.decode_for(rev), book, rev)
     sp = len(slots.prefill)
     # rounds of the prefill list such that every revision's share divides over its decode slots
     rounds = k * math.lcm(
@@ -184,8 +185,8 @@ def test_pairing_is_exact_within_each_revision_and_weighted_by_prefill_slots(
     prefills: Counter[str] = Counter()
     decodes: Counter[str] = Counter()
     for _ in range(rounds * sp):
-        chosen = policy.candidates(Role.PREFILL, slots.prefill, book)[0]
-        pair = policy.candidates(Role.DECODE, slots.decode_for(chosen.revision), book, chosen.revision)[0]
+        chosen = choose(policy, Role.PREFILL, slots.prefill, book)[0]
+        pair = choose(policy, Role.DECODE, slots.decode_for(chosen.revision), book, chosen.revision)[0]
         assert pair.revision == chosen.revision  # a handoff never crosses revisions
         prefills[chosen.key] += 1
         decodes[pair.key] += 1

@@ -24,7 +24,7 @@ import aiohttp
 import pytest
 from aiohttp.test_utils import TestServer
 
-from pdserve.proxy.generation import parse_request
+from pdserve.proxy.serving.generation import parse_request
 from pdserve.sim.payloads import Identity
 from pdserve.sim.server import SimConfig, Simulator
 from pdserve.wire.openai import VALIDATION_ERROR_TYPE, RequestError, error_type, normalize_error_body
@@ -136,7 +136,7 @@ async def test_simulator_refuses_bad_input_like_vllm(sims: Sims, name: str) -> N
 
 def _router_refusal(name: str) -> RequestError | None:
     """What the router answers to this recorded request without asking any backend (None: it
-    passes the request on): pdserve.proxy.generation's own parsing and checks."""
+    passes the request on): pdserve.proxy.serving.generation's own parsing and checks."""
     req = load(name)["request"]
     endpoint = "chat" if req["path"].endswith("chat/completions") else "completions"
     raw = req["raw"].encode() if "raw" in req else json.dumps(req["body"]).encode()

@@ -1,7 +1,7 @@
 """The connector protocol: how one client request becomes a prefill leg and a decode leg.
 
 Everything here is pure: a connector maps (client body, chosen slots, ids) to leg bodies and
-the DP rank header each leg carries. The I/O flow (pdserve.proxy.flow) is shared by all
+the DP rank header each leg carries. The I/O flow (pdserve.proxy.flow.dispatcher) is shared by all
 connectors; a connector only says whether its two legs run one after the other or at once.
 """
 

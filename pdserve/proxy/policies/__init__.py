@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from pdserve.proxy.counters import Counters
 from pdserve.proxy.policies.base import Policy
+from pdserve.proxy.policies.counters import Counters
 from pdserve.proxy.policies.flat_interleaved import FlatInterleaved
 from pdserve.proxy.policies.least_outstanding import LeastOutstanding
 

@@ -1,9 +1,17 @@
 """The policy protocol: which slot of a role serves a request, and which ones to retry on.
 
-A policy returns an ordered list of candidates, not a single slot: the first is the choice,
-the rest are the retry order. Each call is one request, so counters advance once per
-request however many retries follow. ``group`` names an independent counter of the role:
-the decode slots of each revision are walked by their own (see pdserve.routing.slots).
+A request takes its *turn* of the role's counter once (:meth:`Policy.turn`), however many
+attempts follow; each attempt asks for the candidates again (:meth:`Policy.candidates`) with
+that turn, over the slots of the table served at that moment and their state at that moment.
+``group`` names an independent counter of the role: the decode slots of each revision are
+walked by their own (see pdserve.routing.slots).
+
+The candidates are every usable slot once, best first: the *live* slots (neither ejected nor
+unreachable) in the policy's order, then the ejected ones as a last resort (ejection alone never
+turns a request away); unreachable instances never. The policy orders the live slots only, so
+a slot that is out gives its turns to no one in particular: over any run of requests in which
+the live set stays the same, the live slots' counts differ by at most one (flat-interleaved),
+and a slot that comes back gets its share from then on, with no catch-up burst.
 """
 
 from __future__ import annotations
@@ -11,15 +19,19 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import ClassVar, Protocol
 
-from pdserve.proxy.health import SlotBook
+from pdserve.proxy.state.health import SlotBook
 from pdserve.routing import Role, Slot
 
 
 class Policy(Protocol):
     name: ClassVar[str]
 
-    def candidates(self, role: Role, slots: Sequence[Slot], book: SlotBook, group: str = "") -> list[Slot]:
-        """Every slot once, best first; ejected slots last (a last resort, never dropped)."""
+    def turn(self, role: Role, group: str = "") -> int:
+        """This request's turn of the (role, group) counter; the counter advances by one."""
+        ...
+
+    def candidates(self, role: Role, slots: Sequence[Slot], book: SlotBook, turn: int) -> list[Slot]:
+        """Every usable slot once, best first, for the request holding ``turn`` (module doc)."""
         ...
 
 
@@ -31,10 +43,15 @@ def rotation(slots: Sequence[Slot], start: int) -> list[Slot]:
     return [*slots[start:], *slots[:start]]
 
 
-def healthy_first(role: Role, ordered: Sequence[Slot], book: SlotBook) -> list[Slot]:
-    """Stable partition: healthy slots in their order, then ejected ones in theirs."""
-    if not book.any_ejected():
-        return list(ordered)
-    healthy = [s for s in ordered if not book.ejected(role, s.key)]
-    ejected = [s for s in ordered if book.ejected(role, s.key)]
-    return healthy + ejected
+def live_and_ejected(role: Role, slots: Sequence[Slot], book: SlotBook) -> tuple[Sequence[Slot], list[Slot]]:
+    """The live slots and the ejected-but-reachable ones (a last resort), each in table order;
+    unreachable instances' slots in neither."""
+    if book.all_live():
+        return slots, []
+    live: list[Slot] = []
+    ejected: list[Slot] = []
+    reachable = book.unreachable.reachable
+    for slot in slots:
+        if reachable(role, slot):
+            (ejected if book.ejected(role, slot.key) else live).append(slot)
+    return live, ejected

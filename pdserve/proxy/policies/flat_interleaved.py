@@ -1,9 +1,11 @@
-"""Default policy: one counter per role walks the flat interleaved slot list.
+"""Default policy: one counter per role walks the flat interleaved list of the live slots.
 
-Over k·S consecutive requests each of the S slots gets exactly k (the routing-table
-property), because every slot appears once per cycle of the list. With several worker
-processes the counter lives in shared memory (pdserve.proxy.counters), so it is still the
-router's only counter and the property holds for the router as a whole.
+Over k·L consecutive requests each of the L live slots gets exactly k (the routing-table
+property), because every live slot appears once per cycle of the list; a slot that is ejected or
+unreachable is left out of the cycle rather than passing its turn to its neighbour. With several
+worker processes the counter lives in shared memory (pdserve.proxy.policies.counters), and so do the
+ejections, so it is still the router's only counter over one live set and the property holds
+for the router as a whole.
 """
 
 from __future__ import annotations
@@ -11,9 +13,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import ClassVar
 
-from pdserve.proxy.counters import Counters, LocalCounters
-from pdserve.proxy.health import SlotBook
-from pdserve.proxy.policies.base import healthy_first, rotation
+from pdserve.proxy.policies.base import live_and_ejected, rotation
+from pdserve.proxy.policies.counters import Counters, LocalCounters
+from pdserve.proxy.state.health import SlotBook
 from pdserve.routing import Role, Slot
 
 
@@ -23,6 +25,9 @@ class FlatInterleaved:
     def __init__(self, counters: Counters | None = None) -> None:
         self._counters = counters or LocalCounters()
 
-    def candidates(self, role: Role, slots: Sequence[Slot], book: SlotBook, group: str = "") -> list[Slot]:
-        start = self._counters.take(role.value, group)
-        return healthy_first(role, rotation(slots, start), book)
+    def turn(self, role: Role, group: str = "") -> int:
+        return self._counters.take(role.value, group)
+
+    def candidates(self, role: Role, slots: Sequence[Slot], book: SlotBook, turn: int) -> list[Slot]:
+        live, ejected = live_and_ejected(role, slots, book)
+        return [*rotation(live, turn), *ejected]

@@ -1,8 +1,8 @@
 """Fewest in-flight requests per slot; ties broken in interleaved order.
 
 The tie-break starts where a rotating counter points, so an idle proxy (every slot at 0)
-still spreads requests over all slots exactly like flat-interleaved instead of piling them
-onto the first slot.
+still spreads requests over all live slots exactly like flat-interleaved instead of piling
+them onto the first slot.
 """
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import ClassVar
 
-from pdserve.proxy.counters import Counters, LocalCounters
-from pdserve.proxy.health import SlotBook
-from pdserve.proxy.policies.base import healthy_first, rotation
+from pdserve.proxy.policies.base import live_and_ejected, rotation
+from pdserve.proxy.policies.counters import Counters, LocalCounters
+from pdserve.proxy.state.health import SlotBook
 from pdserve.routing import Role, Slot
 
 
@@ -22,9 +22,11 @@ class LeastOutstanding:
     def __init__(self, counters: Counters | None = None) -> None:
         self._counters = counters or LocalCounters()
 
-    def candidates(self, role: Role, slots: Sequence[Slot], book: SlotBook, group: str = "") -> list[Slot]:
-        start = self._counters.take(role.value, group)
-        ordered = rotation(slots, start)
+    def turn(self, role: Role, group: str = "") -> int:
+        return self._counters.take(role.value, group)
+
+    def candidates(self, role: Role, slots: Sequence[Slot], book: SlotBook, turn: int) -> list[Slot]:
+        live, ejected = live_and_ejected(role, slots, book)
         # sorted() is stable, so equal in-flight counts keep the interleaved rotation order.
-        by_load = sorted(ordered, key=lambda s: book.in_flight(role, s.key))
-        return healthy_first(role, by_load, book)
+        by_load = sorted(rotation(live, turn), key=lambda s: book.in_flight(role, s.key))
+        return [*by_load, *ejected]

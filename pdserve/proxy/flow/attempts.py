@@ -1,12 +1,25 @@
-"""The retry policy of one P/D request: which instances may be tried, when a prefill's KV
+"""The retry policy of one P/D request: which slots each attempt may use, when a prefill's KV
 handoff may go to another decode, and what the client sees when the attempts run out.
 
+* Every attempt chooses its slots from the table served *at that moment* and the ejection state
+  at that moment, with the request's own turn of each counter (:class:`Walk`): a retry never
+  walks a candidate list made when the request started. One rule for both legs: a failed leg is
+  retried on the best slot of its role that this request has not tried yet, and on one it tried
+  only when no other is left (a single prefill slot retries on itself), at most
+  ``--max-retries`` times.
 * A failure of the *connection* to an instance (refused, reset, cut) is the instance's, not one
   engine rank's: all DP ranks of a vLLM server share its HTTP endpoint. Every slot of the
   instance is ejected at once, so the retry goes to another instance. A connection that was
   refused (or could not be opened in time) also marks the instance *unreachable* for the
   cool-down: it is not tried at all meanwhile, and when a role has no reachable instance left
   the router answers 503 with Retry-After *before* spending a prefill.
+* No retry spends a new prefill unless a decode can take it right then: the retry's decode is
+  chosen first, from the table served now; a live one (in the table, not ejected, reachable) is
+  taken as it is, and one that failed recently (ejected: a last resort) must answer ``/health``
+  before the prefill is sent. One that does not is marked unreachable and the next one is
+  tried; with none left the answer is 503 at once. (A TCP connect would not do: a process being
+  killed still completes handshakes from its listen backlog.) A first attempt does not check:
+  the table and the ejection state speak for the decodes until something fails.
 * A decode that failed is retried with the same handoff (no new prefill) only when the request
   never reached it (a connect error) and the prefill still holds the KV. vLLM frees a
   prefill's KV once a decode pulled it, when a decode aborts or rejects the request (its
@@ -21,18 +34,14 @@ handoff may go to another decode, and what the client sees when the attempts run
 from __future__ import annotations
 
 import math
-import time
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
 
-from pdserve.proxy.health import SlotBook
-from pdserve.proxy.reply import Reply, error_reply
-from pdserve.proxy.upstream import LegError
+from pdserve.proxy.engine.upstream import LegError
+from pdserve.proxy.flow.reply import Reply, error_reply
+from pdserve.proxy.state.health import Unreachable
 from pdserve.routing import Role, Slot, SlotTable
-
-if TYPE_CHECKING:
-    from pdserve.proxy.shared import SharedDeadlines
 
 #: Outcomes that are the connection's failure, not one engine rank's: the whole instance is ejected.
 TRANSPORT_OUTCOMES = frozenset({"connect_error", "dropped"})
@@ -72,88 +81,22 @@ def handoff_reusable(
     )
 
 
-class Unreachable:
-    """Instances that refused a connection within the cool-down; they are not routed to. With
-    worker processes the marks are shared (``shared``): one worker's refused connection keeps
-    every worker away from the instance."""
+@dataclass
+class Walk:
+    """One part's place in the candidate orders: its turn of each counter (taken once, however
+    many attempts follow) and the slots its failed legs went to."""
 
-    def __init__(
-        self,
-        seconds: float,
-        clock: Callable[[], float] = time.monotonic,
-        shared: SharedDeadlines | None = None,
-    ) -> None:
-        self.seconds = seconds
-        self._clock = clock
-        self._shared = shared
-        self._until: dict[tuple[Role, str], float] = {}
-        self._latest = 0.0  # nothing is unreachable once the clock has passed it
+    prefill_turn: int
+    decode_turns: dict[str, int] = field(default_factory=dict)
+    failed: set[tuple[Role, str]] = field(default_factory=set)
 
-    def mark(self, role: Role, name: str) -> None:
-        now = self._clock()
-        until = now + self.seconds
-        self._until[(role, name)] = until
-        self._latest = max(self._latest, until)
-        if self._shared is not None:
-            self._shared.extend(_shared_key(role, name), until, now)
-
-    def down_for(self, role: Role, name: str) -> float:
-        """Seconds until the instance is tried again (0: reachable)."""
-        if self._shared is not None:
-            until = self._shared.until(_shared_key(role, name))
-            if until > self._clock():
-                self._until[(role, name)] = until  # listed by this worker's snapshot too
-        found = self._until.get((role, name))
-        if found is None:
-            return 0.0
-        left = found - self._clock()
-        if left <= 0:
-            del self._until[(role, name)]
-            return 0.0
-        return left
-
-    def any(self) -> bool:
-        """False when no instance is unreachable: one clock read, the common case."""
-        if self._shared is not None:
-            return self._shared.latest() > self._clock()
-        return self._latest > self._clock()
-
-    def reachable(self, role: Role, slot: Slot) -> bool:
-        if not self.any():
-            return True
-        return self.down_for(role, slot.instance.name) == 0.0
-
-    def retry_after(self, role: Role, slots: Sequence[Slot]) -> float:
-        """The soonest any of ``slots`` is reachable again (0 when one is now)."""
-        return min((self.down_for(role, s.instance.name) for s in slots), default=0.0)
-
-    def snapshot(self) -> dict[str, dict[str, float]]:
-        out: dict[str, dict[str, float]] = {}
-        for role, name in list(self._until):
-            left = self.down_for(role, name)
-            if left:
-                out.setdefault(role.value, {})[name] = round(left, 3)
-        return out
-
-
-def _shared_key(role: Role, name: str) -> str:
-    return f"{role.value}/{name}"
-
-
-def next_candidate(
-    role: Role, remaining: list[Slot], book: SlotBook, unreachable: Unreachable
-) -> Slot | None:
-    """Take the next slot to try: reachable and healthy first, then reachable but ejected
-    (a last resort: ejection alone never turns a request away); unreachable ones never."""
-    if not unreachable.any() and not book.any_ejected():
-        return remaining.pop(0) if remaining else None
-    reachable = [s for s in remaining if unreachable.reachable(role, s)]
-    if not reachable:
-        remaining.clear()
-        return None
-    chosen = next((s for s in reachable if not book.ejected(role, s.key)), reachable[0])
-    remaining.remove(chosen)
-    return chosen
+    def tried_last(self, role: Role, candidates: list[Slot]) -> list[Slot]:
+        """The candidates with the slots that already failed this part moved to the end: a retry
+        goes to the best slot not tried yet, and to a tried one only when none is left."""
+        if not self.failed:
+            return candidates
+        fresh = [s for s in candidates if (role, s.key) not in self.failed]
+        return fresh + [s for s in candidates if (role, s.key) in self.failed]
 
 
 def retry_after_header(seconds: float) -> tuple[tuple[bytes, bytes], ...]:

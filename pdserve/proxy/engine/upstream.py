@@ -2,18 +2,19 @@
 
 A session per request (what vLLM's toy proxies do) pays a TCP handshake per leg and caps
 throughput; one pool keeps connections to every instance alive across requests and carries
-thousands of concurrent streams. The legs go through the lean client of pdserve.proxy.h1;
-the admin requests (model listing, profiler fan-out, the sidecar's engine check) through one
+thousands of concurrent streams. The legs go through the lean client of pdserve.proxy.engine.h1;
+the admin requests (model listing, profiler broadcast, the sidecar's engine check) through one
 aiohttp session.
 """
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
 
 import aiohttp
 
-from pdserve.proxy import h1
+from pdserve.proxy.engine import h1
 from pdserve.wire.openai import normalize_error_body
 
 # Idle pooled connections are kept this long; a connection the
@@ -93,6 +94,20 @@ class Upstream:
         if self._session is None:
             raise RuntimeError("Upstream.start() was not awaited")
         return self._session
+
+    async def health_problem(self, url: str) -> str | None:
+        """What is wrong with the engine at ``url`` now, judged by its ``/health`` (None: it
+        answered 200 within the connect timeout). A real request, not a TCP connect: a process
+        that is being killed can still complete a handshake from its listen backlog."""
+        try:
+            async with asyncio.timeout(self.connect_timeout):
+                async with self.session.get(url + "/health") as resp:
+                    await resp.read()
+                    return None if resp.status == 200 else f"/health answered HTTP {resp.status}"
+        except TimeoutError:
+            return f"/health did not answer within {self.connect_timeout:g} s"
+        except aiohttp.ClientError as exc:
+            return f"/health failed: {exc or type(exc).__name__}"
 
     async def post(self, url: str, payload: bytes, headers: dict[str, str], deadline: float) -> Answer:
         """One buffered request; the deadline covers the whole answer."""

@@ -1,4 +1,4 @@
-"""State the worker processes share (pdserve.proxy.workers), in one shared anonymous memory
+"""State the worker processes share (pdserve.proxy.serving.workers), in one shared anonymous memory
 mapping made by the supervisor before it forks and inherited by every worker.
 
 Python has no atomic operations on shared memory. What must be read-modify-written by several
@@ -159,7 +159,7 @@ class SharedTable:
 
 
 class SharedCounters:
-    """The policies' counters (pdserve.proxy.counters.Counters) in a shared table."""
+    """The policies' counters (pdserve.proxy.policies.counters.Counters) in a shared table."""
 
     def __init__(self, table: SharedTable) -> None:
         self._table = table
@@ -283,7 +283,7 @@ class SharedConnections:
     SO_REUSEPORT spreads new connections by a hash of their addresses, which spreads a few
     long-lived ones unevenly: of a gateway's pool of 8 connections, one of two workers gets 6 or
     more after about 29 % of its starts, and serves three quarters of the traffic on one core. A
-    worker over its share closes a connection once its response is sent (pdserve.proxy.server),
+    worker over its share closes a connection once its response is sent (pdserve.proxy.serving.server),
     and the client's next connection is spread again.
     """
 

@@ -4,7 +4,7 @@ The file is usually a mounted ConfigMap: the kubelet writes a new ``..<timestamp
 and atomically repoints the ``..data`` symlink, so the watched path keeps its name while the
 file behind it changes. We therefore poll the *resolved* target (real path, inode, mtime,
 size) rather than waiting for events on the path itself; this also catches a plainly
-rewritten file. Parsing, validation and the swap are :class:`pdserve.proxy.served.ServedTable`'s,
+rewritten file. Parsing, validation and the swap are :class:`pdserve.proxy.table.served.ServedTable`'s,
 shared with the ConfigMap watch.
 """
 
@@ -15,7 +15,7 @@ import logging
 import os
 from pathlib import Path
 
-from pdserve.proxy.served import RoutingState, ServedTable, parse_state
+from pdserve.proxy.table.served import RoutingState, ServedTable, parse_state
 from pdserve.routing import RoutingTableError
 
 __all__ = ["RoutingState", "RoutingWatcher", "file_signature"]

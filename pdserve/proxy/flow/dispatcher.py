@@ -1,11 +1,11 @@
 """One client request through the proxy: its parts, their attempts, and its one log line.
 
 A request that makes one sequence is served as one *part*; one that makes several (a batched
-prompt, ``n > 1``) as independent parts merged in OpenAI's shape (pdserve.proxy.fanout). A
+prompt, ``n > 1``) as independent parts merged in OpenAI's shape (pdserve.proxy.flow.sequences). A
 part is a series of *attempts*: a prefill leg plus a decode leg, or a decode leg alone that
-reuses the previous attempt's KV handoff. The legs are run by pdserve.proxy.legs, and the
+reuses the previous attempt's KV handoff. The legs are run by pdserve.proxy.flow.legs, and the
 retry policy (which instances an attempt may use, when a handoff may be reused, what the
-client sees when the attempts run out) is pdserve.proxy.attempts's; this module walks the
+client sees when the attempts run out) is pdserve.proxy.flow.attempts's; this module walks the
 candidates the routing policy gives, under that retry policy.
 
 Prefill and decode are paired by revision: the prefill slot comes from the flat order over
@@ -22,7 +22,8 @@ import time
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from pdserve.proxy.admission import (
+from pdserve.proxy.engine.upstream import BackendRefusal, Upstream
+from pdserve.proxy.flow.admission import (
     SHED_QUEUE_FULL,
     SHED_QUEUE_TIMEOUT,
     AdmissionGate,
@@ -30,29 +31,27 @@ from pdserve.proxy.admission import (
     room_first,
     shed_reply,
 )
-from pdserve.proxy.attempts import (
+from pdserve.proxy.flow.attempts import (
     UNREACHABLE_OUTCOME,
+    Handoff,
     LegFailure,
+    Walk,
     failure_reply,
     handoff_reusable,
-    next_candidate,
     no_slot_detail,
     no_slot_reply,
 )
-from pdserve.proxy.fanout import FanOut, MergedStream, merge_answers
-from pdserve.proxy.health import SlotBook
-from pdserve.proxy.legs import Deadlines, LegRunner, Trace
+from pdserve.proxy.flow.legs import LegRunner
+from pdserve.proxy.flow.reply import JSON, Reply, ReplyStream, error_reply
+from pdserve.proxy.flow.sequences import MergedStream, Split, merge_answers
+from pdserve.proxy.flow.trace import Deadlines, Trace
 from pdserve.proxy.metrics import ProxyMetrics
 from pdserve.proxy.policies import Policy
-from pdserve.proxy.relay import RelayStream
-from pdserve.proxy.reply import JSON, Reply, ReplyStream, error_reply
-from pdserve.proxy.served import RoutingState, ServedTable
 from pdserve.proxy.settings import DEFAULT_KV_LEASE_S, DEFAULT_MAX_FAN_OUT
-from pdserve.proxy.shared import SharedState
-from pdserve.proxy.upstream import BackendRefusal, Upstream
+from pdserve.proxy.state.health import SlotBook
+from pdserve.proxy.state.shared import SharedState
+from pdserve.proxy.table.served import RoutingState, ServedTable
 from pdserve.routing import Role, Slot, SlotTable
-
-__all__ = ["Deadlines", "Dispatcher", "LegFailure", "RelayStream", "Reply"]
 
 log = logging.getLogger("pdserve.proxy.request")
 
@@ -75,7 +74,7 @@ class Dispatcher(LegRunner):
         admission: AdmissionGate | None = None,
         shared: SharedState | None = None,
     ) -> None:
-        super().__init__(book, upstream, metrics, deadlines, backend_api_key, admission, shared)
+        super().__init__(book, upstream, metrics, deadlines, backend_api_key, admission)
         self.served = served
         self.policy = policy
         self.max_retries = max_retries
@@ -94,7 +93,7 @@ class Dispatcher(LegRunner):
         body: Mapping[str, Any],
         request_id: str,
         client_auth: str | None,
-        fan: FanOut | None = None,
+        split: Split | None = None,
         client_id: bool = True,
     ) -> Reply:
         """``client_id``: the id came from the client (X-Request-Id), so another request may carry
@@ -106,10 +105,10 @@ class Dispatcher(LegRunner):
         self.metrics.in_flight.inc()
         state = self.served.current  # this request's table, whatever reloads happen meanwhile
         try:
-            if fan is None:
+            if split is None:
                 reply = await self._serve(state, path, body, trace, client_auth)
             else:
-                reply = await self._fan_out(state, path, fan, trace, client_auth)
+                reply = await self._serve_split(state, path, split, trace, client_auth)
         except asyncio.CancelledError:
             self._close(trace, 499, "cancelled")
             raise
@@ -123,7 +122,7 @@ class Dispatcher(LegRunner):
     async def _serve(
         self, state: RoutingState | None, path: str, body: Mapping[str, Any], trace: Trace, auth: str | None
     ) -> Reply:
-        """One part: attempts until one succeeds or the retry policy says stop."""
+        """One part: attempts until one succeeds or the retry policy says stop (attempts.py)."""
         slots = state.slots if state is not None else None
         if state is None or slots is None or not slots.prefill:
             # No prefill to pair: say which side is missing (prefills of a revision without a
@@ -131,50 +130,24 @@ class Dispatcher(LegRunner):
             paired_prefill_missing = slots is not None and any(i.routable for i in slots.table.prefill)
             decode_missing = paired_prefill_missing and slots is not None and not slots.decode
             return self._no_slot(Role.DECODE if decode_missing else Role.PREFILL, slots)
-        book, unreachable = self.book, self.unreachable
-        prefills = self.policy.candidates(Role.PREFILL, slots.prefill, book)
-        if unreachable.any():
-            prefills = [s for s in prefills if unreachable.reachable(Role.PREFILL, s)]
-            if not prefills:
-                return self._no_slot(Role.PREFILL, slots)
-            pairable = {
-                rev: any(unreachable.reachable(Role.DECODE, d) for d in slots.decode_for(rev))
-                for rev in {s.revision for s in prefills}
-            }
-            if not any(pairable.values()):  # 503 before spending a prefill
-                return self._no_slot(
-                    Role.DECODE, slots, [d for rev in pairable for d in slots.decode_for(rev)]
-                )
-            prefills = [s for s in prefills if pairable[s.revision]]
+        walk = Walk(self.policy.turn(Role.PREFILL))
+        prefills = self.policy.candidates(Role.PREFILL, slots.prefill, self.book, walk.prefill_turn)
         gate = self.admission
-        limit = gate.limit
-        if limit > 0:
-            shed = await gate.admit(lambda: _room_for_pair(slots, prefills, book, limit))
+        if gate.limit > 0 and prefills:
+            first_slots = slots
+            shed = await gate.admit(lambda: _room_for_pair(first_slots, prefills, self.book, gate.limit))
             if shed is not None:
                 return shed_reply(shed, gate.queue_size, gate.timeout)
-            prefills = room_first(Role.PREFILL, prefills, book, limit)
-        prefill = next_candidate(Role.PREFILL, prefills, book, unreachable)
-        assert prefill is not None
-        decodes: dict[str, list[Slot]] = {}  # per revision: its decode candidates not tried yet
-        current: dict[str, Slot | None] = {}  # per revision: the decode to try next
-
-        def decode_for(revision: str) -> Slot | None:
-            if revision not in current:
-                decodes[revision] = room_first(
-                    Role.DECODE,
-                    self.policy.candidates(Role.DECODE, slots.decode_for(revision), book, revision),
-                    book,
-                    limit,
-                )
-                current[revision] = next_candidate(Role.DECODE, decodes[revision], book, unreachable)
-            return current[revision]
-
         failure: LegFailure | None = None
         for _ in range(self.max_retries + 1):
-            source = trace.handoff.prefill if trace.handoff is not None else prefill
-            decode = decode_for(source.revision)
-            if decode is None:
-                break
+            if failure is not None:  # a retry routes by the table served now
+                state = self.served.current or state
+                slots = state.slots
+                prefills = self.policy.candidates(Role.PREFILL, slots.prefill, self.book, walk.prefill_turn)
+            pair = await self._pair(slots, prefills, walk, trace.handoff, check=failure is not None)
+            if isinstance(pair, Reply):
+                return pair
+            source, decode = pair
             if failure is not None:
                 self.metrics.retries.labels(failure.role.value, failure.error.outcome).inc()
             trace.attempts += 1
@@ -185,37 +158,93 @@ class Dispatcher(LegRunner):
                 return Reply(refusal.status, refusal.body, refusal.content_type or JSON)
             except LegFailure as exc:
                 failure = exc
+                walk.failed.add((exc.role, exc.slot.key))
                 self._eject(exc.role, exc.slot, exc.error.outcome)
-                if exc.role is Role.PREFILL:
-                    trace.handoff = None
-                    replacement = next_candidate(Role.PREFILL, prefills, book, unreachable)
-                    if replacement is None:
-                        break
-                    prefill = replacement
-                    continue
-                reusable = state.connector.reusable_handoff
-                if not handoff_reusable(
-                    trace.handoff, exc, reusable, self.kv_lease_seconds, time.monotonic()
+                if exc.role is Role.PREFILL or not handoff_reusable(
+                    trace.handoff,
+                    exc,
+                    state.connector.reusable_handoff,
+                    self.kv_lease_seconds,
+                    time.monotonic(),
                 ):
-                    trace.handoff = None  # a new prefill (on the same prefill slot)
-                current[source.revision] = next_candidate(
-                    Role.DECODE, decodes[source.revision], book, unreachable
-                )
-        if failure is None:  # every decode of the prefill's revision became unreachable meanwhile
-            return self._no_slot(Role.DECODE, slots, slots.decode_for(prefill.revision))
+                    trace.handoff = None  # the next attempt starts with a new prefill
+        assert failure is not None
         return self._failure(failure, trace, slots)
 
-    async def _fan_out(
-        self, state: RoutingState | None, path: str, fan: FanOut, trace: Trace, auth: str | None
+    async def _pair(
+        self, slots: SlotTable, prefills: list[Slot], walk: Walk, handoff: Handoff | None, check: bool
+    ) -> tuple[Slot, Slot] | Reply:
+        """The next attempt's prefill (the handoff's, when it is reused) and decode, or the 503 that
+        says none can be had. ``check`` (a retry): no new prefill is spent before its decode is
+        known to be alive (:meth:`_decode_for`)."""
+        if handoff is not None:
+            decode = await self._decode_for(slots, handoff.prefill.revision, walk, check=False)
+            if decode is not None:
+                return handoff.prefill, decode
+            return self._no_slot(Role.DECODE, slots, slots.decode_for(handoff.prefill.revision))
+        prefills = walk.tried_last(Role.PREFILL, prefills)
+        limit = self.admission.limit
+        if limit > 0:
+            prefills = room_first(Role.PREFILL, prefills, self.book, limit)
+        if not prefills:
+            return self._no_slot(Role.PREFILL, slots)
+        without_decode: list[str] = []
+        for prefill in prefills:
+            if prefill.revision in without_decode:
+                continue
+            decode = await self._decode_for(slots, prefill.revision, walk, check)
+            if decode is not None:
+                return prefill, decode
+            without_decode.append(prefill.revision)
+        # 503 before spending a prefill: no decode can take what any prefill would compute
+        return self._no_slot(Role.DECODE, slots, [d for rev in without_decode for d in slots.decode_for(rev)])
+
+    async def _decode_for(self, slots: SlotTable, revision: str, walk: Walk, check: bool) -> Slot | None:
+        """The best decode of ``revision`` for this part (its own turn of the revision's counter).
+        ``check`` (a retry, before a new prefill): a decode that failed recently (ejected, so only
+        a last resort) must answer ``/health`` first; one that does not is marked unreachable and
+        the next one is taken."""
+        turn = walk.decode_turns.get(revision)
+        if turn is None:
+            turn = walk.decode_turns[revision] = self.policy.turn(Role.DECODE, revision)
+        decodes = self.policy.candidates(Role.DECODE, slots.decode_for(revision), self.book, turn)
+        decodes = walk.tried_last(Role.DECODE, decodes)
+        limit = self.admission.limit
+        if limit > 0:
+            decodes = room_first(Role.DECODE, decodes, self.book, limit)
+        if not check:
+            return decodes[0] if decodes else None
+        for decode in decodes:
+            if self.book.live(Role.DECODE, decode):
+                return decode
+            if self.book.unreachable.reachable(Role.DECODE, decode) and await self._alive(decode):
+                return decode
+        return None
+
+    async def _alive(self, slot: Slot) -> bool:
+        problem = await self.upstream.health_problem(slot.url)
+        if problem is None:
+            return True
+        self.book.unreachable.mark(Role.DECODE, slot.instance.name)
+        log.warning(
+            "decode instance %s failed its check before a retry's prefill (%s): not routed to for %g s",
+            slot.instance.name,
+            problem,
+            self.book.eject_seconds,
+        )
+        return False
+
+    async def _serve_split(
+        self, state: RoutingState | None, path: str, split: Split, trace: Trace, auth: str | None
     ) -> Reply:
         """Every part at once; the first part that fails (after its own retries) fails the request."""
         trace.parts = [
             Trace(trace.request_id, path, trace.stream, engine_base=f"{trace.engine_base}-{k}", part_of=trace)
-            for k in range(len(fan.parts))
+            for k in range(len(split.parts))
         ]
         tasks: list[asyncio.Future[Reply]] = [
             asyncio.ensure_future(self._serve(state, path, part.body, part_trace, auth))
-            for part, part_trace in zip(fan.parts, trace.parts, strict=True)
+            for part, part_trace in zip(split.parts, trace.parts, strict=True)
         ]
         replies: dict[int, Reply] = {}
         failed: Reply | None = None
@@ -246,12 +275,12 @@ class Dispatcher(LegRunner):
         trace.first_byte = time.monotonic()
         if trace.stream:
             merged = MergedStream(
-                fan, streams, trace.request_id, lambda outcome: self._close_merged(trace, outcome)
+                split, streams, trace.request_id, lambda outcome: self._close_merged(trace, outcome)
             )
             return Reply(200, merged, "text/event-stream")
         answers = [r.body for r in ordered if isinstance(r.body, bytes)]
         try:
-            return Reply(200, merge_answers(fan, answers, trace.request_id))
+            return Reply(200, merge_answers(split, answers, trace.request_id))
         except ValueError as exc:
             return error_reply(502, f"cannot merge the decodes' answers: {exc}", "upstream_error")
 

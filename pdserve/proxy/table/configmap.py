@@ -37,10 +37,10 @@ from urllib.parse import urlencode
 
 import aiohttp
 
-from pdserve.proxy import codec
-from pdserve.proxy.kubeconfig import ApiCredentials, ConfigMapRef, CredentialsError, TokenSource
+from pdserve.proxy.engine import codec
 from pdserve.proxy.metrics import ProxyMetrics
-from pdserve.proxy.served import ServedTable
+from pdserve.proxy.table.kubeconfig import ApiCredentials, ConfigMapRef, CredentialsError, TokenSource
+from pdserve.proxy.table.served import ServedTable
 from pdserve.routing import CONFIGMAP_KEY
 
 log = logging.getLogger("pdserve.proxy.kubewatch")

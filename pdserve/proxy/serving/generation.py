@@ -17,10 +17,11 @@ import random
 from collections.abc import Awaitable, Callable, Mapping, MutableMapping
 from typing import Any
 
-from pdserve.proxy import codec
-from pdserve.proxy.fanout import plan_fan_out
-from pdserve.proxy.flow import Dispatcher, Reply
-from pdserve.proxy.ports import refused_here
+from pdserve.proxy.engine import codec
+from pdserve.proxy.flow.dispatcher import Dispatcher
+from pdserve.proxy.flow.reply import Reply
+from pdserve.proxy.flow.sequences import plan_split
+from pdserve.proxy.serving.ports import refused_here
 from pdserve.wire.headers import ERROR_REASON
 from pdserve.wire.openai import (
     Endpoint,
@@ -47,7 +48,7 @@ ENDPOINTS: dict[str, Endpoint] = {"/v1/completions": "completions", "/v1/chat/co
 
 #: ASGI scope extension of a server that can write body chunks of a started response outside
 #: ``send``: ``scope["extensions"][PUSH_BODY](chunk)`` writes the chunk now and returns True, or
-#: returns False when it must go through ``send`` (pdserve.proxy.server offers it on uvicorn).
+#: returns False when it must go through ``send`` (pdserve.proxy.serving.server offers it on uvicorn).
 PUSH_BODY = "pdserve.push_body"
 
 
@@ -203,14 +204,14 @@ class GenerationApp:
     ) -> None:
         try:
             checked = parse_request(raw, endpoint)
-            fan = plan_fan_out(checked, endpoint, self.dispatcher.max_fan_out)
+            split = plan_split(checked, endpoint, self.dispatcher.max_fan_out)
         except RequestError as exc:
             self._refused(request_id, path, exc)
             await _send_reply(send, _error_reply(exc), request_id)
             return
         try:
             reply = await self.dispatcher.generate(
-                path, checked, request_id, headers.get("authorization"), fan, client_id=client_id
+                path, checked, request_id, headers.get("authorization"), split, client_id=client_id
             )
         except Exception:
             log.exception("unexpected error serving request %s", request_id)

@@ -6,7 +6,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
-from pdserve.proxy import codec
+from pdserve.proxy.engine import codec
 from pdserve.wire.openai import error_body
 
 JSON = "application/json"
@@ -21,7 +21,7 @@ class ReplyStream(Protocol):
     is sent (``aclose`` then finishes the stream as a success).
 
     ``push_to`` offers a writer that takes chunks as they arrive, outside the iteration (see
-    pdserve.proxy.generation.PUSH_BODY); a stream may ignore it.
+    pdserve.proxy.serving.generation.PUSH_BODY); a stream may ignore it.
     """
 
     @property

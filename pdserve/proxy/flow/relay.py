@@ -1,19 +1,36 @@
-"""The relay of a decode's SSE stream to the client, under the stream-idle deadline."""
+"""The relay of a decode's SSE stream to the client, under the stream-idle deadline.
+
+The relay owns the decode leg once its stream is open; it reports the leg's end to the leg
+runner that opened it (pdserve.proxy.flow.legs) through :class:`LegOwner`, so this module does
+not import the legs.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import Any, NoReturn, Protocol
 
-from pdserve.proxy import codec, h1
-from pdserve.proxy.upstream import OpenStream
+from pdserve.proxy.engine import codec, h1
+from pdserve.proxy.engine.upstream import OpenStream
+from pdserve.proxy.flow.trace import Deadlines, Trace
+from pdserve.proxy.metrics import ProxyMetrics
 from pdserve.routing import Role, Slot
 from pdserve.wire.openai import error_body
 
-if TYPE_CHECKING:
-    from pdserve.proxy.legs import LegRunner, Trace
+
+class LegOwner(Protocol):
+    """The leg runner that opened the stream: its deadlines and metrics, and how a leg ends."""
+
+    deadlines: Deadlines
+    metrics: ProxyMetrics
+
+    def _leg_finished(self, role: Role, slot: Slot, outcome: str) -> None: ...
+
+    def _eject(self, role: Role, slot: Slot, outcome: str = "") -> None: ...
+
+    def _close(self, trace: Trace, status: int, outcome: str) -> None: ...
 
 
 SSE_DONE = b"data: [DONE]\n\n"
@@ -89,7 +106,7 @@ class RelayStream:
 
     def __init__(
         self,
-        dispatcher: LegRunner,
+        dispatcher: LegOwner,
         slot: Slot,
         opened: OpenStream,
         trace: Trace,

@@ -1,4 +1,4 @@
-"""Merging the workers' admin views into the router's (pure; pdserve.proxy.fanin fetches them).
+"""Merging the workers' admin views into the router's (pure; pdserve.proxy.serving.worker_views fetches them).
 
 Counts add up (requests and legs in flight per instance and per slot, errors, ejections). What
 the table says is taken from the worker that serves the *oldest* generation, so the router never

@@ -1,8 +1,8 @@
 """The routing policies' counters: one per (role, group), in this process or shared by workers.
 
 Flat-interleaved gives every slot exactly k of k·S consecutive requests because ONE counter per
-role hands out consecutive turns. With several worker processes (pdserve.proxy.workers) that
-counter must stay one: pdserve.proxy.shared.SharedCounters keeps it in shared memory and every
+role hands out consecutive turns. With several worker processes (pdserve.proxy.serving.workers) that
+counter must stay one: pdserve.proxy.state.shared.SharedCounters keeps it in shared memory and every
 worker takes its turn with an atomic fetch-and-increment under a process-shared lock. A
 lock-free scheme (one counter per worker, interleaved) would be exact only while every worker
 got the same share of the traffic, which the kernel's connection hashing does not promise; the

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from pdserve.proxy.connectors import Connector, make_connector
-from pdserve.proxy.health import SlotBook
 from pdserve.proxy.metrics import ProxyMetrics
+from pdserve.proxy.state.health import SlotBook
 from pdserve.routing import (
     Role,
     RoutingTable,

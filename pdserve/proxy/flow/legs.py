@@ -12,65 +12,33 @@ import logging
 import random
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from typing import Any
 
-from pdserve.proxy import codec
-from pdserve.proxy.admission import AdmissionGate
-from pdserve.proxy.attempts import (
+from pdserve.proxy.connectors import Connector, LegPlan
+from pdserve.proxy.engine import codec
+from pdserve.proxy.engine.upstream import Answer, BackendRefusal, LegError, Upstream
+from pdserve.proxy.flow.admission import AdmissionGate
+from pdserve.proxy.flow.attempts import (
     BUSY_OUTCOME,
     TRANSPORT_OUTCOMES,
     UNREACHABLE_OUTCOME,
     Handoff,
     LegFailure,
-    Unreachable,
 )
-from pdserve.proxy.connectors import Connector, LegPlan
-from pdserve.proxy.health import SlotBook
+from pdserve.proxy.flow.relay import RelayStream
+from pdserve.proxy.flow.reply import JSON, Reply
+from pdserve.proxy.flow.trace import Deadlines, Trace
 from pdserve.proxy.metrics import ProxyMetrics
-from pdserve.proxy.relay import RelayStream
-from pdserve.proxy.reply import JSON, Reply
-from pdserve.proxy.served import RoutingState
-from pdserve.proxy.shared import SharedState
-from pdserve.proxy.upstream import Answer, BackendRefusal, LegError, Upstream
+from pdserve.proxy.state.health import SlotBook
+from pdserve.proxy.table.served import RoutingState
 from pdserve.routing import Role, Slot
 from pdserve.wire.headers import AUTHORIZATION, DP_RANK, REQUEST_ID
 
 log = logging.getLogger("pdserve.proxy.request")
 
 
-@dataclass(frozen=True)
-class Deadlines:
-    prefill_ttfb: float  # whole prefill answer (it is one token)
-    decode_ttfb: float  # first chunk of a stream; the whole answer when not streaming
-    stream_idle: float  # between two chunks of a stream
-
-
-@dataclass
-class Trace:
-    """Everything the one log line and the request metrics of a request (or of a part) need."""
-
-    request_id: str
-    endpoint: str
-    stream: bool
-    started: float = field(default_factory=time.monotonic)
-    attempts: int = 0
-    prefill: str = "-"
-    decode: str = "-"
-    first_byte: float | None = None
-    closed: bool = False
-    engine_base: str = ""  # the X-Request-Id stem of the legs: the client's id, made unique
-    claimed: bool = False  # the request id is the client's, claimed until the request ends
-    prefill_legs: int = 0
-    decode_legs: int = 0
-    handoff: Handoff | None = None  # the last prefill's, while a decode retry may reuse it
-    part_of: Trace | None = None  # a part of a fanned-out request: closed with the request
-    parts: list[Trace] = field(default_factory=list)
-    outcome: str | None = None  # a part's, once closed
-
-
 class LegRunner:
-    """Runs legs against the upstreams; the dispatcher (pdserve.proxy.flow) decides which."""
+    """Runs legs against the upstreams; the dispatcher (pdserve.proxy.flow.dispatcher) decides which."""
 
     def __init__(
         self,
@@ -80,7 +48,6 @@ class LegRunner:
         deadlines: Deadlines,
         backend_api_key: str | None,
         admission: AdmissionGate | None = None,
-        shared: SharedState | None = None,
     ) -> None:
         self.book = book
         self.admission = admission or AdmissionGate(0, 0, 0.0, metrics)
@@ -88,9 +55,7 @@ class LegRunner:
         self.metrics = metrics
         self.deadlines = deadlines
         self.backend_api_key = backend_api_key
-        self.unreachable = Unreachable(
-            book.eject_seconds, shared=shared.unreachable if shared is not None else None
-        )
+        self.unreachable = book.unreachable
 
     def _close(self, trace: Trace, status: int, outcome: str) -> None:
         """The end of a request (the dispatcher counts and logs it)."""

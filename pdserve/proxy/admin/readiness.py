@@ -20,7 +20,7 @@ import asyncio
 
 import aiohttp
 
-from pdserve.proxy.served import ServedTable
+from pdserve.proxy.table.served import ServedTable
 from pdserve.routing.sidecar import LocalDecode, draining_self
 
 #: The local engine must answer its /health within this (a kubelet probe's own timeout is longer).

@@ -7,7 +7,7 @@ registry, a writer task per request, the connector's bookkeeping), for legs that
 the same: a POST of a body already encoded, to an engine the proxy keeps connections to, whose
 answer is read whole or relayed chunk by chunk. This client does only that, on the parser
 uvicorn uses (httptools, llhttp); bench/results/latest.md has the figures before and after.
-aiohttp stays the client of everything else (admin fan-out, model listing, the ConfigMap watch).
+aiohttp stays the client of everything else (profiler broadcast, model listing, the ConfigMap watch).
 
 What it keeps of aiohttp's behaviour: a pool of idle connections per origin, kept
 ``keepalive`` seconds; a connect timeout; a closed response (``close``) closes its connection

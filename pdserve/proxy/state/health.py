@@ -7,21 +7,25 @@ operator a draining pod is no longer in use.
 
 A slot that failed (connect error, 5xx, deadline, bad handoff) is ejected for a while so the
 next requests go elsewhere instead of paying the same failure again. An ejected slot is still
-a last resort: policies order it after the healthy ones, so ejection alone never turns a
-request away.
+a last resort: policies order it after the live ones, so ejection alone never turns a
+request away. An instance that refused a connection is *unreachable* for the same cool-down:
+none of its slots is tried at all meanwhile.
+
+A slot is *live* while it is neither ejected nor unreachable: the policies give the live slots
+exact shares among themselves (pdserve.proxy.policies), whatever else is out.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from pdserve.routing import Role
+from pdserve.routing import Role, Slot
 
 if TYPE_CHECKING:
-    from pdserve.proxy.shared import SharedDeadlines, SharedInFlight
+    from pdserve.proxy.state.shared import SharedDeadlines, SharedInFlight
 
 
 @dataclass
@@ -43,8 +47,10 @@ class SlotBook:
         clock: Callable[[], float] = time.monotonic,
         shared: SharedDeadlines | None = None,
         shared_in_flight: SharedInFlight | None = None,
+        shared_unreachable: SharedDeadlines | None = None,
     ) -> None:
         self.eject_seconds = eject_seconds
+        self.unreachable = Unreachable(eject_seconds, clock, shared_unreachable)
         self._clock = clock
         self._shared = shared  # worker processes: cool-downs are the router's, not one worker's
         self._shared_in_flight = shared_in_flight  # ... and so are the legs in flight per slot
@@ -77,6 +83,13 @@ class SlotBook:
         if self._shared is not None:
             return self._shared.latest() > self._clock()
         return self._last_cool_down_end > self._clock()
+
+    def all_live(self) -> bool:
+        """True when no slot is ejected and no instance unreachable: two clock reads, the common case."""
+        return not self.any_ejected() and not self.unreachable.any()
+
+    def live(self, role: Role, slot: Slot) -> bool:
+        return not self.ejected(role, slot.key) and self.unreachable.reachable(role, slot)
 
     def ejected_for(self, role: Role, key: str) -> float:
         """Seconds of cool-down left (0 when the slot is healthy)."""
@@ -129,3 +142,71 @@ class SlotBook:
             count = entry.in_flight + entry.pinned
             if count > 0:
                 yield role, key, count
+
+
+class Unreachable:
+    """Instances that refused a connection within the cool-down; they are not routed to. With
+    worker processes the marks are shared (``shared``): one worker's refused connection keeps
+    every worker away from the instance."""
+
+    def __init__(
+        self,
+        seconds: float,
+        clock: Callable[[], float] = time.monotonic,
+        shared: SharedDeadlines | None = None,
+    ) -> None:
+        self.seconds = seconds
+        self._clock = clock
+        self._shared = shared
+        self._until: dict[tuple[Role, str], float] = {}
+        self._latest = 0.0  # nothing is unreachable once the clock has passed it
+
+    def mark(self, role: Role, name: str) -> None:
+        now = self._clock()
+        until = now + self.seconds
+        self._until[(role, name)] = until
+        self._latest = max(self._latest, until)
+        if self._shared is not None:
+            self._shared.extend(_shared_key(role, name), until, now)
+
+    def down_for(self, role: Role, name: str) -> float:
+        """Seconds until the instance is tried again (0: reachable)."""
+        if self._shared is not None:
+            until = self._shared.until(_shared_key(role, name))
+            if until > self._clock():
+                self._until[(role, name)] = until  # listed by this worker's snapshot too
+        found = self._until.get((role, name))
+        if found is None:
+            return 0.0
+        left = found - self._clock()
+        if left <= 0:
+            del self._until[(role, name)]
+            return 0.0
+        return left
+
+    def any(self) -> bool:
+        """False when no instance is unreachable: one clock read, the common case."""
+        if self._shared is not None:
+            return self._shared.latest() > self._clock()
+        return self._latest > self._clock()
+
+    def reachable(self, role: Role, slot: Slot) -> bool:
+        if not self.any():
+            return True
+        return self.down_for(role, slot.instance.name) == 0.0
+
+    def retry_after(self, role: Role, slots: Sequence[Slot]) -> float:
+        """The soonest any of ``slots`` is reachable again (0 when one is now)."""
+        return min((self.down_for(role, s.instance.name) for s in slots), default=0.0)
+
+    def snapshot(self) -> dict[str, dict[str, float]]:
+        out: dict[str, dict[str, float]] = {}
+        for role, name in list(self._until):
+            left = self.down_for(role, name)
+            if left:
+                out.setdefault(role.value, {})[name] = round(left, 3)
+        return out
+
+
+def _shared_key(role: Role, name: str) -> str:
+    return f"{role.value}/{name}"

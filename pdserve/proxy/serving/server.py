@@ -19,18 +19,30 @@ import math
 import signal
 import socket
 from collections.abc import Awaitable, Callable, Iterator, Sequence
+from dataclasses import dataclass
 
 import uvicorn
 from hypercorn.asyncio import serve as hypercorn_serve
 from hypercorn.config import Config as HypercornConfig
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
 
-from pdserve.proxy.app import Lifecycle, create_app
-from pdserve.proxy.generation import PUSH_BODY, GenerationApp
+from pdserve.proxy.serving.generation import PUSH_BODY, GenerationApp
 from pdserve.proxy.settings import ProxySettings
-from pdserve.proxy.shared import SharedConnections, SharedState
+from pdserve.proxy.state.shared import SharedConnections, SharedState
 
 log = logging.getLogger("pdserve.proxy")
+
+
+@dataclass
+class Lifecycle:
+    """Set by the server on SIGTERM: /ready turns 503 at once, before connections stop."""
+
+    stopping: bool = False
+
+
+#: Builds the app a process serves (pdserve.proxy.app.create_app): the server knows how to serve,
+#: not what.
+AppFactory = Callable[[ProxySettings, Lifecycle, SharedState | None], GenerationApp]
 
 
 def hypercorn_config(settings: ProxySettings) -> HypercornConfig:
@@ -55,7 +67,7 @@ async def _serve_hypercorn(
 ) -> None:
     """Hypercorn: connections stay where the kernel put them (no :class:`SharedConnections`)."""
     config = hypercorn_config(settings)
-    if sockets:  # a worker's own SO_REUSEPORT sockets (pdserve.proxy.workers)
+    if sockets:  # a worker's own SO_REUSEPORT sockets (pdserve.proxy.serving.workers)
         config.bind = [f"fd://{sock.fileno()}" for sock in sockets]
     await hypercorn_serve(app, config, shutdown_trigger=stop.wait)  # type: ignore[arg-type]
 
@@ -260,14 +272,17 @@ SERVERS: dict[str, Serve] = {
 
 
 async def serve_until_signalled(
-    settings: ProxySettings, shared: SharedState | None = None, sockets: Sequence[socket.socket] = ()
+    settings: ProxySettings,
+    build: AppFactory,
+    shared: SharedState | None = None,
+    sockets: Sequence[socket.socket] = (),
 ) -> None:
     """Serve until SIGTERM/SIGINT; then /ready turns 503 at once, connections are still accepted
     for ``shutdown_delay_seconds``, then the server stops accepting and in-flight requests get
     ``grace_seconds`` to finish. A second signal skips what is left of the delay."""
     serve = SERVERS[settings.http_server]
     lifecycle = Lifecycle()
-    app = create_app(settings, lifecycle, shared)
+    app = build(settings, lifecycle, shared)
     # What exists now (the modules, the app) lives as long as the process: a full collection
     # need not walk it again (some 57,000 objects, a pause of about 10 ms in the middle of
     # requests, each time). Requests' objects are still collected as before.
@@ -316,11 +331,14 @@ async def serve_until_signalled(
 
 
 def run_server(
-    settings: ProxySettings, shared: SharedState | None = None, sockets: Sequence[socket.socket] = ()
+    settings: ProxySettings,
+    build: AppFactory,
+    shared: SharedState | None = None,
+    sockets: Sequence[socket.socket] = (),
 ) -> None:
     try:
         import uvloop
     except ImportError:  # pragma: no cover - uvloop is a dependency on every supported platform
-        asyncio.run(serve_until_signalled(settings, shared, sockets))
+        asyncio.run(serve_until_signalled(settings, build, shared, sockets))
         return
-    uvloop.run(serve_until_signalled(settings, shared, sockets))
+    uvloop.run(serve_until_signalled(settings, build, shared, sockets))

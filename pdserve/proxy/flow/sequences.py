@@ -32,8 +32,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from pdserve.proxy import codec
-from pdserve.proxy.reply import ReplyStream
+from pdserve.proxy.engine import codec
+from pdserve.proxy.flow.reply import ReplyStream
 from pdserve.wire.openai import Endpoint, RequestError
 
 DONE_EVENT = b"data: [DONE]\n\n"
@@ -47,7 +47,9 @@ class Part:
 
 
 @dataclass(frozen=True)
-class FanOut:
+class Split:
+    """A request that makes several sequences, as one part per sequence."""
+
     endpoint: Endpoint
     parts: tuple[Part, ...]
 
@@ -55,7 +57,7 @@ class FanOut:
         return f"{'chatcmpl' if self.endpoint == 'chat' else 'cmpl'}-{request_id}"
 
 
-def plan_fan_out(body: Mapping[str, Any], endpoint: Endpoint, max_parts: int) -> FanOut | None:
+def plan_split(body: Mapping[str, Any], endpoint: Endpoint, max_parts: int) -> Split | None:
     """The parts of a request that makes several sequences; None for one sequence (served as is).
 
     Raises RequestError(400) naming the field for what P/D cannot serve.
@@ -101,7 +103,7 @@ def plan_fan_out(body: Mapping[str, Any], endpoint: Endpoint, max_parts: int) ->
             if n > 1 and isinstance(seed, int) and not isinstance(seed, bool):
                 part["seed"] = seed + i
             parts.append(Part(part, p, p * n + i))
-    return FanOut(endpoint, tuple(parts))
+    return Split(endpoint, tuple(parts))
 
 
 def _prompts(prompt: object) -> list[Any]:
@@ -114,43 +116,56 @@ def _prompts(prompt: object) -> list[Any]:
 # --- merging -----------------------------------------------------------------------------------
 
 
-def merged_usage(fan: FanOut, usages: Sequence[Mapping[str, Any] | None]) -> dict[str, Any] | None:
-    """Completion tokens summed over every part; prompt tokens once per prompt (as vLLM counts)."""
+def merged_usage(
+    split: Split, usages: Sequence[Mapping[str, Any] | None], streamed: bool = False
+) -> dict[str, Any] | None:
+    """Completion tokens summed over every part; prompt tokens (and cached prompt tokens) once per
+    prompt, as vLLM counts them. A stream's usage chunk has only the three counts, as vLLM's."""
     if not any(isinstance(u, Mapping) for u in usages):
         return None
     prompt_tokens: dict[int, int] = {}
+    cached: dict[int, int | None] = {}
     completion = 0
-    for part, usage in zip(fan.parts, usages, strict=True):
+    for part, usage in zip(split.parts, usages, strict=True):
         if not isinstance(usage, Mapping):
             continue
         prompt_tokens.setdefault(part.prompt, _count(usage.get("prompt_tokens")))
+        details = usage.get("prompt_tokens_details")
+        cached.setdefault(
+            part.prompt, _count(details.get("cached_tokens")) if isinstance(details, Mapping) else None
+        )
         completion += _count(usage.get("completion_tokens"))
     prompt = sum(prompt_tokens.values())
-    return {
+    merged: dict[str, Any] = {
         "prompt_tokens": prompt,
         "total_tokens": prompt + completion,
         "completion_tokens": completion,
-        "prompt_tokens_details": None,
     }
+    if streamed:
+        return merged
+    known = [c for c in cached.values() if c is not None]
+    merged["prompt_tokens_details"] = {"cached_tokens": sum(known)} if known else None
+    merged["completion_tokens_details"] = None
+    return merged
 
 
 def _count(value: object) -> int:
     return value if isinstance(value, int) and not isinstance(value, bool) else 0
 
 
-def merge_answers(fan: FanOut, answers: Sequence[bytes], request_id: str) -> bytes:
+def merge_answers(split: Split, answers: Sequence[bytes], request_id: str) -> bytes:
     """One OpenAI answer from the parts' answers; ValueError when one is not an answer."""
     docs = [codec.loads(a) for a in answers]
     if not all(isinstance(d, dict) and isinstance(d.get("choices"), list) for d in docs):
         raise ValueError("a decode answered without a 'choices' list")
     merged = dict(docs[0])
     choices = []
-    for part, doc in zip(fan.parts, docs, strict=True):
+    for part, doc in zip(split.parts, docs, strict=True):
         for choice in doc["choices"]:
             choices.append(_reindexed(choice, part))
-    merged["id"] = fan.response_id(request_id)
+    merged["id"] = split.response_id(request_id)
     merged["choices"] = sorted(choices, key=lambda c: c["index"])
-    merged["usage"] = merged_usage(fan, [d.get("usage") for d in docs])
+    merged["usage"] = merged_usage(split, [d.get("usage") for d in docs])
     if "kv_transfer_params" in merged:
         merged["kv_transfer_params"] = None
     return codec.dumps(merged)
@@ -180,14 +195,14 @@ class MergedStream:
 
     def __init__(
         self,
-        fan: FanOut,
+        split: Split,
         streams: Sequence[ReplyStream],
         request_id: str,
         on_close: Callable[[str], None],
     ) -> None:
-        self._fan = fan
+        self._split = split
         self._streams = list(streams)
-        self._response_id = fan.response_id(request_id)
+        self._response_id = split.response_id(request_id)
         self._on_close = on_close
         self._buffers = [b""] * len(self._streams)
         self._open = set(range(len(self._streams)))
@@ -266,14 +281,14 @@ class MergedStream:
                 self._usage_chunk = doc
                 continue
             if isinstance(choices, list):
-                doc["choices"] = [_reindexed(c, self._fan.parts[k]) for c in choices]
+                doc["choices"] = [_reindexed(c, self._split.parts[k]) for c in choices]
             doc["id"] = self._response_id
             self._out.append(b"data: " + codec.dumps(doc) + b"\n\n")
 
     def _finish(self) -> None:
         if self._usage_chunk is not None:
             chunk = {**self._usage_chunk, "id": self._response_id}
-            chunk["usage"] = merged_usage(self._fan, self._usages)
+            chunk["usage"] = merged_usage(self._split, self._usages, streamed=True)
             self._out.append(b"data: " + codec.dumps(chunk) + b"\n\n")
         self._out.append(DONE_EVENT)
         self._done = True

@@ -25,11 +25,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from pdserve.proxy.health import SlotBook
-from pdserve.proxy.reply import Reply, error_reply
+from pdserve.proxy.flow.reply import Reply, error_reply
+from pdserve.proxy.state.health import SlotBook
 from pdserve.routing import Role, Slot
 
-if TYPE_CHECKING:  # prometheus_client must load only after the worker set-up (pdserve.proxy.workers)
+if TYPE_CHECKING:  # prometheus_client must load only after the worker set-up (pdserve.proxy.serving.workers)
     from pdserve.proxy.metrics import ProxyMetrics
 
 #: With worker processes, how often waiters look for room another worker's leg freed.

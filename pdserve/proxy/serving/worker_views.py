@@ -4,9 +4,9 @@ The kernel hands a connection to any worker (SO_REUSEPORT), and each worker only
 requests. So every worker also listens on a Unix socket of its own in the router's run
 directory, where it answers one word (``served``, ``debug``) with its local view as JSON; the
 worker that took an admin request asks every other worker and merges the views
-(pdserve.proxy.merge). Only admin requests take this path, never a generation request.
+(pdserve.proxy.admin.merge). Only admin requests take this path, never a generation request.
 
-A worker that does not answer within :data:`FAN_IN_TIMEOUT_S` fails the admin request (503):
+A worker that does not answer within :data:`VIEWS_TIMEOUT_S` fails the admin request (503):
 ``/routing/served`` decides drains, and a partial count of in-flight requests must never look
 like an idle instance.
 """
@@ -24,7 +24,7 @@ from typing import Any
 
 log = logging.getLogger("pdserve.proxy.workers")
 
-FAN_IN_TIMEOUT_S = 5.0
+VIEWS_TIMEOUT_S = 5.0
 MAX_VIEW_BYTES = 64 * 1024 * 1024
 
 
@@ -40,7 +40,7 @@ class WorkerInfo:
         return self.rundir / f"worker-{index}.sock"
 
 
-class FanInError(Exception):
+class WorkerViewsError(Exception):
     """A worker did not answer for its share of an admin view."""
 
 
@@ -80,22 +80,24 @@ async def _ask(path: Path, name: str) -> dict[str, Any]:
     payload = json.loads(raw)
     view = payload.get("view") if isinstance(payload, dict) else None
     if not isinstance(view, dict):
-        raise FanInError(f"worker answered no {name} view")
+        raise WorkerViewsError(f"worker answered no {name} view")
     return view
 
 
 async def gather_views(
     worker: WorkerInfo, name: str, local: Callable[[], dict[str, Any]]
 ) -> list[dict[str, Any]]:
-    """Every worker's ``name`` view, this one's first; FanInError if one does not answer."""
+    """Every worker's ``name`` view, this one's first; WorkerViewsError if one does not answer."""
     others = [i for i in range(worker.count) if i != worker.index]
     own = local()
 
     async def one(i: int) -> dict[str, Any]:
         try:
-            async with asyncio.timeout(FAN_IN_TIMEOUT_S):
+            async with asyncio.timeout(VIEWS_TIMEOUT_S):
                 return await _ask(worker.socket_path(i), name)
-        except (OSError, TimeoutError, ValueError, FanInError) as exc:
-            raise FanInError(f"worker {i} did not answer for {name}: {exc or type(exc).__name__}") from None
+        except (OSError, TimeoutError, ValueError, WorkerViewsError) as exc:
+            raise WorkerViewsError(
+                f"worker {i} did not answer for {name}: {exc or type(exc).__name__}"
+            ) from None
 
     return [own, *await asyncio.gather(*(one(i) for i in others))]

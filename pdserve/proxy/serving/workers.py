@@ -1,7 +1,7 @@
 """``pdserve proxy --workers N``: N worker processes serve one router.
 
 One event loop uses one core; the router's CPU per request is what bounds its throughput, so
-the proxy runs one worker process per CPU available to it (pdserve.proxy.cpus). What keeps N
+the proxy runs one worker process per CPU available to it (pdserve.proxy.serving.cpus). What keeps N
 processes one router:
 
 * **One port.** Each worker accepts on a listening socket of its own, all bound to the same
@@ -9,7 +9,7 @@ processes one router:
   would wake every worker per connection and favour whichever is fastest to accept). The
   supervisor binds them before forking, so a port in use fails the start once, with status 2.
 * **One counter per role.** The policy's counters live in shared memory
-  (pdserve.proxy.shared): flat-interleaved stays exact for the router as a whole. So do the
+  (pdserve.proxy.state.shared): flat-interleaved stays exact for the router as a whole. So do the
   cool-downs (a slot ejected, an instance unreachable: for every worker at once, counted once)
   and the client request ids in flight (engine ids stay unique router-wide).
 * **One table.** Every worker watches the same source (the file, or the ConfigMap through the
@@ -23,7 +23,7 @@ processes one router:
 * **Even shares.** The kernel's hash can give one worker most of a few long-lived connections
   (a gateway's pool); a worker holding more than its share of the open connections closes one
   after its response (uvicorn), and the client's reconnection is spread again
-  (pdserve.proxy.shared.SharedConnections).
+  (pdserve.proxy.state.shared.SharedConnections).
 * **One life.** The supervisor forwards SIGTERM/SIGINT to the workers (each drains its own
   requests for the grace period) and exits when they have; a worker that dies otherwise is
   started again on the same socket, so its share of the connections is served again.
@@ -44,19 +44,24 @@ import signal
 import socket
 import tempfile
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from pdserve.proxy.fanin import WorkerInfo
+from pdserve.proxy.serving.worker_views import WorkerInfo
 from pdserve.proxy.settings import ProxySettings
-from pdserve.proxy.shared import SharedState
+from pdserve.proxy.state.shared import SharedState
 
 log = logging.getLogger("pdserve.proxy.workers")
 
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"  # pdserve.proxy.metrics reads it (not imported here)
 RESTART_DELAY_S = 1.0
+
+#: What each worker runs once forked (pdserve.proxy.cli.serve_process): its imports happen there,
+#: after PROMETHEUS_MULTIPROC_DIR is set.
+ServeProcess = Callable[[ProxySettings, SharedState | None, Sequence[socket.socket]], None]
 
 
 def memory_dir() -> str | None:
@@ -68,7 +73,11 @@ def memory_dir() -> str | None:
 
 
 def _worker_main(
-    settings: ProxySettings, shared: SharedState, sockets: list[list[socket.socket]], index: int
+    serve: ServeProcess,
+    settings: ProxySettings,
+    shared: SharedState,
+    sockets: list[list[socket.socket]],
+    index: int,
 ) -> None:
     signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the server installs its own on its loop
     signal.signal(signal.SIGINT, signal.SIG_DFL)
@@ -84,12 +93,10 @@ def _worker_main(
 
     pid = os.getpid()
     values.ValueClass = values.MultiProcessValue(lambda: pid)  # type: ignore[no-untyped-call]
-    from pdserve.proxy.server import run_server
-
-    run_server(settings, shared, sockets[index])
+    serve(settings, shared, sockets[index])
 
 
-def run_workers(settings: ProxySettings) -> int:
+def run_workers(settings: ProxySettings, serve: ServeProcess) -> int:
     """Serve with ``settings.workers`` processes until SIGTERM/SIGINT; the exit status."""
     count = settings.workers
     rundir = Path(tempfile.mkdtemp(prefix="pdserve-proxy-", dir=memory_dir()))
@@ -98,7 +105,7 @@ def run_workers(settings: ProxySettings) -> int:
     os.environ[MULTIPROC_ENV] = str(metrics_dir)  # before prometheus_client is imported
     from prometheus_client import multiprocess
 
-    from pdserve.proxy.server import binds, listen
+    from pdserve.proxy.serving.server import binds, listen
 
     context = multiprocessing.get_context("fork")
     shared = SharedState(context.Lock(), count)
@@ -118,7 +125,7 @@ def run_workers(settings: ProxySettings) -> int:
         worker_settings = replace(settings, worker=WorkerInfo(index, count, rundir))
         proc = context.Process(
             target=_worker_main,
-            args=(worker_settings, shared, sockets, index),
+            args=(serve, worker_settings, shared, sockets, index),
             name=f"pdserve-proxy-worker-{index}",
             daemon=False,
         )
