@@ -21,6 +21,14 @@ Fault specs (--fault, repeatable): KIND[:ARG][@RATE], RATE in [0, 1] (default 1)
 without an argument also take KIND:RATE. Kinds: malformed-kv-params, http-500, hang,
 slow-first-byte:MS, drop-mid-stream, reset, slow-end:MS. Examples: --fault http-500:0.5
 --fault slow-first-byte:2000@0.25. See docs/simulator.md for what a client sees.
+
+SIGTERM or SIGINT stops it cleanly, and it then dies of that signal (its exit status says so);
+a port already in use is one line naming the flag.
+
+Environment (vLLM's variables of the same names):
+  VLLM_API_KEY                      /v1/* needs 'Authorization: Bearer <key>' (above)
+  VLLM_KEEP_ALIVE_ON_ENGINE_DEATH   1: the API server stays up when a multi-node group breaks
+                                    (what is in flight still fails); unset: it exits
 """
 
 from __future__ import annotations
@@ -124,7 +132,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="DP ranks of this node (default: --dp-size, a single-node server)",
     )
     group.add_argument(
-        "--data-parallel-start-rank", type=int, default=0, help="global rank of this node's first rank"
+        "--data-parallel-start-rank",
+        type=int,
+        default=0,
+        help="global rank of this node's first rank (default: 0)",
     )
     group.add_argument("--data-parallel-address", default=None, help="the leader's address")
     group.add_argument(
@@ -143,8 +154,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="no OpenAI API: engines only (the leader forwards their ranks; /sim/* stays on --port)",
     )
-    group.add_argument("--nnodes", type=_positive_int, default=1, help="nodes of a TP/PP-across-nodes group")
-    group.add_argument("--node-rank", type=int, default=0, help="this node's index in --nnodes")
+    group.add_argument(
+        "--nnodes", type=_positive_int, default=1, help="nodes of a TP/PP-across-nodes group (default: 1)"
+    )
+    group.add_argument("--node-rank", type=int, default=0, help="this node's index in --nnodes (default: 0)")
     group.add_argument("--master-addr", default=None, help="node 0's address (--nnodes > 1)")
     group.add_argument("--master-port", type=int, default=None, help="node 0's port (--nnodes > 1)")
 
