@@ -191,3 +191,18 @@ def test_the_first_example_and_its_sim_variant_are_one_deployment() -> None:
     spec = _load(EXAMPLES / "first" / "qwen3-8b.yaml").spec
     assert [(r.instances, r.gpus_per_instance) for r in (spec.prefill, spec.decode)] == [(1, 1), (1, 1)]
     assert spec.hf_token_secret_ref is None and not spec.model.startswith(GATED)
+
+
+def test_the_rdma_example_gives_both_roles_the_hcas_and_ucx_settings() -> None:
+    from pdserve.deployment.groups import render_all
+
+    pdd = _load(EXAMPLES / "rdma" / "nixl-ib-1p-tp8-1d-tp8.yaml")
+    pods = [o for o in render_all(pdd) if o["kind"] == "Pod"]
+    assert {p["metadata"]["labels"]["pdserve.io/role"] for p in pods} == {"prefill", "decode"}
+    for pod in pods:
+        (engine,) = [c for c in pod["spec"]["containers"] if c["name"] == "engine"]
+        assert engine["resources"]["limits"]["rdma/ib"] == "8"
+        env = {e["name"]: e.get("value") for e in engine["env"]}
+        assert env["UCX_NET_DEVICES"].startswith("mlx5_0:1,") and "tcp" not in env["UCX_TLS"]
+        assert [e["name"] for e in engine["env"]].count("UCX_TLS") == 1  # replaces pdserve's default
+        assert "IPC_LOCK" in engine["securityContext"]["capabilities"]["add"]
