@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: install test test-workers unit lint fmt bench bench-operator bench-routing cluster-build cluster-up cluster-down kind-e2e demo clean \
+.PHONY: install test test-workers unit lint fmt bench bench-operator bench-replay bench-routing cluster-build cluster-up cluster-down kind-e2e demo clean \
 	e2e-vllm record-vllm-fixtures
 
 install: $(VENV)/.installed
@@ -38,7 +38,7 @@ lint: install
 	$(VENV)/bin/ruff check pdserve tests bench hack
 	$(VENV)/bin/ruff format --check pdserve tests bench hack
 	$(VENV)/bin/mypy
-	$(VENV)/bin/mypy --strict --ignore-missing-imports hack/cluster/*.py
+	$(VENV)/bin/mypy --strict --ignore-missing-imports hack/cluster/*.py hack/cluster/runner
 
 fmt: install
 	$(VENV)/bin/ruff format pdserve tests bench hack
@@ -50,6 +50,11 @@ bench: install
 ## 200 PDDeployments x 10 pods (issue 12 item 7's scale, about 7 minutes); --shape small: see bench/operator_bench.py.
 bench-operator: install cluster-up
 	$(PY) -m bench.operator_bench
+
+## The Mooncake trace x4 through `pdserve up examples/sim/mooncake.yaml` with an H200 profile (about 5 minutes);
+## results in bench/results/replay-latest.md (docs/benchmarking.md).
+bench-replay: install
+	$(PY) -m bench.replay_bench
 
 bench-routing: install cluster-up
 	$(PY) -m bench.routing_lag_bench
@@ -68,7 +73,7 @@ kind-e2e: install
 	hack/kind-e2e
 
 ## Both router placements: one router, then a sidecar router per decode instance. Needs only the
-## package and its demo extra (matplotlib), wheels on Linux x86_64/arm64 and macOS: not the dev
+## package and its plot extra (matplotlib), wheels on Linux x86_64/arm64 and macOS: not the dev
 ## and bench extras (vllm-router has a Linux x86_64 wheel only).
 demo: $(VENV)/.demo-installed
 	$(PY) -m pdserve.local.demo
@@ -77,7 +82,7 @@ demo: $(VENV)/.demo-installed
 $(VENV)/.demo-installed: pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[demo]'
+	$(PY) -m pip install --quiet -e '.[plot]'
 	@touch $@
 
 ## Opt-in (not in `make test`): real vLLM for CPU behind `pdserve up` (cached venv of several GB

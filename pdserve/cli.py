@@ -25,6 +25,10 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
         "the router next to itself; without a cluster",
     ),
     "up": ("pdserve.local.cli", "run a PDDeployment on this machine, without Kubernetes"),
+    "bench": (
+        "pdserve.loadgen.cli",
+        "measure a server from the outside: `bench replay` replays a Mooncake trace or a Poisson workload",
+    ),
 }
 
 

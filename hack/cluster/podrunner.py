@@ -2,7 +2,7 @@
 
 Registers ``run-node-0..N-1`` (label ``type: runner``; no GPUs), keeps their Ready condition and
 their Lease in kube-node-lease fresh, watches the pods bound to them and gives each one a
-:class:`runner_pod.PodWorker`. Pod IPs come from ``--cidr`` (loopback, 127.128.128.0/17 by
+:class:`runner.pod.PodWorker`. Pod IPs come from ``--cidr`` (loopback, 127.128.128.0/17 by
 default), one per live pod; the processes share the host network, so a listen address of
 ``0.0.0.0`` in a container's arguments is replaced by the pod IP.
 
@@ -25,10 +25,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from runner_kube import Kube, kill_leftovers
-from runner_pod import PodWorker, RunnerConfig
+from runner.kube import Kube, kill_leftovers  # hack/cluster/runner/, beside this script
+from runner.pod import PodWorker, RunnerConfig
 
 log = logging.getLogger("pod-runner")
 HEARTBEAT = 10.0

@@ -1,6 +1,8 @@
-"""PDDeployment: typed spec and parser, validation, pure manifest rendering, routing-table building.
+"""PDDeployment: the spec, its rendering and rollout planning, pure.
 
 The functional core shared by the operator (pdserve.operator) and the local mode (pdserve.local):
-``spec`` (parse), ``validate`` (rules beyond the CRD schema), ``objects`` (manifests as dicts),
-``routing`` (observed instances → routing table), ``kvconfig`` (vLLM's --kv-transfer-config).
+``spec/`` (the resource and its parser), ``plan/`` (rollout, drain, groups, revisions, status),
+``render/`` (manifests as dicts, the routing table from observed instances), ``validate``
+(the rules that need the rendered pods), ``kvconfig``/``kvpod`` (the KV connectors' flags and
+pod settings), and ``pdserve render`` (``cli``) and the reference generator (``docgen``) on top.
 """

@@ -35,10 +35,10 @@ from typing import Any
 
 import yaml
 
-from pdserve.deployment.client import client_pod_patch, client_rbac
-from pdserve.deployment.groups import render_all
-from pdserve.deployment.sidecar import SIDECAR_PORT
-from pdserve.deployment.spec import SpecError, load_manifest_file
+from pdserve.deployment.render.client_sidecar import client_pod_patch, client_rbac
+from pdserve.deployment.render.decode_sidecar import SIDECAR_PORT
+from pdserve.deployment.render.groups import render_all
+from pdserve.deployment.spec.pddeployment import SpecError, load_manifest_file
 from pdserve.deployment.validate import problems
 
 

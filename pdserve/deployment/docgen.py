@@ -2,13 +2,15 @@
 
 The CRD (``crds/pddeployments.pdserve.io.yaml``) is the one place where every field, default,
 bound and validation rule is written down; this turns it into a page a person reads, so the
-two cannot disagree. ``--check`` exits 1 when the committed page is stale (the test suite runs
-it). Regenerate with ``hack/gen-reference`` or ``python -m pdserve.deployment.docgen``.
+two cannot disagree; the commands listed in :data:`COMMANDS` get their options' table from
+their own argparse parsers the same way. ``--check`` exits 1 when the committed page is stale
+(the test suite runs it). Regenerate with ``hack/gen-reference`` or ``python -m pdserve.deployment.docgen``.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import sys
 from collections.abc import Iterator, Mapping, Sequence
@@ -190,12 +192,68 @@ def render_reference(crd: Mapping[str, Any], source: str) -> str:
             out.append("")
     out += _vllm_rules()
     out += _shape_rules()
+    out += _commands()
     return "\n".join(out).rstrip() + "\n"
 
 
+#: Commands whose options the page lists, read from their own parsers: (command, module, the
+#: function that adds its arguments). Imported by name when the page is generated, as pdserve/cli.py
+#: does, so this module depends on no command at import time.
+COMMANDS = (("pdserve bench replay", "pdserve.loadgen.cli", "configure_replay"),)
+
+
+def _commands() -> list[str]:
+    out = [
+        "## Commands",
+        "",
+        "Options as each command's own parser defines them (`--help` prints the same).",
+        "",
+    ]
+    for command, module_name, function in COMMANDS:
+        parser = argparse.ArgumentParser(prog=command, add_help=False)
+        getattr(importlib.import_module(module_name), function)(parser)
+        out += [f"### `{command}`", ""]
+        # argparse's own groups (positionals, options) make one table; a titled group its own
+        tables: dict[str, list[argparse.Action]] = {}
+        for group in parser._action_groups:
+            title = "" if group.title in ("positional arguments", "options") else str(group.title)
+            tables.setdefault(title, []).extend(
+                a for a in group._group_actions if a.help != argparse.SUPPRESS
+            )
+        for title, actions in tables.items():
+            if not actions:
+                continue
+            if title:
+                out += [f"{title[0].upper()}{title[1:]}:", ""]
+            out += ["| Argument | Default | Description |", "|---|---|---|"]
+            for action in actions:
+                out.append(
+                    f"| {_code(_argument(action))} | {_default(action)} | {_cell(action.help or '')} |"
+                )
+            out.append("")
+    return out
+
+
+def _argument(action: argparse.Action) -> str:
+    if not action.option_strings:
+        return str(action.metavar or action.dest)
+    if action.nargs == 0:
+        return ", ".join(action.option_strings)
+    metavar = action.metavar or (
+        action.dest.upper() if not action.choices else "{" + ",".join(action.choices) + "}"
+    )
+    return ", ".join(f"{flag} {metavar}" for flag in action.option_strings)
+
+
+def _default(action: argparse.Action) -> str:
+    if action.nargs == 0 or action.default in (None, [], argparse.SUPPRESS):
+        return ""
+    return _code(str(action.default))
+
+
 def _shape_rules() -> list[str]:
-    """How an instance larger than a node is split, and the shapes refused (multinode.py)."""
-    from pdserve.deployment.multinode import SHAPE_RULES
+    """How an instance larger than a node is split, and the shapes refused (spec/multinode.py)."""
+    from pdserve.deployment.spec.multinode import SHAPE_RULES
 
     out = [
         "## Multi-node shapes",
@@ -216,8 +274,8 @@ def _shape_rules() -> list[str]:
 
 
 def _vllm_rules() -> list[str]:
-    """The prefill/decode constraints read from vLLM, with where each comes from (admission.py)."""
-    from pdserve.deployment.admission import RULES
+    """The prefill/decode constraints read from vLLM, with where each comes from (spec/vllm_compat.py)."""
+    from pdserve.deployment.spec.vllm_compat import RULES
 
     out = [
         "## What vLLM accepts between prefill and decode",

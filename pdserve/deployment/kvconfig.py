@@ -29,7 +29,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from pdserve.deployment.spec import ENGINE_PORT, KVTransferSpec
+from pdserve.deployment.spec.pddeployment import ENGINE_PORT, KVTransferSpec
 from pdserve.routing import Role
 
 #: vLLM's MoRIIOConstants.DEFAULT_HANDSHAKE_PORT / DEFAULT_NOTIFY_PORT.

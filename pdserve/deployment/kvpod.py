@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pdserve.deployment.kvconfig import MORIIO, NIXL, moriio_ports
-from pdserve.deployment.spec import KVTransferSpec
+from pdserve.deployment.spec.pddeployment import KVTransferSpec
 
 #: vLLM's default VLLM_NIXL_SIDE_CHANNEL_PORT (vllm/envs.py), set explicitly so the ports are known.
 NIXL_SIDE_CHANNEL_PORT = 5600

@@ -11,17 +11,17 @@ from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
-from pdserve.deployment.admission import problems as vllm_problems
-from pdserve.deployment.groupflags import GROUP_FLAGS
 from pdserve.deployment.kvconfig import moriio_ports
 from pdserve.deployment.kvpod import NIXL_SIDE_CHANNEL_PORT
-from pdserve.deployment.multinode import group_shape, uniform_gpus_per_node
-from pdserve.deployment.objects import OWNED_ENV
-from pdserve.deployment.owned import ENGINE_CONTAINER, ROUTER_CONTAINER, Reserved, owned_problems
-from pdserve.deployment.security import engine_reserved_env, router_reserved
-from pdserve.deployment.sidecar import template_problems
-from pdserve.deployment.spec import ENGINE_PORT, PDDeployment, PDDeploymentSpec, SpecError
-from pdserve.deployment.storage import reserved as storage_reserved
+from pdserve.deployment.render.decode_sidecar import template_problems
+from pdserve.deployment.render.groupflags import GROUP_FLAGS
+from pdserve.deployment.render.objects import OWNED_ENV
+from pdserve.deployment.render.security import engine_reserved_env, router_reserved
+from pdserve.deployment.spec.multinode import group_shape, uniform_gpus_per_node
+from pdserve.deployment.spec.owned import ENGINE_CONTAINER, ROUTER_CONTAINER, Reserved, owned_problems
+from pdserve.deployment.spec.pddeployment import ENGINE_PORT, PDDeployment, PDDeploymentSpec, SpecError
+from pdserve.deployment.spec.storage import reserved as storage_reserved
+from pdserve.deployment.spec.vllm_compat import problems as vllm_problems
 from pdserve.routing import Role
 
 #: Flags of ``vllm serve`` that pdserve sets itself; a second copy in ``args`` would silently

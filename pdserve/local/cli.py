@@ -43,7 +43,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from pdserve.deployment.spec import SpecError, load_manifest_file
+from pdserve.deployment.spec.pddeployment import SpecError, load_manifest_file
 from pdserve.deployment.validate import problems
 from pdserve.local.plan import (
     ENGINES,
@@ -115,6 +115,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="simulated tokens per request (default: pdserve sim's --tokens)",
     )
     parser.add_argument(
+        "--sim-profile",
+        default=None,
+        metavar="FILE|NAME",
+        help="simulated engines time their answers with a step engine and this performance profile "
+        "(`pdserve sim --profile`, docs/simulator.md)",
+    )
+    parser.add_argument(
         "--log-dir",
         type=Path,
         default=None,
@@ -156,7 +163,7 @@ def run(args: argparse.Namespace) -> int:
     sidecars = pdd.spec.decode.instances if pdd.spec.router.decode_sidecar else 0
     try:
         side_channels = None
-        if args.engine == "vllm":
+        if args.engine == "vllm" or args.sim_profile:
             sizes = [pdd.spec.prefill.data_parallel] * pdd.spec.prefill.instances
             sizes += [pdd.spec.decode.data_parallel] * pdd.spec.decode.instances
             side_channels = _free_port_ranges(sizes)
@@ -167,7 +174,7 @@ def run(args: argparse.Namespace) -> int:
             ports[:processes],
             args.port,
             str(routing_file),
-            SimTimings(args.sim_ttft_ms, args.sim_itl_ms, args.sim_tokens),
+            SimTimings(args.sim_ttft_ms, args.sim_itl_ms, args.sim_tokens, args.sim_profile),
             device=device,
             cores=sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else [0],
             side_channel_ports=side_channels,

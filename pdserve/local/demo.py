@@ -40,7 +40,7 @@ from typing import Any
 import aiohttp
 import yaml
 
-from pdserve.deployment.spec import PLACEMENTS, load_manifest_file
+from pdserve.deployment.spec.pddeployment import PLACEMENTS, load_manifest_file
 from pdserve.local.view import slot_counters
 from pdserve.routing import Role, load_routing_table, parse_routing_table
 from pdserve.wire.headers import SIDECAR

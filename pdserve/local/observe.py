@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from pdserve.deployment.routing import NodeEndpoint, ObservedInstance
-from pdserve.deployment.spec import PDDeployment
+from pdserve.deployment.render.routing_table import NodeEndpoint, ObservedInstance
+from pdserve.deployment.spec.pddeployment import PDDeployment
 from pdserve.local.plan import LOOPBACK, EngineProcess
 
 

@@ -31,12 +31,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from pdserve.deployment.groups import group_pods
 from pdserve.deployment.kvconfig import MORIIO, NIXL
 from pdserve.deployment.kvpod import UCX_DEFAULTS
-from pdserve.deployment.objects import router_deployment
-from pdserve.deployment.owned import ROUTER_CONTAINER
-from pdserve.deployment.spec import PDDeployment, RoleSpec
+from pdserve.deployment.render.groups import group_pods
+from pdserve.deployment.render.objects import router_deployment
+from pdserve.deployment.spec.owned import ROUTER_CONTAINER
+from pdserve.deployment.spec.pddeployment import PDDeployment, RoleSpec
 from pdserve.local.cpus import Cores, assign_cores
 from pdserve.routing import Role
 
@@ -72,9 +72,11 @@ class SimTimings:
     ttft_ms: float | None = None
     itl_ms: float | None = None
     tokens: int | None = None
+    #: ``pdserve sim --profile``: the step engine (each instance then needs its own --kv-port).
+    profile: str | None = None
 
     def args(self) -> list[str]:
-        out: list[str] = []
+        out: list[str] = ["--profile", self.profile] if self.profile else []
         for flag, value in (
             ("--ttft-ms", self.ttft_ms),
             ("--itl-ms", self.itl_ms),
@@ -265,6 +267,8 @@ def plan_local_run(
             ports: tuple[int, ...] = (port,)
             if engine == "sim":
                 argv = [python, "-m", "pdserve.cli", "sim", *_expand(args, env), *sim.args()]
+                if side_channel_ports is not None:  # where a prefill's engine hears pull notices
+                    argv += ["--kv-port", str(side_channel_ports[i] + node)]
             else:
                 rs = run_spec.role(role)
                 side = (

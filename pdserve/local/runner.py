@@ -35,7 +35,7 @@ from pathlib import Path
 
 import aiohttp
 
-from pdserve.deployment.routing import ObservedInstance, build_routing_table
+from pdserve.deployment.render.routing_table import ObservedInstance, build_routing_table
 from pdserve.local.front import Front, SidecarEndpoint
 from pdserve.local.observe import observed_instances
 from pdserve.local.plan import LOOPBACK, EngineProcess, LocalPlan, RouterProcess

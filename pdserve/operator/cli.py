@@ -37,7 +37,7 @@ import os
 import sys
 from typing import TYPE_CHECKING
 
-from pdserve.deployment.spec import DEFAULT_IMAGE
+from pdserve.deployment.spec.pddeployment import DEFAULT_IMAGE
 from pdserve.listen import unavailable
 from pdserve.operator.handlers import OperatorOptions
 from pdserve.operator.leader import (

@@ -26,8 +26,8 @@ from typing import Any
 
 import kopf
 
-from pdserve.deployment.objects import DEPLOYMENT_LABEL, ROLE_LABEL
-from pdserve.deployment.spec import DEFAULT_IMAGE, GROUP, PLURAL, VERSION
+from pdserve.deployment.render.objects import DEPLOYMENT_LABEL, ROLE_LABEL
+from pdserve.deployment.spec.pddeployment import DEFAULT_IMAGE, GROUP, PLURAL, VERSION
 from pdserve.operator.cache import ClusterCache
 from pdserve.operator.controller import Controller
 from pdserve.operator.kube import Kube, KubeError

@@ -1,6 +1,6 @@
 """Thin, synchronous access to the Kubernetes API: plain dicts in and out.
 
-The reconciler speaks in manifest dicts (what :mod:`pdserve.deployment.objects` renders), so
+The reconciler speaks in manifest dicts (what :mod:`pdserve.deployment.render.objects` renders), so
 this module sends and returns JSON dicts rather than the client's generated models. It reuses
 the ``kubernetes`` package only for what is tedious to get right: reading a kubeconfig or the
 in-cluster service account, TLS and authentication. It is thread-safe (one urllib3 pool) and
@@ -21,7 +21,7 @@ from urllib.parse import quote
 import urllib3
 from kubernetes import client, config
 
-from pdserve.deployment.spec import GROUP, PLURAL, VERSION
+from pdserve.deployment.spec.pddeployment import GROUP, PLURAL, VERSION
 from pdserve.operator import metrics
 
 FIELD_MANAGER = "pdserve-operator"

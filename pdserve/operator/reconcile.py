@@ -35,8 +35,19 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Any
 
-from pdserve.deployment.multinode import BACKEND_LWS
-from pdserve.deployment.objects import (
+from pdserve.deployment.plan.revision import pairing_revision
+from pdserve.deployment.plan.rollout import (
+    ActionKind,
+    plan_role,
+    replacement_allowance,
+    revisions_to_keep,
+    rollout_policy,
+)
+from pdserve.deployment.plan.scheduling import (
+    unschedulable_messages,
+)
+from pdserve.deployment.plan.status import Observation, RoleObservation, compute_status
+from pdserve.deployment.render.objects import (
     DEPLOYMENT_LABEL,
     ROLE_LABEL,
     desired_static_objects,
@@ -45,19 +56,8 @@ from pdserve.deployment.objects import (
     selector_string,
     template_hash,
 )
-from pdserve.deployment.revision import pairing_revision
-from pdserve.deployment.rollout import (
-    ActionKind,
-    plan_role,
-    replacement_allowance,
-    revisions_to_keep,
-    rollout_policy,
-)
-from pdserve.deployment.scheduling import (
-    unschedulable_messages,
-)
-from pdserve.deployment.spec import DEFAULT_IMAGE, PDDeployment, SpecError, parse_pddeployment
-from pdserve.deployment.status import Observation, RoleObservation, compute_status
+from pdserve.deployment.spec.multinode import BACKEND_LWS
+from pdserve.deployment.spec.pddeployment import DEFAULT_IMAGE, PDDeployment, SpecError, parse_pddeployment
 from pdserve.deployment.validate import problems as spec_problems
 from pdserve.deployment.validate import with_node_default, with_pdserve_image
 from pdserve.operator import metrics
@@ -268,7 +268,7 @@ class Reconciler:
             return
         allocatable = self._nodes.allocatable(pdd.spec.gpu_resource)
         written, pdd = pdd, with_node_default(pdd, allocatable)
-        # Multi-node instances are the planner's units: one view per group (deployment/gangs.py).
+        # Multi-node instances are the planner's units: one view per group (deployment/plan/gangs.py).
         # A LeaderWorkerSet whose leader pod is not there (yet, or while its controller restarts
         # the group) still stands for its group: no second one is created for the index.
         present = {p["metadata"]["name"] for p in raw_pods}
@@ -339,7 +339,7 @@ class Reconciler:
             outcome.routing_written,
         )
         # Each step sends its calls now and returns a function that waits for the answers.
-        placements = pod_placements(pdd, raw_pods, each_pod)  # largest pods first (deployment/scheduling.py)
+        placements = pod_placements(pdd, raw_pods, each_pod)  # largest first (deployment/plan/)
         # Deletes are answered before creates go out, so no more than instances + maxSurge pods
         # of a role ever exist undeleted, even for an instant (a pass may replace one pod by another).
         statics = self._steps.apply_static(pdd, verified, live, outcome)

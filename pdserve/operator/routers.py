@@ -2,7 +2,7 @@
 
 Each Ready router pod of a deployment is asked ``GET http://<pod IP>:<adminPort>/routing/served``
 (all at once, :data:`FETCH_TIMEOUT` each); the answers go into the pure
-:func:`pdserve.deployment.drain.drain_verdict` for every draining pod and into the status
+:func:`pdserve.deployment.plan.drain.drain_verdict` for every draining pod and into the status
 (``servedGeneration``, ``routers``). The routers are asked only when it matters: while a pod
 drains, on a full pass, and about every second (:data:`POLL_SECONDS`) while a router that
 answers is behind the table just written. A router that does not answer only keeps a drain
@@ -18,7 +18,7 @@ from dataclasses import dataclass, field, replace
 
 import aiohttp
 
-from pdserve.deployment.drain import (
+from pdserve.deployment.plan.drain import (
     DrainVerdict,
     RouterReport,
     RoutersSummary,
@@ -26,8 +26,8 @@ from pdserve.deployment.drain import (
     parse_served,
     summarize,
 )
-from pdserve.deployment.objects import router_pod_selector
-from pdserve.deployment.spec import PDDeployment
+from pdserve.deployment.render.objects import router_pod_selector
+from pdserve.deployment.spec.pddeployment import PDDeployment
 from pdserve.operator import metrics
 from pdserve.operator.kube import Kube, KubeError
 from pdserve.routing.table import RoutingTable

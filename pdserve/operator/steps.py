@@ -15,10 +15,12 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from pdserve.deployment.drain import DrainVerdict
-from pdserve.deployment.groups import group_pods, group_shape_of, instance_lws
-from pdserve.deployment.multinode import BACKEND_LWS
-from pdserve.deployment.objects import (
+from pdserve.deployment.plan.drain import DrainVerdict
+from pdserve.deployment.plan.revision import pairing_revision
+from pdserve.deployment.plan.rollout import Action, ActionKind, ObservedPod, RolePlan, apply_drains
+from pdserve.deployment.plan.scheduling import GATE, Placement, gate_new, placement_of, to_ungate, with_gate
+from pdserve.deployment.render.groups import group_pods, group_shape_of, instance_lws
+from pdserve.deployment.render.objects import (
     DEPLOYMENT_LABEL,
     GROUP_FORMED_ANNOTATION,
     desired_static_objects,
@@ -27,11 +29,9 @@ from pdserve.deployment.objects import (
     routing_configmap_name,
     template_hash,
 )
-from pdserve.deployment.revision import pairing_revision
-from pdserve.deployment.rollout import Action, ActionKind, ObservedPod, RolePlan, apply_drains
-from pdserve.deployment.routing import ObservedInstance, build_routing_table
-from pdserve.deployment.scheduling import GATE, Placement, gate_new, placement_of, to_ungate, with_gate
-from pdserve.deployment.spec import PDDeployment
+from pdserve.deployment.render.routing_table import ObservedInstance, build_routing_table
+from pdserve.deployment.spec.multinode import BACKEND_LWS
+from pdserve.deployment.spec.pddeployment import PDDeployment
 from pdserve.operator import metrics
 from pdserve.operator.cache import Body, ClusterCache
 from pdserve.operator.kube import Kube

@@ -8,14 +8,17 @@ from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from typing import Any
 
-from pdserve.deployment.gangs import (
+from pdserve.deployment.plan.gangs import (
     Group,
     Member,
     Verdict,
     judge,
 )
-from pdserve.deployment.groupflags import LWS_NAME_LABEL, LWS_WORKER_INDEX_LABEL
-from pdserve.deployment.objects import (
+from pdserve.deployment.plan.revision import pairing_revision
+from pdserve.deployment.plan.rollout import ObservedPod
+from pdserve.deployment.plan.scheduling import Placement, placement_of
+from pdserve.deployment.render.groupflags import LWS_NAME_LABEL, LWS_WORKER_INDEX_LABEL
+from pdserve.deployment.render.objects import (
     GROUP_FORMED_ANNOTATION,
     GROUP_LABEL,
     GROUP_NODE_LABEL,
@@ -28,11 +31,8 @@ from pdserve.deployment.objects import (
     is_instance_name,
     pod_parallel_sizes,
 )
-from pdserve.deployment.revision import pairing_revision
-from pdserve.deployment.rollout import ObservedPod
-from pdserve.deployment.routing import NodeEndpoint
-from pdserve.deployment.scheduling import Placement, placement_of
-from pdserve.deployment.spec import PDDeployment
+from pdserve.deployment.render.routing_table import NodeEndpoint
+from pdserve.deployment.spec.pddeployment import PDDeployment
 from pdserve.operator.cache import Body
 from pdserve.routing.table import Role
 
@@ -196,7 +196,7 @@ class GangPass:
 
 
 def gang_pass(views: Sequence[PodView], now: float, gang_timeout: float) -> GangPass:
-    """Gathers group members into units (:mod:`pdserve.deployment.gangs`) and judges them."""
+    """Gathers group members into units (:mod:`pdserve.deployment.plan.gangs`) and judges them."""
     units = [v for v in views if v.group is None]
     by_group: dict[str, list[PodView]] = {}
     for v in views:

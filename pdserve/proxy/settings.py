@@ -1,89 +1,203 @@
-"""Everything the proxy is configured with, in one typed value (built by the CLI or by tests)."""
+"""Everything the router is configured with: one frozen dataclass per concern.
+
+Each field is written once, with its default, its flag, the environment variable that may give
+its default, and its help: ``pdserve proxy``'s flags are generated from these fields
+(pdserve.proxy.cli), so a default cannot differ between the CLI and the code, and every help
+line shows it. Values are checked where they are made (``__post_init__``): a bad flag,
+environment variable or argument is refused naming the flag, before anything starts.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from pdserve.proxy.policies import DEFAULT_POLICY
-from pdserve.proxy.serving.worker_views import WorkerInfo
+from pdserve.proxy.policies import DEFAULT_POLICY, POLICIES
 from pdserve.routing.sidecar import LocalDecode
 
 if TYPE_CHECKING:  # the ConfigMap source's types; the file source never imports them
     from pdserve.proxy.table.kubeconfig import ApiCredentials, ConfigMapRef
 
-# Defaults suit real models: a long prompt's prefill or a busy decode's first token can take
-# minutes, so deadlines only catch what is truly stuck.
-DEFAULT_PREFILL_TTFB_S = 600.0
-DEFAULT_DECODE_TTFB_S = 600.0
-DEFAULT_STREAM_IDLE_S = 120.0
-DEFAULT_MAX_BODY_BYTES = 32 * 1024 * 1024
-# vLLM's NIXL KV lease (kv_lease_duration, 30 s; VLLM_NIXL_ABORT_REQUEST_TIMEOUT, 480 s, before leases).
-DEFAULT_KV_LEASE_S = 30.0
-# Sequences one request may ask for (prompts x n): OpenAI's own limit for n.
-DEFAULT_MAX_FAN_OUT = 128
-# The ASGI servers the proxy can run on (pdserve.proxy.serving.server has one function per name).
-# uvicorn (httptools) by default: Hypercorn's h11 protocol stack cost about a third more CPU per
-# request and per streamed chunk, and no Hypercorn setting removes it (bench/results/latest.md).
+#: The ASGI servers the router can run on (pdserve.proxy.serving.server has one function per
+#: name). uvicorn (httptools) by default: Hypercorn's h11 stack costs more CPU per request and
+#: per streamed chunk, and no Hypercorn setting removes it (bench/results/latest.md).
 HTTP_SERVERS = ("hypercorn", "uvicorn")
-DEFAULT_HTTP_SERVER = "uvicorn"
-# Legs in flight per slot (one engine rank). vLLM runs up to ``max_num_seqs`` (256 by
-# default) at once per rank and queues the rest itself; twice that leaves the engine its own
-# queue while a flood of clients cannot open thousands of connections to one rank.
-DEFAULT_MAX_PER_SLOT = 512
-# Requests that may wait for room; more are shed at once.
-DEFAULT_QUEUE_SIZE = 8192
-# Seconds a request may wait for room before it is shed.
-DEFAULT_QUEUE_TIMEOUT_S = 60.0
-# On SIGTERM in-flight streams get this long to finish: a long generation runs for minutes.
-DEFAULT_SHUTDOWN_GRACE_S = 120.0
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+def port_or_unset(text: str) -> int | None:
+    """A port number; 0 means none (an empty environment variable, or a rendered ``0``)."""
+    return int(text) or None
+
+
+class SettingsError(ValueError):
+    """A value the router cannot run with; the message names the flag."""
 
 
 @dataclass(frozen=True)
-class ProxySettings:
-    """Exactly one table source: ``routing_file``, or ``routing_configmap`` with ``kube``."""
+class Flag:
+    """How a setting is given on the command line (and by the environment)."""
+
+    names: tuple[str, ...]
+    help: str
+    env: str | None = None  # gives the default; a flag wins
+    type: Callable[[str], Any] | None = None  # None: the default's type
+    choices: tuple[str, ...] | None = None
+    metavar: str | None = None
+    minimum: float | None = None
+
+
+def setting(
+    default: Any,
+    *names: str,
+    help: str,
+    env: str | None = None,
+    type: Callable[[str], Any] | None = None,
+    choices: tuple[str, ...] | None = None,
+    metavar: str | None = None,
+    minimum: float | None = None,
+) -> Any:
+    """A settings field with its flag: the one place its default is written."""
+    flag = Flag(names, help, env, type, choices, metavar, minimum)
+    return field(default=default, metadata={"flag": flag})
+
+
+def flags_of(settings_class: type) -> Iterator[tuple[str, Flag, Any]]:
+    """(field name, flag, default) of every field of one settings dataclass that has a flag."""
+    for f in fields(settings_class):
+        flag = f.metadata.get("flag")
+        if flag is not None:
+            yield f.name, flag, f.default
+
+
+def _check(value: object) -> None:
+    """The checks every flag states: a minimum, a choice."""
+    for name, flag, _ in flags_of(type(value)):
+        given = getattr(value, name)
+        if given is None:
+            continue
+        if flag.minimum is not None and given < flag.minimum:
+            raise SettingsError(f"{flag.names[0]}: expected a value >= {flag.minimum:g}, got {given}")
+        if flag.choices is not None and given not in flag.choices:
+            raise SettingsError(f"{flag.names[0]}: expected one of {', '.join(flag.choices)}, got {given!r}")
+
+
+@dataclass(frozen=True)
+class ListenSettings:
+    """Where the router listens: the client port, and optionally an admin port."""
+
+    host: str = setting("0.0.0.0", "--host", env="PDSERVE_PROXY_HOST", help="address to listen on")
+    port: int = setting(8000, "--port", env="PDSERVE_PROXY_PORT", minimum=1, help="port to listen on")
+    admin_port: int | None = setting(
+        None,
+        "--admin-port",
+        env="PDSERVE_PROXY_ADMIN_PORT",
+        type=port_or_unset,
+        minimum=1,
+        help="also listen here, and serve /metrics, /debug/* and profiling only here (the client port "
+        "answers 404 for them; /health, /ready and /routing/served answer on both)",
+    )
+    admin_host: str | None = setting(
+        None,
+        "--admin-host",
+        env="PDSERVE_PROXY_ADMIN_HOST",
+        type=str,
+        help="address of the admin port; unset: --host's. E.g. --host 127.0.0.1 --admin-host 0.0.0.0 "
+        "keeps the API to the pod while probes and scrapers reach the admin port",
+    )
+    backlog: int = setting(
+        4096,
+        "--backlog",
+        env="PROXY_LISTEN_BACKLOG",
+        minimum=1,
+        help="listen backlog: connections the kernel queues during a burst",
+    )
+
+    def __post_init__(self) -> None:
+        _check(self)
+        if self.admin_port is not None and self.admin_port == self.port:
+            raise SettingsError(f"--admin-port must differ from --port ({self.port})")
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    """The HTTP server and the processes that run it."""
+
+    http_server: str = setting(
+        "uvicorn",
+        "--http-server",
+        env="PROXY_HTTP_SERVER",
+        choices=HTTP_SERVERS,
+        help="ASGI server: uvicorn with httptools (less CPU per request), or hypercorn; both on uvloop "
+        "with the same backlog, keep-alive and grace period",
+    )
+    workers: int = setting(
+        0,
+        "--workers",
+        env="PDSERVE_PROXY_WORKERS",
+        minimum=0,
+        help="worker processes sharing the port (SO_REUSEPORT), one routing counter per role in shared "
+        "memory; 0: the CPUs available to the process (affinity and cgroup cpu.max)",
+    )
+    keep_alive_seconds: float = setting(
+        300.0,
+        "--keep-alive-seconds",
+        minimum=0,
+        help="how long an idle client connection is kept open between requests",
+    )
+    grace_seconds: float = setting(
+        120.0,  # a long generation runs for minutes
+        "--shutdown-grace-seconds",
+        "--grace-seconds",
+        env="PDSERVE_PROXY_SHUTDOWN_GRACE_SECONDS",
+        minimum=0,
+        help="on SIGTERM: stop accepting, let in-flight requests and streams finish this long, then "
+        "cancel them",
+    )
+    shutdown_delay_seconds: float = setting(
+        0.0,
+        "--shutdown-delay-seconds",
+        env="PDSERVE_PROXY_SHUTDOWN_DELAY_SECONDS",
+        minimum=0,
+        help="on SIGTERM: /ready answers 503 at once, but connections are still accepted this long "
+        "before the grace period starts; for load balancers without a pod preStop hook",
+    )
+    log_level: str = setting(
+        "info",
+        "--log-level",
+        env="PDSERVE_PROXY_LOG_LEVEL",
+        choices=LOG_LEVELS,
+        help="log level; info logs one line per request",
+    )
+
+    def __post_init__(self) -> None:
+        _check(self)
+
+
+@dataclass(frozen=True)
+class TableSettings:
+    """Where the routing table comes from: exactly one source, a watched file or a ConfigMap.
+
+    The source's flags (``--routing-file``, ``--routing-configmap``, ``--kubeconfig``) are the
+    CLI's (pdserve.proxy.cli.table_source): the ConfigMap's reference and credentials are
+    resolved there, once, so a bad kubeconfig stops the start with its file's name.
+    """
 
     routing_file: Path | None = None
     routing_configmap: ConfigMapRef | None = None
     kube: ApiCredentials | None = None
-    host: str = "0.0.0.0"
-    port: int = 8000
-    policy: str = DEFAULT_POLICY
-    http_server: str = DEFAULT_HTTP_SERVER
-    backlog: int = 4096
-    max_retries: int = 2
-    kv_lease_seconds: float = DEFAULT_KV_LEASE_S
-    max_fan_out: int = DEFAULT_MAX_FAN_OUT
-    eject_seconds: float = 10.0
-    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
-    api_key: str | None = None
-    backend_api_key: str | None = None
-    prefill_ttfb_timeout: float = DEFAULT_PREFILL_TTFB_S
-    decode_ttfb_timeout: float = DEFAULT_DECODE_TTFB_S
-    stream_idle_timeout: float = DEFAULT_STREAM_IDLE_S
-    connect_timeout: float = 5.0
-    keep_alive_seconds: float = 300.0
-    grace_seconds: float = DEFAULT_SHUTDOWN_GRACE_S
-    shutdown_delay_seconds: float = 0.0
-    reload_interval: float = 0.2
-    log_level: str = "info"
-    #: Metrics, /debug/* and profiling on this port only (ports.py); None: all on ``port``.
-    admin_port: int | None = None
-    #: The admin port's address; None: ``host`` (a client sidecar keeps its client port on
-    #: localhost and its admin port, with the probes, on the pod's address).
-    admin_host: str | None = None
-    #: Decode-sidecar mode: every decode leg goes to this local engine (pdserve.proxy.admin.readiness).
-    local_decode: LocalDecode | None = None
-    #: Legs in flight per slot, router-wide (the workers count them in shared memory); 0: no limit.
-    max_per_slot: int = DEFAULT_MAX_PER_SLOT
-    #: Requests that may wait for a slot with room (per worker), and for how long.
-    admission_queue: int = DEFAULT_QUEUE_SIZE
-    admission_timeout: float = DEFAULT_QUEUE_TIMEOUT_S
-    #: Worker processes (pdserve.proxy.serving.workers); 1 serves in this process.
-    workers: int = 1
-    #: Set in each worker process by pdserve.proxy.serving.workers (None: the only process).
-    worker: WorkerInfo | None = None
+    reload_interval: float = setting(
+        0.2, "--reload-interval", minimum=0.001, help="seconds between checks of the routing file"
+    )
+
+    def __post_init__(self) -> None:
+        _check(self)
+        if (self.routing_file is None) == (self.routing_configmap is None):
+            raise SettingsError("give one routing table source: --routing-file or --routing-configmap")
+        if self.routing_configmap is not None and self.kube is None:
+            raise SettingsError("--routing-configmap needs credentials for the API server")
 
     @property
     def source(self) -> str:
@@ -91,3 +205,244 @@ class ProxySettings:
         if self.routing_configmap is not None:
             return f"configmap {self.routing_configmap}"
         return f"file {self.routing_file}"
+
+
+@dataclass(frozen=True)
+class SidecarSettings:
+    """Decode-sidecar mode (``--local-decode``): the router inside a decode pod (pdserve.routing.sidecar)."""
+
+    url: str | None = setting(
+        None,
+        "--local-decode",
+        env="PDSERVE_LOCAL_DECODE",
+        type=str,
+        metavar="URL",
+        help="decode-sidecar mode: send every decode leg to this engine (http://$(POD_IP):8000 in a decode "
+        "pod: its own engine) and walk its DP ranks here; prefills come from the routing table. /ready "
+        "then also needs the engine's /health",
+    )
+    dp_size: int = setting(
+        1,
+        "--local-dp-size",
+        minimum=1,
+        help="with --local-decode: the local engine's data-parallel size: its local ranks on a node of a "
+        "multi-node instance with an API server per node",
+    )
+    first_rank: int = setting(
+        0,
+        "--local-first-rank",
+        minimum=0,
+        help="with --local-decode: the global DP rank of the local engine's first rank (a node of a "
+        "multi-node instance with an API server per node: its --data-parallel-start-rank); its slots "
+        "keep their global ranks and carry local ranks in X-data-parallel-rank",
+    )
+    revision: str = setting(
+        "",
+        "--local-revision",
+        help="with --local-decode: the local engine's pairing revision; only prefills of this revision "
+        "are used; empty: the unversioned revision",
+    )
+    name: str = setting(
+        "",
+        "--local-name",
+        env="POD_NAME",
+        help="with --local-decode: this pod's name in the routing table (draining, kvAddress; the "
+        "slot name in metrics)",
+    )
+    instance_index: int = setting(
+        0,
+        "--instance-index",
+        env="PDSERVE_INSTANCE_INDEX",
+        minimum=0,
+        help="with --local-decode: this decode instance's index; the prefill walk starts at "
+        "index * prefill slots / decode instances, so equal traffic per decode pod gives every prefill "
+        "slot an exact share",
+    )
+
+    def __post_init__(self) -> None:
+        _check(self)
+        if self.url is not None and not self.url.startswith(("http://", "https://")):
+            raise SettingsError(
+                f"--local-decode: expected an http(s) URL such as http://127.0.0.1:8000, got {self.url!r}"
+            )
+
+    @property
+    def local(self) -> LocalDecode | None:
+        """The local engine every decode leg goes to; None when the router is not a sidecar."""
+        if not self.url:
+            return None
+        return LocalDecode(
+            self.url, self.dp_size, self.revision, self.name, self.instance_index, self.first_rank
+        )
+
+
+@dataclass(frozen=True)
+class RetrySettings:
+    """How a request survives a failed leg: how often it is tried again, and what is skipped."""
+
+    max_retries: int = setting(
+        2,
+        "--max-retries",
+        env="PDSERVE_PROXY_MAX_RETRIES",
+        minimum=0,
+        help="extra attempts on other slots after a connect error, 5xx, deadline or bad KV handoff, "
+        "before anything was sent to the client",
+    )
+    eject_seconds: float = setting(
+        10.0,
+        "--eject-seconds",
+        minimum=0,
+        help="cool-down of a failed slot: it is tried only after every healthy slot",
+    )
+    # vLLM's NIXL KV lease (kv_lease_duration, 30 s; VLLM_NIXL_ABORT_REQUEST_TIMEOUT, 480 s, before leases).
+    kv_lease_seconds: float = setting(
+        30.0,
+        "--kv-lease-seconds",
+        minimum=0,
+        help="how long a prefill keeps its KV for the decode (vLLM NIXL's kv_lease_duration; 480 for "
+        "vLLM before leases, its VLLM_NIXL_ABORT_REQUEST_TIMEOUT): a decode that could not be reached "
+        "is retried with the same KV while less than half of it has passed, else after a new prefill; "
+        "0 always re-prefills",
+    )
+
+    def __post_init__(self) -> None:
+        _check(self)
+
+
+@dataclass(frozen=True)
+class DeadlineSettings:
+    """How long each step may take. Real models need minutes for a long prompt's prefill or a busy
+    decode's first token, so the deadlines only catch what is truly stuck."""
+
+    prefill_ttfb: float = setting(
+        600.0,
+        "--prefill-ttfb-timeout",
+        minimum=0.001,
+        help="seconds a prefill may take to answer (a long prompt takes minutes) before it is cancelled "
+        "and retried elsewhere",
+    )
+    decode_ttfb: float = setting(
+        600.0,
+        "--decode-ttfb-timeout",
+        minimum=0.001,
+        help="seconds until the decode's first byte (its whole answer when not streaming) before it is "
+        "cancelled and retried",
+    )
+    stream_idle: float = setting(
+        120.0,
+        "--stream-idle-timeout",
+        minimum=0.001,
+        help="seconds allowed between two chunks of a stream before it is cancelled and ended with an "
+        "error event",
+    )
+    connect: float = setting(
+        5.0, "--connect-timeout", minimum=0.001, help="seconds to open a TCP connection to a backend"
+    )
+
+    def __post_init__(self) -> None:
+        _check(self)
+
+
+@dataclass(frozen=True)
+class AdmissionSettings:
+    """Back-pressure: legs in flight per slot, and the queue of requests waiting for room."""
+
+    # vLLM runs up to max_num_seqs (256 by default) at once per rank and queues the rest itself;
+    # twice that leaves the engine its own queue while a flood of clients cannot open thousands of
+    # connections to one rank.
+    max_per_slot: int = setting(
+        512,
+        "--max-per-slot",
+        env="PDSERVE_PROXY_MAX_PER_SLOT",
+        minimum=0,
+        help="most legs in flight per slot (one engine rank), router-wide; a request whose slots are "
+        "full waits in the admission queue; 0: no limit",
+    )
+    queue: int = setting(
+        8192,
+        "--admission-queue",
+        minimum=0,
+        help="requests that may wait for a slot with room (per worker); more get 429 with Retry-After",
+    )
+    timeout: float = setting(
+        60.0,
+        "--admission-timeout",
+        minimum=0,
+        help="seconds a request may wait in the admission queue before it gets 429",
+    )
+
+    def __post_init__(self) -> None:
+        _check(self)
+
+
+@dataclass(frozen=True)
+class RequestSettings:
+    """What a client request may be, and the keys on either side of the router."""
+
+    max_body_bytes: int = setting(
+        32 * 1024 * 1024, "--max-body-bytes", minimum=1, help="larger request bodies get 413"
+    )
+    # OpenAI's own limit for n.
+    max_sequences: int = setting(
+        128,
+        "--max-fan-out",
+        minimum=1,
+        help="most sequences (prompts x n) one request may ask for; each is its own prefill/decode "
+        "request, merged in the answer; more gets 400",
+    )
+    api_key: str | None = setting(
+        None,
+        "--api-key",
+        env="PDSERVE_PROXY_API_KEY",
+        type=str,
+        help="if set, clients must send 'Authorization: Bearer <key>' (401 otherwise); /health, /ready "
+        "and /metrics stay open",
+    )
+    backend_api_key: str | None = setting(
+        None,
+        "--backend-api-key",
+        env="PDSERVE_BACKEND_API_KEY",
+        type=str,
+        help="key sent to the vLLM backends; without it the client's Authorization header is forwarded",
+    )
+
+    def __post_init__(self) -> None:
+        _check(self)
+
+
+@dataclass(frozen=True)
+class ProxySettings:
+    """The router's whole configuration: built by the CLI, or by tests and benches directly."""
+
+    table: TableSettings
+    policy: str = setting(
+        DEFAULT_POLICY,
+        "--policy",
+        env="PDSERVE_PROXY_POLICY",
+        choices=tuple(sorted(POLICIES)),
+        help="slot choice: flat-interleaved gives every slot exactly one request per cycle; "
+        "least-outstanding picks the slot with the fewest in-flight requests",
+    )
+    listen: ListenSettings = field(default_factory=ListenSettings)
+    server: ServerSettings = field(default_factory=ServerSettings)
+    sidecar: SidecarSettings = field(default_factory=SidecarSettings)
+    retries: RetrySettings = field(default_factory=RetrySettings)
+    deadlines: DeadlineSettings = field(default_factory=DeadlineSettings)
+    admission: AdmissionSettings = field(default_factory=AdmissionSettings)
+    requests: RequestSettings = field(default_factory=RequestSettings)
+
+    def __post_init__(self) -> None:
+        _check(self)
+
+
+#: The concerns in the order ``pdserve proxy --help`` lists them: (ProxySettings field, title, class).
+GROUPS: tuple[tuple[str, str, type], ...] = (
+    ("listen", "listening", ListenSettings),
+    ("server", "server and processes", ServerSettings),
+    ("table", "routing table", TableSettings),
+    ("sidecar", "decode sidecar", SidecarSettings),
+    ("retries", "retries", RetrySettings),
+    ("deadlines", "deadlines", DeadlineSettings),
+    ("admission", "admission (back-pressure)", AdmissionSettings),
+    ("requests", "requests and keys", RequestSettings),
+)

@@ -34,7 +34,7 @@ class LocalDecode:
 
     url: str  # e.g. http://127.0.0.1:8000
     dp_size: int = 1
-    revision: str = ""  # the engine's pairing revision (pdserve.deployment.revision)
+    revision: str = ""  # the engine's pairing revision (pdserve.deployment.plan.revision)
     name: str = ""  # the pod's name: its entry in the routing table (draining, kvAddress)
     index: int = 0  # the pod's instance index (pdserve.io/instance): the prefill offset
     #: The first global DP rank of the local engine: a node of a multi-node decode instance

@@ -42,6 +42,7 @@ from collections.abc import Coroutine
 from typing import Any
 
 from pdserve.listen import unavailable
+from pdserve.sim.engine import flags as engine_flags
 from pdserve.sim.faults import FaultSpecError, parse_faults
 from pdserve.sim.group import GroupConfig, GroupConfigError
 from pdserve.sim.payloads import Identity
@@ -160,6 +161,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--node-rank", type=int, default=0, help="this node's index in --nnodes (default: 0)")
     group.add_argument("--master-addr", default=None, help="node 0's address (--nnodes > 1)")
     group.add_argument("--master-port", type=int, default=None, help="node 0's port (--nnodes > 1)")
+    engine_flags.configure(parser)
 
 
 def group_config(args: argparse.Namespace) -> GroupConfig:
@@ -182,9 +184,13 @@ def run(args: argparse.Namespace) -> int:
     try:
         faults = parse_faults(args.fault)
         group = group_config(args)
-    except (FaultSpecError, GroupConfigError) as exc:
+        engine = engine_flags.engine_setup(args, args.max_model_len)
+    except (FaultSpecError, GroupConfigError, engine_flags.ProfileError, engine_flags.EngineFlagError) as exc:
         print(f"pdserve sim: error: {exc}", file=sys.stderr)
         return 2
+    ignored = engine_flags.ignored_without_profile(args)
+    if ignored:
+        print(f"pdserve sim: note: {', '.join(ignored)} change nothing without --profile", file=sys.stderr)
     identity = Identity(
         model=args.model,
         instance_name=args.instance_name or f"sim-{args.host}-{args.port}",
@@ -205,8 +211,12 @@ def run(args: argparse.Namespace) -> int:
         api_key=os.environ.get("VLLM_API_KEY") or None,  # as vLLM reads it (never a flag: ps shows flags)
         group=group,
         keep_alive_on_engine_death=os.environ.get("VLLM_KEEP_ALIVE_ON_ENGINE_DEATH", "") not in ("", "0"),
+        engine=engine,
+        prompt_tokens_details=args.enable_prompt_tokens_details,
     )
     ports = [(args.host, args.port, "--port")]
+    if engine is not None and config.role != "decode":  # the pull notices (sim/engine)
+        ports.append((identity.kv_host, args.kv_port, "--kv-port"))
     if group.leader and group.rpc_port is not None:
         flag = "--master-port" if args.nnodes > 1 else "--data-parallel-rpc-port"
         ports.append((group.address or args.host, group.rpc_port, flag))
@@ -218,7 +228,10 @@ def run(args: argparse.Namespace) -> int:
     try:
         stopped_by = _run_event_loop(serve(simulator, args.host, args.port, args.backlog))
     except OSError as exc:
-        print(f"pdserve sim: error: cannot listen on {args.host}:{args.port}: {exc}", file=sys.stderr)
+        where = f"{args.host}:{args.port}"
+        if engine is not None and config.role != "decode":
+            where += f" or on --kv-host/--kv-port {identity.kv_host}:{args.kv_port} (the pull notices)"
+        print(f"pdserve sim: error: cannot listen on {where}: {exc}", file=sys.stderr)
         return 1
     if stopped_by is not None:
         # Stopped cleanly, and said so the Unix way: dying of the signal once everything is closed,

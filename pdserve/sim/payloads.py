@@ -82,15 +82,26 @@ def wants_usage_in_stream(body: Mapping[str, Any]) -> bool:
     return isinstance(options, Mapping) and options.get("include_usage") is True
 
 
-def usage(prompt_tokens: int, completion_tokens: int, streamed: bool = False) -> dict[str, Any]:
-    """vLLM's ``usage``; the usage chunk of a stream carries only the three counts."""
+def usage(
+    prompt_tokens: int, completion_tokens: int, streamed: bool = False, cached_tokens: int | None = None
+) -> dict[str, Any]:
+    """vLLM's ``usage``; the usage chunk of a stream carries only the three counts, and
+    ``prompt_tokens_details`` when vLLM runs with --enable-prompt-tokens-details (``cached_tokens``
+    given): then the body has all its fields, a stream's chunk only the set one (exclude_unset)."""
     out: dict[str, Any] = {
         "prompt_tokens": prompt_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
         "completion_tokens": completion_tokens,
     }
+    details: dict[str, Any] | None = None
+    if cached_tokens is not None:
+        details = {"cached_tokens": cached_tokens}
+        if not streamed:
+            details |= {"created_cache_tokens": None, "multimodal_tokens": None}
     if not streamed:
-        out |= {"prompt_tokens_details": None, "completion_tokens_details": None}
+        out |= {"prompt_tokens_details": details, "completion_tokens_details": None}
+    elif details is not None:
+        out["prompt_tokens_details"] = details
     return out
 
 
@@ -233,6 +244,7 @@ def completion_body(
     prompt_tokens: int,
     completion_tokens: int,
     kv_params: Mapping[str, Any] | None,
+    cached_tokens: int | None = None,
 ) -> dict[str, Any]:
     """A non-streaming ``text_completion`` or ``chat.completion`` body, as vLLM shapes it."""
     ends = {"finish_reason": reason, "stop_reason": None, "token_ids": None, "routed_experts": None}
@@ -262,7 +274,7 @@ def completion_body(
         "choices": [choice],
         "service_tier": None,
         "system_fingerprint": SYSTEM_FINGERPRINT,
-        "usage": usage(prompt_tokens, completion_tokens),
+        "usage": usage(prompt_tokens, completion_tokens, cached_tokens=cached_tokens),
         "kv_transfer_params": dict(kv_params) if kv_params is not None else None,
         "ec_transfer_params": None,
         "metrics": None,
@@ -309,7 +321,13 @@ def chat_role_chunk(rid: str, model: str, created: int) -> dict[str, Any]:
 
 
 def usage_chunk(
-    endpoint: Endpoint, rid: str, model: str, created: int, prompt_tokens: int, completion_tokens: int
+    endpoint: Endpoint,
+    rid: str,
+    model: str,
+    created: int,
+    prompt_tokens: int,
+    completion_tokens: int,
+    cached_tokens: int | None = None,
 ) -> dict[str, Any]:
     """The final ``stream_options.include_usage`` chunk: no choices, only usage."""
     return {
@@ -318,7 +336,7 @@ def usage_chunk(
         "created": created,
         "model": model,
         "choices": [],
-        "usage": usage(prompt_tokens, completion_tokens, streamed=True),
+        "usage": usage(prompt_tokens, completion_tokens, streamed=True, cached_tokens=cached_tokens),
         "system_fingerprint": SYSTEM_FINGERPRINT,
     }
 

@@ -53,6 +53,13 @@ async def serve(sim: Simulator, host: str, port: int, backlog: int = 4096) -> in
     c = sim.config
     faults = ", ".join(f.spec() for f in sim.faults) or "none"
     where = f"group={describe(group)} " if group.multi_node else ""
+    if c.engine is not None:
+        e = c.engine.config
+        where += (
+            f"profile={c.engine.profile.name} (max_num_seqs={e.max_num_seqs} max_num_batched_tokens="
+            f"{e.max_num_batched_tokens} block_size={e.block_size} num_gpu_blocks={e.num_gpu_blocks} "
+            f"prefix_caching={'on' if e.enable_prefix_caching else 'off'}) "
+        )
     print(
         f"pdserve sim: role={c.role} dp_size={c.dp_size} model={c.identity.model} "
         f"instance={c.identity.instance_name} faults={faults} {where}listening on http://{host}:{port}",

@@ -25,6 +25,8 @@ import aiohttp
 from aiohttp import web
 
 from pdserve.sim import payloads, validation
+from pdserve.sim.engine.request import Kind, Request
+from pdserve.sim.engine.runtime import Engines, EngineSetup
 from pdserve.sim.faults import (
     BUSY_STATUS,
     Fault,
@@ -47,7 +49,7 @@ from pdserve.sim.group import (
 )
 from pdserve.sim.payloads import Identity, Leg
 from pdserve.sim.stats import SimStats
-from pdserve.sim.tokenizer import Endpoint, count_prompt_tokens
+from pdserve.sim.tokenizer import Endpoint, count_prompt_tokens, prompt_token_ids
 from pdserve.wire.headers import AUTHORIZATION, DP_RANK, REQUEST_ID
 from pdserve.wire.kv import moriio_handoff_problems, nixl_handoff_problems, parse_moriio_request_id
 from pdserve.wire.openai import RequestError, error_body
@@ -72,6 +74,10 @@ class SimConfig:
     group: GroupConfig | None = None
     #: VLLM_KEEP_ALIVE_ON_ENGINE_DEATH: a broken group's processes stay up (503/500) instead of exiting.
     keep_alive_on_engine_death: bool = False
+    #: --profile: a step-based engine per rank times the answers (None: fixed --ttft-ms/--itl-ms).
+    engine: EngineSetup | None = None
+    #: --enable-prompt-tokens-details: usage.prompt_tokens_details.cached_tokens, as vLLM.
+    prompt_tokens_details: bool = False
 
 
 @dataclass
@@ -90,6 +96,13 @@ class Job:
     record: dict[str, Any]
     aborted: bool = False  # the simulator itself broke the connection (a fault, not a client cancel)
     created: int = field(default_factory=lambda: int(time.time()))
+    engine_request: Request | None = None  # with --profile: the request in its rank's engine
+    fault: FaultKind | None = None
+
+    @property
+    def cached_tokens(self) -> int:
+        r = self.engine_request
+        return max(0, r.num_cached_tokens) if r is not None else 0
 
 
 class Simulator:
@@ -111,10 +124,18 @@ class Simulator:
         self._requests: dict[int, web.Request] = {}  # generation requests in flight, by id()
         self._started = int(time.time())
         self._running_ids: set[str] = set()  # X-Request-Id of the requests in flight
+        self.engines: Engines | None = None
+        if config.engine is not None:
+            ranks = range(self.first_rank, self.first_rank + served)
+            prefix = payloads.engine_id(config.identity, 0)[:-1]  # "<instance>-dp"
+            self.engines = Engines(config.engine, ranks, prefix)
 
     def app(self) -> web.Application:
         middlewares = [self._authenticate] if self.config.api_key else []
         app = web.Application(client_max_size=64 * 1024 * 1024, middlewares=middlewares)
+        if self.engines is not None:
+            app.on_startup.append(self._start_engines)
+            app.on_cleanup.append(self._stop_engines)
         app.router.add_get("/sim/stats", self.get_stats)
         app.router.add_post("/sim/reset", self.reset)
         app.router.add_get("/sim/faults", self.get_faults)
@@ -134,6 +155,16 @@ class Simulator:
         app.router.add_post("/start_profile", self.profile)
         app.router.add_post("/stop_profile", self.profile)
         return app
+
+    async def _start_engines(self, app: web.Application) -> None:
+        assert self.engines is not None
+        identity = self.config.identity
+        listen = (identity.kv_host, identity.kv_port) if self.config.role != "decode" else None
+        await self.engines.start(listen)
+
+    async def _stop_engines(self, app: web.Application) -> None:
+        assert self.engines is not None
+        await self.engines.close()
 
     async def close(self) -> None:
         if self._session is not None:
@@ -185,6 +216,9 @@ class Simulator:
         return web.json_response({"model_path": self.config.identity.model, "is_generation": True})
 
     async def metrics(self, request: web.Request) -> web.Response:
+        if self.engines is not None:
+            text = self.engines.metrics_text(self.config.identity.model)
+            return web.Response(text=text, content_type="text/plain", charset="utf-8")
         s = self.stats
         text = payloads.metrics_text(
             self.config.identity.model,
@@ -473,11 +507,46 @@ class Simulator:
             record=record,
         )
 
-    def _kv_answer(self, job: Job) -> dict[str, Any] | None:
+    def _submit(self, job: Job) -> None:
+        """--profile: the request joins its rank's engine, which will time its tokens."""
+        assert self.engines is not None
+        params = job.body.get("kv_transfer_params")
+        nixl = isinstance(params, Mapping) and "transfer_id" not in params
+        kind = {"prefill": Kind.PREFILL if nixl else Kind.PLAIN, "decode": Kind.DECODE}.get(
+            job.leg, Kind.PLAIN
+        )
+        job.engine_request = self.engines.submit(
+            job.rank,
+            job.engine_request_id,
+            prompt_token_ids(job.body, job.endpoint),
+            job.num_tokens,
+            kind,
+            payloads.finish_reason(job.num_tokens, job.body),
+            handoff=params if job.leg == "decode" and nixl and isinstance(params, Mapping) else None,
+        )
+
+    async def _until(self, job: Job, tokens: int) -> None:
+        """With an engine: until it generated ``tokens`` of the job's tokens."""
+        assert self.engines is not None and job.engine_request is not None
+        await self.engines.wait(job.rank, job.engine_request, tokens - 1)
+
+    def _final_kv_answer(self, job: Job, kv_answer: dict[str, Any] | None) -> dict[str, Any] | None:
+        """An engine's prefill answer names the blocks it really holds, known once it ran."""
+        if self.engines is None or job.engine_request is None or job.leg != "prefill":
+            return kv_answer
+        kv_answer = self._kv_answer(job, [self.engines.block_ids(job.rank, job.engine_request)])
+        if kv_answer is not None:
+            if job.fault is FaultKind.MALFORMED_KV_PARAMS:
+                kv_answer = malform_kv_params(kv_answer)
+            job.record["kv_answer"] = kv_answer
+        return kv_answer
+
+    def _kv_answer(self, job: Job, blocks: list[list[int]] | None = None) -> dict[str, Any] | None:
         if job.leg != "prefill":
             return None
-        blocks = payloads.block_ids(job.prompt_tokens, self._next_block[job.index])
-        self._next_block[job.index] += len(blocks[0])
+        if blocks is None:
+            blocks = payloads.block_ids(job.prompt_tokens, self._next_block[job.index])
+            self._next_block[job.index] += len(blocks[0])
         params = job.body["kv_transfer_params"]
         identity = self.config.identity
         if "transfer_id" in params:
@@ -504,22 +573,35 @@ class Simulator:
             job.record["outcome"] = "http-500"
             body = error_body(500, "simulated internal server error (fault http-500)")
             return web.json_response(body, status=500)
-        kv_answer = self._kv_answer(job)
-        if kv_answer is not None:
-            if kind is FaultKind.MALFORMED_KV_PARAMS:
-                kv_answer = malform_kv_params(kv_answer)
-            job.record["kv_answer"] = kv_answer
+        job.fault = kind
+        kv_answer = None
+        if self.engines is None:
+            kv_answer = self._kv_answer(job)
+            if kv_answer is not None:
+                if kind is FaultKind.MALFORMED_KV_PARAMS:
+                    kv_answer = malform_kv_params(kv_answer)
+                job.record["kv_answer"] = kv_answer
+        else:
+            self._submit(job)
         drop = kind is FaultKind.DROP_MID_STREAM
-        if job.body.get("stream"):
-            linger = fault.delay_ms if kind is FaultKind.SLOW_END and fault is not None else None
-            return await self._stream(request, job, kv_answer, drop, linger)
-        return await self._respond(request, job, kv_answer, drop)
+        try:
+            if job.body.get("stream"):
+                linger = fault.delay_ms if kind is FaultKind.SLOW_END and fault is not None else None
+                return await self._stream(request, job, kv_answer, drop, linger)
+            return await self._respond(request, job, kv_answer, drop)
+        finally:
+            if self.engines is not None and job.engine_request is not None:
+                self.engines.done(job.rank, job.engine_request)
 
     async def _respond(
         self, request: web.Request, job: Job, kv_answer: dict[str, Any] | None, drop: bool
     ) -> web.StreamResponse:
         c = self.config
-        await asyncio.sleep((c.ttft_ms + c.itl_ms * (job.num_tokens - 1)) / 1000)
+        if job.engine_request is None:
+            await asyncio.sleep((c.ttft_ms + c.itl_ms * (job.num_tokens - 1)) / 1000)
+        else:
+            await self._until(job, job.num_tokens)
+            kv_answer = self._final_kv_answer(job, kv_answer)
         rid = payloads.response_id(job.endpoint, job.base_id)
         body = payloads.completion_body(
             job.endpoint,
@@ -531,6 +613,7 @@ class Simulator:
             job.prompt_tokens,
             job.num_tokens,
             kv_answer,
+            job.cached_tokens if c.prompt_tokens_details else None,
         )
         data = json.dumps(body, separators=(",", ":")).encode()
         if not drop:
@@ -563,10 +646,15 @@ class Simulator:
         stop_after = drop_after_chunks(job.num_tokens) if drop else None
         echo = payloads.echoed_prompt(job.body, job.endpoint)
         for i in range(job.num_tokens):
-            await asyncio.sleep((c.ttft_ms if i == 0 else c.itl_ms) / 1000)
+            if job.engine_request is None:
+                await asyncio.sleep((c.ttft_ms if i == 0 else c.itl_ms) / 1000)
+            else:
+                await self._until(job, i + 1)
             if stop_after is not None and i == stop_after:
                 return await self._abort(request, job)
             last = i == job.num_tokens - 1
+            if last:
+                kv_answer = self._final_kv_answer(job, kv_answer)
             chunk = payloads.stream_chunk(
                 job.endpoint,
                 rid,
@@ -582,7 +670,13 @@ class Simulator:
             return await self._abort(request, job)
         if payloads.wants_usage_in_stream(job.body):
             chunk = payloads.usage_chunk(
-                job.endpoint, rid, model, job.created, job.prompt_tokens, job.num_tokens
+                job.endpoint,
+                rid,
+                model,
+                job.created,
+                job.prompt_tokens,
+                job.num_tokens,
+                job.cached_tokens if c.prompt_tokens_details else None,
             )
             await response.write(payloads.sse(chunk))
         await response.write(payloads.SSE_DONE)

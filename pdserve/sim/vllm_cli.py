@@ -11,7 +11,12 @@ connector or role the simulator does not simulate.
 What maps where: ``--kv-transfer-config`` ``kv_role`` → ``--role`` (kv_producer: prefill,
 kv_consumer: decode, kv_both: both); ``--data-parallel-size``/``--tensor-parallel-size`` →
 ``--dp-size``/``--tp-size``; the first ``--served-model-name`` (else MODEL) → ``--model``;
-``--max-model-len``; ``--api-key`` → the simulator's key (as ``VLLM_API_KEY``). The listen
+``--max-model-len``; ``--api-key`` → the simulator's key (as ``VLLM_API_KEY``); the engine flags
+``--max-num-seqs``, ``--max-num-batched-tokens``, ``--block-size``, ``--num-gpu-blocks-override``,
+``--[no-]enable-prefix-caching``, ``--enable-prompt-tokens-details`` and
+``kv_connector_extra_config.kv_lease_duration`` go to the simulator's flags of the same names, which
+time answers with a step engine when ``$PDSERVE_SIM_PROFILE`` names a profile (vLLM has no flag for
+it: the pod runner or local mode sets it), and change nothing without one. The listen
 address is ``--host``, else ``$POD_IP`` (vLLM's default is every address; here pods share one
 network namespace), else 127.0.0.1. The instance name is ``$HOSTNAME`` (the pod name); the NIXL
 side channel is advertised at ``$VLLM_NIXL_SIDE_CHANNEL_HOST`` (else ``$VLLM_HOST_IP``, else the
@@ -63,16 +68,22 @@ MAPPED: list[tuple[tuple[str, ...], dict[str, Any]]] = [
     (("--max-model-len",), {"type": int}),
     (("--kv-transfer-config",), {}),
     (("--api-key",), {}),
+    (("--max-num-seqs",), {"type": int}),
+    (("--max-num-batched-tokens",), {"type": int}),
+    (("--block-size",), {"type": int}),
+    (("--num-gpu-blocks-override",), {"type": int}),
+    (("--enable-prefix-caching",), {"action": "store_true", "default": None}),
+    (("--no-enable-prefix-caching",), {"action": "store_true"}),
+    (("--enable-prompt-tokens-details",), {"action": "store_true"}),
 ]
+#: The environment variable naming the simulator's performance profile (``pdserve sim --profile``).
+PROFILE_ENV = "PDSERVE_SIM_PROFILE"
 #: vLLM 0.32 options that tune a real engine and mean nothing to a simulator: accepted, ignored.
 ACCEPTED_VALUED = (
     "--dtype",
-    "--block-size",
     "--kv-cache-dtype",
     "--kv-cache-memory-bytes",
     "--gpu-memory-utilization",
-    "--max-num-seqs",
-    "--max-num-batched-tokens",
     "--tokenizer",
     "--tokenizer-mode",
     "--tokenizer-revision",
@@ -108,8 +119,6 @@ ACCEPTED_SWITCHES = (
     "--enable-log-requests",
     "--disable-uvicorn-access-log",
     "--enable-auto-tool-choice",
-    "--enable-prefix-caching",
-    "--no-enable-prefix-caching",
     "--enable-chunked-prefill",
     "--no-enable-chunked-prefill",
     "--disable-custom-all-reduce",
@@ -163,6 +172,8 @@ class Serve:
     max_model_len: int | None
     api_key: str | None
     connector: str | None
+    #: The step engine's flags, as ``pdserve sim`` arguments (vLLM's names).
+    engine_args: tuple[str, ...] = ()
 
 
 def parse(args: Sequence[str]) -> Serve:
@@ -181,7 +192,7 @@ def parse(args: Sequence[str]) -> Serve:
     ):
         if value < 1:
             raise Refused(f"{flag} must be >= 1, got {value}")
-    role, connector = "both", None
+    role, connector, lease = "both", None, None
     if ns.kv_transfer_config is not None:
         try:
             kv = json.loads(ns.kv_transfer_config)
@@ -202,6 +213,29 @@ def parse(args: Sequence[str]) -> Serve:
         if unknown:
             raise Refused(f"--kv-transfer-config: unknown keys {', '.join(unknown)}")
         role = ROLES[kv["kv_role"]]
+        extra = kv.get("kv_connector_extra_config")
+        if isinstance(extra, dict) and extra.get("kv_lease_duration") is not None:
+            lease = extra["kv_lease_duration"]
+            if isinstance(lease, bool) or not isinstance(lease, int | float) or lease < 0:
+                raise Refused(f"--kv-transfer-config: kv_lease_duration must be a number >= 0, got {lease!r}")
+    if ns.enable_prefix_caching and ns.no_enable_prefix_caching:
+        raise Refused("--enable-prefix-caching and --no-enable-prefix-caching together")
+    engine_args: list[str] = []
+    for flag, value in (
+        ("--max-num-seqs", ns.max_num_seqs),
+        ("--max-num-batched-tokens", ns.max_num_batched_tokens),
+        ("--block-size", ns.block_size),
+        ("--num-gpu-blocks-override", ns.num_gpu_blocks_override),
+        ("--kv-lease-duration", lease),
+    ):
+        if value is not None:
+            if flag != "--kv-lease-duration" and value < 1:
+                raise Refused(f"{flag} must be >= 1, got {value}")
+            engine_args += [flag, str(value)]
+    if ns.no_enable_prefix_caching:
+        engine_args.append("--no-enable-prefix-caching")
+    if ns.enable_prompt_tokens_details:
+        engine_args.append("--enable-prompt-tokens-details")
     return Serve(
         model=(ns.served_model_name or [model])[0],
         role=role,
@@ -212,6 +246,7 @@ def parse(args: Sequence[str]) -> Serve:
         max_model_len=ns.max_model_len,
         api_key=ns.api_key,
         connector=connector,
+        engine_args=tuple(engine_args),
     )
 
 
@@ -232,6 +267,9 @@ def sim_argv(serve: Serve, env: dict[str, str]) -> list[str]:
     ]  # fmt: skip
     if serve.max_model_len is not None:
         argv += ["--max-model-len", str(serve.max_model_len)]
+    argv += serve.engine_args
+    if env.get(PROFILE_ENV):
+        argv += ["--profile", env[PROFILE_ENV]]
     return argv
 
 

@@ -14,10 +14,10 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-from pdserve.deployment.groups import instance_objects
 from pdserve.deployment.kvconfig import MORIIO
-from pdserve.deployment.objects import engine_argv
-from pdserve.deployment.spec import PDDeployment, load_manifest_file
+from pdserve.deployment.render.groups import instance_objects
+from pdserve.deployment.render.objects import engine_argv
+from pdserve.deployment.spec.pddeployment import PDDeployment, load_manifest_file
 from pdserve.local.plan import engine_process_count, plan_local_run
 from pdserve.routing import Role
 from tests.e2e_vllm.common import HERE, REPO, check, python_of_venv, say

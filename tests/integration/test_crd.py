@@ -12,11 +12,11 @@ from typing import Any
 
 import pytest
 
-from pdserve.deployment import admission
-from pdserve.deployment import owned as pt
-from pdserve.deployment.groups import render_all
-from pdserve.deployment.routing import build_routing_table
-from pdserve.deployment.spec import SpecError, parse_pddeployment
+from pdserve.deployment.render.groups import render_all
+from pdserve.deployment.render.routing_table import build_routing_table
+from pdserve.deployment.spec import owned as pt
+from pdserve.deployment.spec import vllm_compat
+from pdserve.deployment.spec.pddeployment import SpecError, parse_pddeployment
 from pdserve.deployment.validate import problems
 from tests.support.kube import KubeCluster, eventually
 from tests.unit.test_deployment_objects import CONNECTORS, SHAPES, all_ready, shape_manifest
@@ -723,18 +723,18 @@ def test_keys_are_stored_as_references_and_render_valid_objects(
     dry_run(crd, kube_namespace, items)
 
 
-# --- what vLLM accepts between prefill and decode (admission.py) ------------------------------------
+# --- what vLLM accepts between prefill and decode (vllm_compat.py) ------------------------------------
 
 ADMISSION_REFUSED = [
     pytest.param(
-        {"prefill": {"tensorParallel": 8}, "decode": {"tensorParallel": 3}}, admission.TP_RATIO, id="tp-8-3"
+        {"prefill": {"tensorParallel": 8}, "decode": {"tensorParallel": 3}}, vllm_compat.TP_RATIO, id="tp-8-3"
     ),
     pytest.param(
-        {"prefill": {"tensorParallel": 4}, "decode": {"tensorParallel": 6}}, admission.TP_RATIO, id="tp-4-6"
+        {"prefill": {"tensorParallel": 4}, "decode": {"tensorParallel": 6}}, vllm_compat.TP_RATIO, id="tp-4-6"
     ),
     pytest.param(
         {"kvTransfer": {"connector": "MoRIIOConnector", "transferMode": "READ"}},
-        admission.MORIIO_AMD,
+        vllm_compat.MORIIO_AMD,
         id="moriio-nvidia",
     ),
     pytest.param(
@@ -743,7 +743,7 @@ ADMISSION_REFUSED = [
             "gpuResource": "amd.com/gpu",
             "decode": {"dataParallel": 2, "tensorParallel": 2},
         },
-        admission.MORIIO_DP_TP,
+        vllm_compat.MORIIO_DP_TP,
         id="moriio-dp-and-tp",
     ),
 ]
@@ -751,7 +751,7 @@ ADMISSION_REFUSED = [
 
 @pytest.mark.parametrize(("spec", "rule"), ADMISSION_REFUSED)
 def test_an_admission_rule_is_refused_by_the_api_server_and_by_pdserve_alike(
-    crd: KubeCluster, kube_namespace: str, spec: dict[str, Any], rule: admission.Rule
+    crd: KubeCluster, kube_namespace: str, spec: dict[str, Any], rule: vllm_compat.Rule
 ) -> None:
     obj = manifest(**spec)
     proc = create(crd, kube_namespace, obj, check=False)

@@ -12,8 +12,8 @@ from typing import Any
 
 import pytest
 
-from pdserve.deployment.groups import instance_lws, render_all
-from pdserve.deployment.spec import parse_pddeployment
+from pdserve.deployment.render.groups import instance_lws, render_all
+from pdserve.deployment.spec.pddeployment import parse_pddeployment
 from pdserve.routing import Role
 from tests.support.kube import KubeCluster
 from tests.unit.test_deployment_groups import DEEPSEEK, SPANNING

@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 
-from pdserve.deployment.owned import DIRECTIVE_REASON
-from pdserve.deployment.spec import parse_pddeployment
+from pdserve.deployment.spec.owned import DIRECTIVE_REASON
+from pdserve.deployment.spec.pddeployment import parse_pddeployment
 from pdserve.deployment.validate import problems
 from tests.support.kube import eventually
 from tests.support.operator import (

@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from pdserve.deployment.drain import DrainReason, drain_verdict
+from pdserve.deployment.plan.drain import DrainReason, drain_verdict
 from pdserve.operator.routers import fetch_reports
 from tests.support.kube import eventually, kubectl_for, router_kubeconfig
 from tests.support.operator import (

@@ -19,10 +19,10 @@ from typing import Any
 
 import pytest
 
-from pdserve.deployment.groups import render_all
-from pdserve.deployment.objects import instance_pod
-from pdserve.deployment.routing import ObservedInstance, build_routing_table
-from pdserve.deployment.spec import parse_pddeployment
+from pdserve.deployment.render.groups import render_all
+from pdserve.deployment.render.objects import instance_pod
+from pdserve.deployment.render.routing_table import ObservedInstance, build_routing_table
+from pdserve.deployment.spec.pddeployment import parse_pddeployment
 from pdserve.routing import Role
 from tests.support.kube import KubeCluster, eventually
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pdserve.proxy.settings import DEFAULT_HTTP_SERVER
+from pdserve.proxy.settings import ServerSettings
 from pdserve.wire.headers import ERROR_REASON
 from pdserve.wire.openai import error_type
 from tests.support.procs import Proc, ProcessGroup, wait_http
@@ -27,7 +27,7 @@ FAST_SIM = ["--ttft-ms", "2", "--itl-ms", "1", "--tokens", "4"]
 
 # The proxy suite runs against either HTTP server (default: the proxy's own default):
 # PDSERVE_TEST_HTTP_SERVER=hypercorn pytest ...
-TEST_HTTP_SERVER = os.environ.get("PDSERVE_TEST_HTTP_SERVER", DEFAULT_HTTP_SERVER)
+TEST_HTTP_SERVER = os.environ.get("PDSERVE_TEST_HTTP_SERVER", ServerSettings().http_server)
 # ... and with one or several worker processes: PDSERVE_TEST_PROXY_WORKERS=2 pytest ... (make test-workers)
 TEST_WORKERS = os.environ.get("PDSERVE_TEST_PROXY_WORKERS", "1")
 

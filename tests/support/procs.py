@@ -7,6 +7,7 @@ terminated (then killed) at teardown, so no test leaves anything behind.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import socket
@@ -18,6 +19,7 @@ import urllib.request
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -45,6 +47,28 @@ def wait_http(url: str, timeout: float = 20.0, proc: subprocess.Popen[bytes] | N
             last = exc
         time.sleep(0.05)
     raise TimeoutError(f"{url} did not answer within {timeout}s: {last}")
+
+
+def wait_routable(url: str, timeout: float = 60.0, proc: subprocess.Popen[bytes] | None = None) -> Any:
+    """A pdserve router's ``/debug/routing`` once its table has instances and every one is routable
+    (while its workers start, the merged view may answer 503: retried)."""
+    deadline = time.monotonic() + timeout
+    last: object = None
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"process exited with {proc.returncode} before {url} was routable")
+        try:
+            with urllib.request.urlopen(url + "/debug/routing", timeout=5) as resp:
+                debug = json.loads(resp.read())
+            table = debug.get("table") or {}
+            instances = [*table.get("prefill", []), *table.get("decode", [])]
+            if instances and all(i.get("ready") and not i.get("draining") for i in instances):
+                return debug
+            last = "not every instance routable yet"
+        except (urllib.error.URLError, ConnectionError, OSError, ValueError) as exc:
+            last = exc
+        time.sleep(0.1)
+    raise TimeoutError(f"{url} was not routable within {timeout}s: {last}")
 
 
 @dataclass

@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from pdserve.deployment.spec import PDDeployment, parse_pddeployment
+from pdserve.deployment.spec.pddeployment import PDDeployment, parse_pddeployment
 
 IMAGE = "vllm/vllm-openai:v0.12.0"
 

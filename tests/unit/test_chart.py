@@ -23,8 +23,8 @@ import pytest
 import yaml
 
 from pdserve import __version__
-from pdserve.deployment.client import client_rbac
-from pdserve.deployment.spec import parse_pddeployment
+from pdserve.deployment.render.client_sidecar import client_rbac
+from pdserve.deployment.spec.pddeployment import parse_pddeployment
 from pdserve.operator.cli import configure as configure_operator_cli
 
 REPO = Path(__file__).resolve().parents[2]
@@ -449,8 +449,8 @@ def _selects(selector: dict[str, Any], labels: dict[str, str]) -> bool:
 
 
 def test_production_values_render_a_valid_pddeployment_and_policies_that_fit_its_pods(helm: str) -> None:
-    from pdserve.deployment.groups import render_all
-    from pdserve.deployment.spec import parse_pddeployment
+    from pdserve.deployment.render.groups import render_all
+    from pdserve.deployment.spec.pddeployment import parse_pddeployment
     from pdserve.deployment.validate import problems
 
     docs = objects(render(helm, CASES["production"]))

@@ -13,8 +13,8 @@ from typing import Any
 
 import pytest
 
-from pdserve.deployment.groups import render_all
-from pdserve.deployment.spec import parse_pddeployment
+from pdserve.deployment.render.groups import render_all
+from pdserve.deployment.spec.pddeployment import parse_pddeployment
 from tests.unit.test_chart import CASES, CHART, by_kind, helm, objects, render
 
 __all__ = ["helm"]  # the fixture, shared with test_chart.py

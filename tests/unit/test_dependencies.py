@@ -59,7 +59,23 @@ RULES = {
     "pdserve.sim.cli": ("kopf", "kubernetes", "pdserve.proxy", "pdserve.routing", "pdserve.deployment"),
     "pdserve.sim.server": ("kopf", "kubernetes", "pdserve.proxy", "pdserve.deployment"),
     "pdserve.sim.process": ("kopf", "kubernetes", "pdserve.proxy", "pdserve.routing", "pdserve.deployment"),
-    "pdserve.deployment.objects": ("kopf", "kubernetes", "pdserve.proxy", "pdserve.sim", "pdserve.operator"),
+    "pdserve.deployment.render.objects": (
+        "kopf",
+        "kubernetes",
+        "pdserve.proxy",
+        "pdserve.sim",
+        "pdserve.operator",
+    ),
+    # a client of any server: wire formats and the routing table's parser, nothing of the components
+    "pdserve.loadgen.replay": (
+        "kopf",
+        "kubernetes",
+        "pdserve.proxy",
+        "pdserve.operator",
+        "pdserve.local",
+        "pdserve.deployment",
+        "pdserve.sim",
+    ),
     "pdserve.local.runner": ("kopf", "kubernetes", "pdserve.operator", "pdserve.proxy.", "pdserve.sim."),
 }
 
@@ -90,9 +106,35 @@ FLOORS: tuple[frozenset[str], ...] = (
     frozenset({"routing", "wire", "kv", "listen"}),
     frozenset({"deployment"}),
     frozenset({"proxy", "sim"}),
-    frozenset({"operator", "local"}),
+    frozenset({"operator", "local", "loadgen"}),  # loadgen: a client (pdserve bench), above what it loads
     frozenset({"cli"}),  # ``pdserve`` itself: loads a component by name, never by import
 )
+
+#: Inside a package the same rule, by its subpackages and top modules: a part imports only parts
+#: of lower floors. The router: the engine client, shared state, connectors and metrics at its
+#: ground; the table and the policies; the settings; the request flow; serving; admin; on top the
+#: composition root (app) and the command (cli). The deployment: the spec; the KV connectors'
+#: settings and the rollout planning; rendering; the checks that need rendered pods; the tools.
+INNER_FLOORS: dict[str, tuple[frozenset[str], ...]] = {
+    "deployment": (
+        frozenset({"spec"}),
+        frozenset({"kvconfig", "plan"}),
+        frozenset({"kvpod"}),
+        frozenset({"render"}),
+        frozenset({"validate"}),
+        frozenset({"cli", "docgen"}),
+    ),
+    "proxy": (
+        frozenset({"engine", "state", "connectors", "metrics"}),
+        frozenset({"policies", "table"}),
+        frozenset({"settings"}),
+        frozenset({"flow"}),
+        frozenset({"serving"}),
+        frozenset({"admin"}),
+        frozenset({"app"}),
+        frozenset({"cli"}),
+    ),
+}
 
 #: The router and the simulator start fast and stay small: neither imports kopf nor the
 #: Kubernetes client, nor does anything they are built on.
@@ -171,6 +213,32 @@ def test_no_import_points_upward_or_sideways_across_the_floors() -> None:
     assert not wrong, (
         "imports against the floors (" + " < ".join(map(str, FLOORS)) + "):\n" + "\n".join(wrong)
     )
+
+
+def part(name: str) -> str:
+    """A module's part of its package: the subpackage or top module it belongs to."""
+    parts = name.split(".")
+    return parts[2] if len(parts) > 2 else ""
+
+
+@pytest.mark.parametrize("package", sorted(INNER_FLOORS))
+def test_inside_a_package_no_import_points_upward(package: str) -> None:
+    floors = INNER_FLOORS[package]
+    level = {name: i for i, names in enumerate(floors) for name in names}
+    members = [m for m in modules() if component(m) == package and part(m)]
+    missing = sorted({part(m) for m in members} - set(level))
+    assert not missing, f"parts of pdserve.{package} without a floor in INNER_FLOORS: {missing}"
+    wrong = [
+        f"{source} imports {target}"
+        for source in members
+        for target in graph()[source]
+        if component(target) == package
+        and part(target)
+        and part(target) != part(source)
+        and level[part(target)] >= level[part(source)]
+    ]
+    shown = " < ".join("/".join(sorted(names)) for names in floors)
+    assert not wrong, f"pdserve.{package} imports against its floors ({shown}):\n" + "\n".join(wrong)
 
 
 def find_cycle(edges: dict[str, frozenset[str]]) -> list[str] | None:

@@ -105,7 +105,7 @@ def test_help_is_the_module_docstring() -> None:
 
 def test_an_owned_template_field_exits_2_with_the_operators_message(tmp_path: Path) -> None:
     """One function words the refusal for ``pdserve render``, the operator and (as CEL) the API server."""
-    from pdserve.deployment.owned import ENGINE_OWNED
+    from pdserve.deployment.spec.owned import ENGINE_OWNED
 
     path = tmp_path / "bad.yaml"
     template = "{spec: {containers: [{name: engine, args: [--port, '9']}]}}"

@@ -15,9 +15,9 @@ import yaml
 
 from pdserve.deployment import cli as render_cli
 from pdserve.deployment.cli import to_yaml
-from pdserve.deployment.client import client_pod_patch, client_rbac, client_router_container
-from pdserve.deployment.objects import router_deployment, router_role
-from pdserve.deployment.spec import parse_pddeployment
+from pdserve.deployment.render.client_sidecar import client_pod_patch, client_rbac, client_router_container
+from pdserve.deployment.render.objects import router_deployment, router_role
+from pdserve.deployment.spec.pddeployment import parse_pddeployment
 from pdserve.proxy.cli import configure as configure_proxy
 from tests.unit.test_deployment_objects import GOLDEN, UPDATE, shape_manifest
 

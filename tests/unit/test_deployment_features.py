@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 
 from pdserve.deployment.cli import to_yaml
-from pdserve.deployment.groups import render_all
-from pdserve.deployment.spec import parse_pddeployment
+from pdserve.deployment.render.groups import render_all
+from pdserve.deployment.spec.pddeployment import parse_pddeployment
 from pdserve.deployment.validate import problems
 from tests.support.specs import check_golden
 

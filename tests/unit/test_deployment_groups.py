@@ -18,8 +18,8 @@ import pytest
 import yaml
 
 from pdserve.deployment.cli import to_yaml
-from pdserve.deployment.groups import group_pods, instance_lws, render_all
-from pdserve.deployment.objects import (
+from pdserve.deployment.render.groups import group_pods, instance_lws, render_all
+from pdserve.deployment.render.objects import (
     GROUP_LABEL,
     GROUP_NODE_LABEL,
     GROUP_SIZE_ANNOTATION,
@@ -30,7 +30,7 @@ from pdserve.deployment.objects import (
     instance_pod,
     template_hash,
 )
-from pdserve.deployment.spec import PDDeployment, parse_pddeployment
+from pdserve.deployment.spec.pddeployment import PDDeployment, parse_pddeployment
 from pdserve.deployment.validate import problems
 from pdserve.routing import Role
 from tests.support.specs import check_golden

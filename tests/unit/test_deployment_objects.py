@@ -16,14 +16,15 @@ from typing import Any
 import pytest
 
 from pdserve.deployment.cli import to_yaml
-from pdserve.deployment.defaults import (
+from pdserve.deployment.plan.revision import pairing_revision
+from pdserve.deployment.render.defaults import (
     ENGINE_PRESTOP_SECONDS,
     ENGINE_TERMINATION_GRACE_SECONDS,
     ROUTER_PRESTOP_SECONDS,
     ROUTER_SHUTDOWN_GRACE_SECONDS,
 )
-from pdserve.deployment.groups import render_all
-from pdserve.deployment.objects import (
+from pdserve.deployment.render.groups import render_all
+from pdserve.deployment.render.objects import (
     DEFAULT_IMAGE,
     desired_static_objects,
     engine_service,
@@ -40,9 +41,8 @@ from pdserve.deployment.objects import (
     selector_string,
     template_hash,
 )
-from pdserve.deployment.revision import pairing_revision
-from pdserve.deployment.routing import ObservedInstance, build_routing_table
-from pdserve.deployment.spec import MAX_NAME_LENGTH, PDDeployment, parse_pddeployment
+from pdserve.deployment.render.routing_table import ObservedInstance, build_routing_table
+from pdserve.deployment.spec.pddeployment import MAX_NAME_LENGTH, PDDeployment, parse_pddeployment
 from pdserve.routing import Role, build_slot_table, load_routing_table
 
 GOLDEN = Path(__file__).resolve().parents[1] / "golden" / "render"

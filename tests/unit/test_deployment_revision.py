@@ -7,9 +7,9 @@ from typing import Any
 
 import pytest
 
-from pdserve.deployment.revision import KV_FLAGS, kv_args, pairing_revision
-from pdserve.deployment.routing import ObservedInstance, build_routing_table
-from pdserve.deployment.spec import PDDeployment
+from pdserve.deployment.plan.revision import KV_FLAGS, kv_args, pairing_revision
+from pdserve.deployment.render.routing_table import ObservedInstance, build_routing_table
+from pdserve.deployment.spec.pddeployment import PDDeployment
 from pdserve.routing import Role, build_slot_table
 from tests.unit.test_deployment_routing import pdd_of as routing_pdd_of
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from pdserve.deployment.routing import ObservedInstance, build_routing_table
-from pdserve.deployment.spec import PDDeployment, parse_pddeployment
+from pdserve.deployment.render.routing_table import ObservedInstance, build_routing_table
+from pdserve.deployment.spec.pddeployment import PDDeployment, parse_pddeployment
 from pdserve.routing import Connector, Role, build_slot_table, load_routing_table
 from pdserve.wire.kv import MoriioRequestId, parse_moriio_request_id
 

@@ -11,11 +11,11 @@ from typing import Any
 import pytest
 
 from pdserve.deployment.cli import to_yaml
-from pdserve.deployment.groups import render_all
-from pdserve.deployment.objects import desired_static_objects, router_pod_selector, template_hash
-from pdserve.deployment.revision import pairing_revision
-from pdserve.deployment.routing import build_routing_table
-from pdserve.deployment.spec import SpecError, parse_pddeployment
+from pdserve.deployment.plan.revision import pairing_revision
+from pdserve.deployment.render.groups import render_all
+from pdserve.deployment.render.objects import desired_static_objects, router_pod_selector, template_hash
+from pdserve.deployment.render.routing_table import build_routing_table
+from pdserve.deployment.spec.pddeployment import SpecError, parse_pddeployment
 from pdserve.deployment.validate import problems
 from pdserve.routing import Role
 from tests.unit.test_deployment_objects import GOLDEN, UPDATE, all_ready, shape_manifest

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from pdserve.deployment.spec import (
+from pdserve.deployment.spec.pddeployment import (
     KVTransferSpec,
     PDDeployment,
     RoleSpec,

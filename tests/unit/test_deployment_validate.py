@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from pdserve.deployment.spec import PDDeployment, parse_pddeployment
+from pdserve.deployment.spec.pddeployment import PDDeployment, parse_pddeployment
 from pdserve.deployment.validate import problems
 
 
@@ -166,7 +166,7 @@ def test_moriio_needs_amd_gpus_for_vllm() -> None:
 
 
 def test_routers_and_sim_engines_run_the_operators_image_unless_the_spec_names_one() -> None:
-    from pdserve.deployment.groups import render_all
+    from pdserve.deployment.render.groups import render_all
     from pdserve.deployment.validate import with_pdserve_image
 
     mine = "registry.example.com/pdserve:0.1.0"

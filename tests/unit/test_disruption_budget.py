@@ -13,15 +13,20 @@ from typing import Any
 import pytest
 
 from pdserve.deployment import cli as render_cli
-from pdserve.deployment.groups import render_all
-from pdserve.deployment.objects import (
+from pdserve.deployment.render.groups import render_all
+from pdserve.deployment.render.objects import (
     disruption_budget,
     disruption_budget_name,
     instance_pod,
     role_selector,
     template_hash,
 )
-from pdserve.deployment.spec import DisruptionBudgetSpec, PDDeployment, SpecError, parse_pddeployment
+from pdserve.deployment.spec.pddeployment import (
+    DisruptionBudgetSpec,
+    PDDeployment,
+    SpecError,
+    parse_pddeployment,
+)
 from pdserve.local.plan import SimTimings, plan_local_run
 from pdserve.routing import Role
 

@@ -1,4 +1,4 @@
-"""When a draining pod may go (pdserve.deployment.drain), on reports parsed from real
+"""When a draining pod may go (pdserve.deployment.plan.drain), on reports parsed from real
 /routing/served answers of the proxy's own view, and how the status summarizes the routers."""
 
 from __future__ import annotations
@@ -10,15 +10,15 @@ from typing import Any
 import pytest
 from aiohttp import web
 
-from pdserve.deployment.drain import (
+from pdserve.deployment.plan.drain import (
     DrainReason,
     RouterReport,
     drain_verdict,
     parse_served,
     summarize,
 )
-from pdserve.deployment.rollout import ActionKind, ObservedPod, RolloutPolicy, plan_role
-from pdserve.deployment.status import Observation, compute_status
+from pdserve.deployment.plan.rollout import ActionKind, ObservedPod, RolloutPolicy, plan_role
+from pdserve.deployment.plan.status import Observation, compute_status
 from pdserve.operator.routers import fetch_reports, ready_router_addresses
 from pdserve.proxy.metrics import ProxyMetrics
 from pdserve.proxy.state.health import SlotBook

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pdserve.deployment.spec import PDDeployment, RoleSpec, load_manifest_file
+from pdserve.deployment.spec.pddeployment import PDDeployment, RoleSpec, load_manifest_file
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 SHAPES = ("1p-tp8-1d-tp8", "2p-tp8-1d-dp8ep", "2p-tp8-2d-tp8", "2p-dp8ep-3d-dp8ep", "2p-dp8ep-4d-tp8")
@@ -97,7 +97,7 @@ STORAGE = {
 
 @pytest.mark.parametrize("name", sorted(STORAGE))
 def test_storage_examples_show_what_their_name_says(name: str) -> None:
-    from pdserve.deployment.storage import served_from_disk
+    from pdserve.deployment.spec.storage import served_from_disk
 
     pdd = _load(EXAMPLES / "storage" / f"{name}.yaml")
     cache, token, on_disk = STORAGE[name]
@@ -153,7 +153,7 @@ def test_the_scan_sees_the_gpu_examples() -> None:
 
 @pytest.mark.parametrize("path", _gpu_examples(), ids=lambda p: str(p.relative_to(EXAMPLES)))
 def test_a_gpu_example_caches_its_model_and_says_its_gpus_and_memory(path: Path) -> None:
-    from pdserve.deployment.storage import served_from_disk
+    from pdserve.deployment.spec.storage import served_from_disk
 
     pdd = _load(path)
     assert pdd.spec.model_cache is not None or served_from_disk(pdd.spec.model), (
@@ -194,7 +194,7 @@ def test_the_first_example_and_its_sim_variant_are_one_deployment() -> None:
 
 
 def test_the_rdma_example_gives_both_roles_the_hcas_and_ucx_settings() -> None:
-    from pdserve.deployment.groups import render_all
+    from pdserve.deployment.render.groups import render_all
 
     pdd = _load(EXAMPLES / "rdma" / "nixl-ib-1p-tp8-1d-tp8.yaml")
     pods = [o for o in render_all(pdd) if o["kind"] == "Pod"]

@@ -1,4 +1,4 @@
-"""Multi-node groups judged as one unit (pdserve.deployment.gangs, pdserve.operator.views.gang_pass)."""
+"""Multi-node groups judged as one unit (pdserve.deployment.plan.gangs, pdserve.operator.views.gang_pass)."""
 
 from __future__ import annotations
 
@@ -6,13 +6,13 @@ from typing import Any
 
 import pytest
 
-from pdserve.deployment.gangs import (
+from pdserve.deployment.plan.gangs import (
     Group,
     Member,
     Verdict,
     judge,
 )
-from pdserve.deployment.objects import (
+from pdserve.deployment.render.objects import (
     GROUP_FORMED_ANNOTATION,
     GROUP_LABEL,
     GROUP_NODE_LABEL,
@@ -21,8 +21,8 @@ from pdserve.deployment.objects import (
     ROLE_LABEL,
     TEMPLATE_HASH_LABEL,
 )
-from pdserve.deployment.routing import NodeEndpoint
-from pdserve.deployment.spec import parse_pddeployment
+from pdserve.deployment.render.routing_table import NodeEndpoint
+from pdserve.deployment.spec.pddeployment import parse_pddeployment
 from pdserve.operator.views import gang_pass, lws_stand_in, pod_view
 
 TIMEOUT = 600.0

@@ -6,8 +6,8 @@ from typing import Any
 
 import pytest
 
-from pdserve.deployment.objects import instance_pod
-from pdserve.deployment.spec import PDDeployment, SpecError
+from pdserve.deployment.render.objects import instance_pod
+from pdserve.deployment.spec.pddeployment import PDDeployment, SpecError
 from pdserve.deployment.validate import problems
 from pdserve.routing import Role
 from tests.support.specs import pdd_of

@@ -53,7 +53,7 @@ def test_unavailable_names_the_flag_and_skips_port_zero(busy: int) -> None:
                 "--host",
                 "127.0.0.1",
                 "--port",
-                "0",
+                "FREE",
                 "--admin-port",
             ],
             "--admin-port",
@@ -65,6 +65,9 @@ def test_unavailable_names_the_flag_and_skips_port_zero(busy: int) -> None:
 def test_a_second_server_on_the_same_port_says_so_in_one_line(
     busy: int, command: list[str], flag: str
 ) -> None:
+    with socket.socket() as free:  # a port nothing listens on, for the flag that is not the busy one
+        free.bind(("127.0.0.1", 0))
+        command = [str(free.getsockname()[1]) if c == "FREE" else c for c in command]
     result = subprocess.run(
         [sys.executable, "-m", "pdserve.cli", *command, str(busy)],
         capture_output=True,

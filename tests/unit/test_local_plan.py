@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
-from pdserve.deployment.objects import instance_pod, router_deployment
-from pdserve.deployment.spec import PDDeployment, load_manifest_file
+from pdserve.deployment.render.objects import instance_pod, router_deployment
+from pdserve.deployment.spec.pddeployment import PDDeployment, load_manifest_file
 from pdserve.local.plan import LOOPBACK, PlanError, SimTimings, plan_local_run
 from pdserve.local.view import instance_rows, render_frame, summary_line
 from pdserve.routing import Role
@@ -45,6 +45,23 @@ def _sidecar(pdd: PDDeployment) -> PDDeployment:
 
 def _flag(argv: tuple[str, ...], flag: str) -> str:
     return argv[argv.index(flag) + 1]
+
+
+def test_sim_profile_gives_every_engine_the_profile_and_its_own_kv_port() -> None:
+    pdd = _example("sim/quickstart.yaml")
+    count = pdd.spec.prefill.instances + pdd.spec.decode.instances
+    plan = plan_local_run(
+        pdd,
+        "sim",
+        list(range(9001, 9001 + count)),
+        8000,
+        "/run/routing.json",
+        SimTimings(profile="cpu-tiny-llama"),
+        PYTHON,
+        side_channel_ports=[7100 + 10 * i for i in range(count)],
+    )
+    assert [_flag(e.argv, "--profile") for e in plan.engines] == ["cpu-tiny-llama"] * count
+    assert [e.argv[-2:] for e in plan.engines] == [("--kv-port", str(7100 + 10 * i)) for i in range(count)]
 
 
 def test_one_sim_process_per_instance_with_its_dp_size() -> None:
@@ -234,7 +251,7 @@ def test_summary_line_gives_totals_and_spread() -> None:
 
 
 def _multinode(api_servers: str = "perNode", **decode: Any) -> PDDeployment:
-    from pdserve.deployment.spec import parse_pddeployment
+    from pdserve.deployment.spec.pddeployment import parse_pddeployment
 
     return parse_pddeployment(
         {

@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pdserve.deployment.groupflags import GroupMember, group_flags
-from pdserve.deployment.multinode import (
+from pdserve.deployment.render.groupflags import GroupMember, group_flags
+from pdserve.deployment.spec.multinode import (
     API_LEADER,
     API_PER_NODE,
     GroupShape,
@@ -18,7 +18,7 @@ from pdserve.deployment.multinode import (
     group_shape,
     uniform_gpus_per_node,
 )
-from pdserve.deployment.spec import SpecError
+from pdserve.deployment.spec.pddeployment import SpecError
 
 
 @dataclass(frozen=True)

@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
-from pdserve.deployment.drain import RouterReport, drain_verdict
-from pdserve.deployment.spec import parse_pddeployment
+from pdserve.deployment.plan.drain import RouterReport, drain_verdict
+from pdserve.deployment.spec.pddeployment import parse_pddeployment
 from pdserve.operator import routers as routers_module
 from pdserve.operator.routers import Routers
 from tests.unit.test_deployment_objects import shape_manifest

@@ -1,4 +1,4 @@
-"""What installing pdserve asks of a machine: `make demo` needs the package and its demo extra
+"""What installing pdserve asks of a machine: `make demo` needs the package and its plot extra
 only (wheels everywhere), the benchmark's peer stays in the bench extra, and the license is an
 SPDX expression (setuptools refuses the old table form from 2027-02-18)."""
 
@@ -21,15 +21,15 @@ def test_the_license_is_an_spdx_string() -> None:
     assert PROJECT["license"] == "Apache-2.0"
 
 
-def test_the_demo_extra_is_only_the_chart_and_vllm_router_only_in_bench() -> None:
-    assert _names(EXTRAS["demo"]) == {"matplotlib"}
+def test_the_plot_extra_is_only_the_chart_and_vllm_router_only_in_bench() -> None:
+    assert _names(EXTRAS["plot"]) == {"matplotlib"}
     everything_but_bench = PROJECT["dependencies"] + [r for k, v in EXTRAS.items() if k != "bench" for r in v]
     assert "vllm-router" not in _names(everything_but_bench)
     assert "vllm-router" in _names(EXTRAS["bench"])
-    assert "pdserve[operator,demo]" in EXTRAS["dev"]  # the test suite draws the chart too
+    assert "pdserve[operator,plot]" in EXTRAS["dev"]  # the test suite draws the charts too
 
 
-def test_make_demo_installs_the_demo_extra_only() -> None:
+def test_make_demo_installs_the_plot_extra_only() -> None:
     makefile = (REPO / "Makefile").read_text()
     target = re.search(r"^demo: (\S+)\n", makefile, re.MULTILINE)
     assert target is not None, "make demo has a prerequisite"
@@ -38,5 +38,5 @@ def test_make_demo_installs_the_demo_extra_only() -> None:
     )
     assert recipe is not None, f"the rule for {target.group(1)}"
     assert (
-        "-e '.[demo]'" in recipe.group(1) and "bench" not in recipe.group(1) and "dev" not in recipe.group(1)
+        "-e '.[plot]'" in recipe.group(1) and "bench" not in recipe.group(1) and "dev" not in recipe.group(1)
     )

@@ -1,16 +1,12 @@
-"""The pod runner's kubelet rules (hack/cluster/runner_spec.py): expansion, addresses, back-off, refusals."""
+"""The pod runner's kubelet rules (hack/cluster/runner/spec.py): expansion, addresses, back-off, refusals."""
 
 from __future__ import annotations
 
-import sys
 from fractions import Fraction
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "hack" / "cluster"))
-
-import runner_spec as rs
+from hack.cluster.runner import spec as rs
 
 
 @pytest.mark.parametrize(

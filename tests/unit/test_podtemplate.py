@@ -9,10 +9,10 @@ from typing import Any
 import pytest
 import yaml
 
-from pdserve.deployment import owned as pt
-from pdserve.deployment.objects import instance_pod, router_deployment, template_hash
-from pdserve.deployment.podtemplate import PodTemplate, merge_metadata, merge_pod_spec, parse_template
-from pdserve.deployment.spec import SpecError
+from pdserve.deployment.render.objects import instance_pod, router_deployment, template_hash
+from pdserve.deployment.spec import owned as pt
+from pdserve.deployment.spec.pddeployment import SpecError
+from pdserve.deployment.spec.podtemplate import PodTemplate, merge_metadata, merge_pod_spec, parse_template
 from pdserve.deployment.validate import problems
 from pdserve.routing import Role
 from tests.support.specs import pdd_of

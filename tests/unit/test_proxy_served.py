@@ -172,18 +172,13 @@ def test_run_prints_the_error_and_exits_2(capsys: pytest.CaptureFixture[str]) ->
 
 
 def test_shutdown_flags_and_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    settings = cli.settings_from_args(parse_args("--routing-file", "a"))
-    assert (settings.grace_seconds, settings.shutdown_delay_seconds) == (120.0, 0.0)
-    assert (
-        cli.settings_from_args(parse_args("--routing-file", "a", "--grace-seconds", "7")).grace_seconds == 7
-    )
+    def server(*argv: str) -> tuple[float, float]:
+        settings = cli.settings_from_args(parse_args("--routing-file", "a", *argv)).server
+        return settings.grace_seconds, settings.shutdown_delay_seconds
+
+    assert server() == (120.0, 0.0)
+    assert server("--grace-seconds", "7")[0] == 7
     monkeypatch.setenv("PDSERVE_PROXY_SHUTDOWN_GRACE_SECONDS", "45")
     monkeypatch.setenv("PDSERVE_PROXY_SHUTDOWN_DELAY_SECONDS", "3")
-    settings = cli.settings_from_args(parse_args("--routing-file", "a"))
-    assert (settings.grace_seconds, settings.shutdown_delay_seconds) == (45.0, 3.0)
-    assert (
-        cli.settings_from_args(
-            parse_args("--routing-file", "a", "--shutdown-grace-seconds", "9")
-        ).grace_seconds
-        == 9
-    )
+    assert server() == (45.0, 3.0)
+    assert server("--shutdown-grace-seconds", "9")[0] == 9

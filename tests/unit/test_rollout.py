@@ -1,4 +1,4 @@
-"""Rollout planning: every rule of pdserve.deployment.rollout, and whole rollouts driven to the end."""
+"""Rollout planning: every rule of pdserve.deployment.plan.rollout, and whole rollouts driven to the end."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from dataclasses import replace
 
 import pytest
 
-from pdserve.deployment.rollout import (
+from pdserve.deployment.plan.rollout import (
     Action,
     ActionKind,
     ObservedPod,

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pdserve.deployment.objects import instance_pod
-from pdserve.deployment.scheduling import (
+from pdserve.deployment.plan.scheduling import (
     GATE,
     Placement,
     gate_new,
@@ -14,8 +13,9 @@ from pdserve.deployment.scheduling import (
     unschedulable_messages,
     with_gate,
 )
-from pdserve.deployment.spec import parse_pddeployment
-from pdserve.deployment.status import Observation, compute_status
+from pdserve.deployment.plan.status import Observation, compute_status
+from pdserve.deployment.render.objects import instance_pod
+from pdserve.deployment.spec.pddeployment import parse_pddeployment
 from pdserve.routing import Role
 
 NOW = "2026-12-03T00:00:00Z"

@@ -7,9 +7,9 @@ from typing import Any
 
 import pytest
 
-from pdserve.deployment.groups import render_all
-from pdserve.deployment.objects import instance_pod, router_deployment, router_service
-from pdserve.deployment.spec import PDDeployment, SpecError
+from pdserve.deployment.render.groups import render_all
+from pdserve.deployment.render.objects import instance_pod, router_deployment, router_service
+from pdserve.deployment.spec.pddeployment import PDDeployment, SpecError
 from pdserve.deployment.validate import problems
 from pdserve.routing import Role
 from tests.support.specs import pdd_of

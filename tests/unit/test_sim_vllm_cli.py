@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
-from pdserve.deployment.objects import instance_pod
-from pdserve.deployment.spec import parse_pddeployment
+from pdserve.deployment.render.objects import instance_pod
+from pdserve.deployment.spec.pddeployment import parse_pddeployment
 from pdserve.routing import Role
 from pdserve.sim import vllm_cli
 
@@ -136,3 +136,44 @@ def test_rendered_sim_commands_parse_with_the_simulators_own_parser(shape: str) 
         args = parser.parse_args([a.replace("$(POD_IP)", "127.128.128.3") for a in argv[2:]])
         rs = pdd.spec.role(role)
         assert (args.role, args.dp_size, args.tp_size) == (role.value, rs.data_parallel, rs.tensor_parallel)
+
+
+def test_engine_flags_reach_the_simulator_under_their_names() -> None:
+    serve = vllm_cli.parse(
+        [
+            "m", "--max-num-seqs", "64", "--max_num_batched_tokens=512", "--block-size", "32",
+            "--num-gpu-blocks-override", "100", "--no-enable-prefix-caching",
+            "--enable-prompt-tokens-details", "--kv-transfer-config",
+            '{"kv_connector":"NixlConnector","kv_role":"kv_producer",'
+            '"kv_connector_extra_config":{"kv_lease_duration":12}}',
+        ]
+    )  # fmt: skip
+    argv = vllm_cli.sim_argv(serve, {"PDSERVE_SIM_PROFILE": "cpu-tiny-llama"})
+    tail = argv[argv.index("--max-num-seqs") :]
+    assert tail == [
+        "--max-num-seqs", "64", "--max-num-batched-tokens", "512", "--block-size", "32",
+        "--num-gpu-blocks-override", "100", "--kv-lease-duration", "12", "--no-enable-prefix-caching",
+        "--enable-prompt-tokens-details", "--profile", "cpu-tiny-llama",
+    ]  # fmt: skip
+    parser = __import__("argparse").ArgumentParser()
+    vllm_cli.sim_cli.configure(parser)
+    args = parser.parse_args(argv)
+    assert (args.max_num_seqs, args.block_size, args.enable_prefix_caching) == (64, 32, False)
+    assert args.profile == "cpu-tiny-llama" and args.kv_lease_duration == 12
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--max-num-seqs", "0"], "--max-num-seqs must be >= 1"),
+        (["--enable-prefix-caching", "--no-enable-prefix-caching"], "together"),
+        (
+            ["--kv-transfer-config", '{"kv_connector":"NixlConnector","kv_role":"kv_producer",'
+             '"kv_connector_extra_config":{"kv_lease_duration":-1}}'],
+            "kv_lease_duration",
+        ),
+    ],
+)  # fmt: skip
+def test_bad_engine_flags_are_refused(args: list[str], message: str) -> None:
+    with pytest.raises(vllm_cli.Refused, match=message):
+        vllm_cli.parse(["m", *args])

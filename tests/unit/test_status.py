@@ -6,8 +6,8 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
-from pdserve.deployment.rollout import ObservedPod
-from pdserve.deployment.status import Observation, RoleObservation, compute_status
+from pdserve.deployment.plan.rollout import ObservedPod
+from pdserve.deployment.plan.status import Observation, RoleObservation, compute_status
 from pdserve.routing.table import Role
 
 T0 = "2025-01-01T00:00:00Z"

@@ -6,9 +6,9 @@ from typing import Any
 
 import pytest
 
-from pdserve.deployment.objects import instance_pod
-from pdserve.deployment.spec import PDDeployment, SpecError
-from pdserve.deployment.storage import HF_CACHE
+from pdserve.deployment.render.objects import instance_pod
+from pdserve.deployment.spec.pddeployment import PDDeployment, SpecError
+from pdserve.deployment.spec.storage import HF_CACHE
 from pdserve.deployment.validate import problems
 from pdserve.routing import Role
 from tests.support import specs

@@ -25,9 +25,13 @@ import pytest
 from aiohttp.test_utils import TestServer
 
 from pdserve.proxy.serving.generation import parse_request
+from pdserve.sim.engine.profile import load as load_profile
+from pdserve.sim.engine.runtime import EngineSetup
+from pdserve.sim.engine.scheduler import EngineConfig
 from pdserve.sim.payloads import Identity
 from pdserve.sim.server import SimConfig, Simulator
 from pdserve.wire.openai import VALIDATION_ERROR_TYPE, RequestError, error_type, normalize_error_body
+from tests.support.procs import free_port
 from tests.support.vllm_fixtures import (
     FIXTURES,
     events_problems,
@@ -88,15 +92,24 @@ class Sims:
         return out
 
 
-def _sim(role: str, dp_size: int, name: str) -> Simulator:
-    identity = Identity(MODEL, name, "127.0.0.1", 5600, max_model_len=MAX_MODEL_LEN)
-    return Simulator(SimConfig(role=role, dp_size=dp_size, ttft_ms=0, itl_ms=0, tokens=4, identity=identity))
+def _sim(role: str, dp_size: int, name: str, engine: bool) -> Simulator:
+    identity = Identity(MODEL, name, "127.0.0.1", free_port(), max_model_len=MAX_MODEL_LEN)
+    setup = None
+    if engine:  # the step engine with the profile of the model the fixtures were recorded with
+        profile = load_profile("cpu-tiny-llama")
+        d = profile.engine
+        config = EngineConfig(d.max_num_seqs, d.max_num_batched_tokens, d.block_size, d.num_gpu_blocks, 512)
+        setup = EngineSetup(profile, config)
+    return Simulator(
+        SimConfig(role=role, dp_size=dp_size, ttft_ms=0, itl_ms=0, tokens=4, identity=identity, engine=setup)
+    )
 
 
-@pytest.fixture
-async def sims() -> AsyncIterator[Sims]:
-    prefill = TestServer(_sim("prefill", 1, "tiny-prefill-0").app(), host="127.0.0.1")
-    decode = TestServer(_sim("decode", 2, "tiny-decode-0").app(), host="127.0.0.1")
+@pytest.fixture(params=["fixed", "engine"])
+async def sims(request: pytest.FixtureRequest) -> AsyncIterator[Sims]:
+    engine = request.param == "engine"
+    prefill = TestServer(_sim("prefill", 1, "tiny-prefill-0", engine).app(), host="127.0.0.1")
+    decode = TestServer(_sim("decode", 2, "tiny-decode-0", engine).app(), host="127.0.0.1")
     await prefill.start_server()
     await decode.start_server()
     async with aiohttp.ClientSession() as session:

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pdserve.deployment.spec import SpecError, parse_spec
+from pdserve.deployment.spec.pddeployment import SpecError, parse_spec
 from pdserve.local import vllm_env
 from pdserve.sim import vllm_cli
 from pdserve.wire import vllm

@@ -1,22 +1,22 @@
-"""Decode-sidecar mode (``pdserve proxy --local-decode URL``): the router inside a decode pod.
+"""Readiness (``/ready``): whether this router may take new requests, and why not.
 
-The slots come from :func:`pdserve.routing.sidecar.build_sidecar_slot_table` (every prefill of
-the local engine's revision, rotated to this sidecar's offset; the decode leg always on the
-local engine, its DP ranks walked here). The dispatcher, connectors, retries, deadlines and
-metrics are the standalone router's: with one decode instance, a retry after a failed prefill
-goes to another prefill, a decode that fails is retried on another local rank after a new
-prefill, and a local engine that refuses connections gets 503 before any prefill is spent.
+Readiness is what keeps a Service from sending requests the router cannot serve. A standalone
+router is ready while it serves a table with a routable prefill and decode, until SIGTERM.
 
-Readiness (``/ready``) is what keeps a Service from sending requests this pod cannot serve:
-503 while the local engine's ``/health`` does not answer 200, while the served table has no
-routable prefill of the local revision, and from the moment the operator marks this pod
-``draining`` in the table (the Service then stops sending to it; what is in flight finishes,
-and the operator deletes the pod once it is unready and this sidecar reports it idle).
+In decode-sidecar mode (``pdserve proxy --local-decode URL``) the router runs inside a decode
+pod (its slots: :func:`pdserve.routing.sidecar.build_sidecar_slot_table`; the dispatcher,
+retries and deadlines are the standalone router's). It is not ready while the local engine's
+``/health`` does not answer 200, while the served table has no routable prefill of the local
+revision, and from the moment the operator marks this pod ``draining`` in the table (the
+Service then stops sending to it; what is in flight finishes, and the operator deletes the pod
+once it is unready and this sidecar reports it idle).
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
+from typing import Any
 
 import aiohttp
 
@@ -68,3 +68,32 @@ async def local_engine_problem(
         return f"local engine {url} did not answer within {timeout:g} s"
     except aiohttp.ClientError as exc:
         return f"local engine {url} unreachable: {type(exc).__name__} {exc}".rstrip()
+
+
+async def readiness(
+    served: ServedTable,
+    local: LocalDecode | None,
+    session: aiohttp.ClientSession,
+    stopping: Callable[[], bool],
+) -> tuple[dict[str, Any], int]:
+    """The ``/ready`` answer: its body and status (200 ready, 503 with the reason)."""
+    state = served.current
+    if local is None:
+        reason = served.not_ready_reason()
+    else:  # decode sidecar: its own engine, and a prefill of its revision
+        reason = sidecar_not_ready_reason(served, local)
+        if reason is None:
+            reason = await local_engine_problem(session, local)
+    if stopping():
+        reason = "shutting down (SIGTERM): finishing in-flight requests, taking no new ones"
+    payload: dict[str, Any] = {
+        "ready": reason is None,
+        "generation": state.generation if state else None,
+        "prefill_slots": len(state.slots.prefill) if state else 0,
+        "decode_slots": len(state.slots.decode) if state else 0,
+    }
+    if local is not None:
+        payload["local_decode"] = local.url
+    if reason is not None:
+        payload["reason"] = reason
+    return payload, 200 if reason is None else 503

@@ -20,9 +20,10 @@ import contextlib
 import logging
 import time
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
-from pdserve.proxy.engine.upstream import BackendRefusal, Upstream
+from pdserve.proxy.engine.upstream import BackendRefusal
 from pdserve.proxy.flow.admission import (
     SHED_QUEUE_FULL,
     SHED_QUEUE_TIMEOUT,
@@ -41,13 +42,13 @@ from pdserve.proxy.flow.attempts import (
     no_slot_detail,
     no_slot_reply,
 )
-from pdserve.proxy.flow.legs import LegRunner
+from pdserve.proxy.flow.legs import Engines, LegRunner
 from pdserve.proxy.flow.reply import JSON, Reply, ReplyStream, error_reply
 from pdserve.proxy.flow.sequences import MergedStream, Split, merge_answers
-from pdserve.proxy.flow.trace import Deadlines, Trace
+from pdserve.proxy.flow.trace import Trace
 from pdserve.proxy.metrics import ProxyMetrics
 from pdserve.proxy.policies import Policy
-from pdserve.proxy.settings import DEFAULT_KV_LEASE_S, DEFAULT_MAX_FAN_OUT
+from pdserve.proxy.settings import RetrySettings
 from pdserve.proxy.state.health import SlotBook
 from pdserve.proxy.state.shared import SharedState
 from pdserve.proxy.table.served import RoutingState, ServedTable
@@ -58,28 +59,34 @@ log = logging.getLogger("pdserve.proxy.request")
 SHED_REASONS = frozenset({SHED_QUEUE_FULL, SHED_QUEUE_TIMEOUT})
 
 
+@dataclass(frozen=True)
+class Slots:
+    """Which slots a request may use: the table being served, the policy that orders its slots,
+    and the book of what each slot is doing (in flight, ejected)."""
+
+    served: ServedTable
+    policy: Policy
+    book: SlotBook
+
+
 class Dispatcher(LegRunner):
+    """Serves generation requests: for each, the slots to try and the attempts, under the retry
+    rules; ``shared``: the state of worker processes (None when this process serves alone)."""
+
     def __init__(
         self,
-        served: ServedTable,
-        policy: Policy,
-        book: SlotBook,
-        upstream: Upstream,
+        slots: Slots,
+        engines: Engines,
+        retries: RetrySettings,
+        admission: AdmissionGate,
         metrics: ProxyMetrics,
-        deadlines: Deadlines,
-        max_retries: int,
-        backend_api_key: str | None,
-        kv_lease_seconds: float = DEFAULT_KV_LEASE_S,
-        max_fan_out: int = DEFAULT_MAX_FAN_OUT,
-        admission: AdmissionGate | None = None,
         shared: SharedState | None = None,
     ) -> None:
-        super().__init__(book, upstream, metrics, deadlines, backend_api_key, admission)
-        self.served = served
-        self.policy = policy
-        self.max_retries = max_retries
-        self.kv_lease_seconds = kv_lease_seconds
-        self.max_fan_out = max_fan_out
+        super().__init__(slots.book, engines, metrics, admission)
+        self.served = slots.served
+        self.policy = slots.policy
+        self.max_retries = retries.max_retries
+        self.kv_lease_seconds = retries.kv_lease_seconds
         self._ids_in_flight: dict[str, int] = {}
         self._renamed = 0
         self._claims = shared.claims if shared is not None else None  # worker processes

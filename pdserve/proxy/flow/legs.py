@@ -12,6 +12,7 @@ import logging
 import random
 import time
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from pdserve.proxy.connectors import Connector, LegPlan
@@ -27,8 +28,9 @@ from pdserve.proxy.flow.attempts import (
 )
 from pdserve.proxy.flow.relay import RelayStream
 from pdserve.proxy.flow.reply import JSON, Reply
-from pdserve.proxy.flow.trace import Deadlines, Trace
+from pdserve.proxy.flow.trace import Trace
 from pdserve.proxy.metrics import ProxyMetrics
+from pdserve.proxy.settings import DeadlineSettings
 from pdserve.proxy.state.health import SlotBook
 from pdserve.proxy.table.served import RoutingState
 from pdserve.routing import Role, Slot
@@ -37,24 +39,32 @@ from pdserve.wire.headers import AUTHORIZATION, DP_RANK, REQUEST_ID
 log = logging.getLogger("pdserve.proxy.request")
 
 
+@dataclass(frozen=True)
+class Engines:
+    """How a leg reaches an engine: the client, the deadlines, and the key the engines expect
+    (None: the client's Authorization header is forwarded)."""
+
+    upstream: Upstream
+    deadlines: DeadlineSettings
+    backend_api_key: str | None = None
+
+
 class LegRunner:
     """Runs legs against the upstreams; the dispatcher (pdserve.proxy.flow.dispatcher) decides which."""
 
     def __init__(
         self,
         book: SlotBook,
-        upstream: Upstream,
+        engines: Engines,
         metrics: ProxyMetrics,
-        deadlines: Deadlines,
-        backend_api_key: str | None,
         admission: AdmissionGate | None = None,
     ) -> None:
         self.book = book
         self.admission = admission or AdmissionGate(0, 0, 0.0, metrics)
-        self.upstream = upstream
+        self.upstream = engines.upstream
         self.metrics = metrics
-        self.deadlines = deadlines
-        self.backend_api_key = backend_api_key
+        self.deadlines = engines.deadlines
+        self.backend_api_key = engines.backend_api_key
         self.unreachable = book.unreachable
 
     def _close(self, trace: Trace, status: int, outcome: str) -> None:

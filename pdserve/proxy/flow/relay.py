@@ -14,8 +14,9 @@ from typing import Any, NoReturn, Protocol
 
 from pdserve.proxy.engine import codec, h1
 from pdserve.proxy.engine.upstream import OpenStream
-from pdserve.proxy.flow.trace import Deadlines, Trace
+from pdserve.proxy.flow.trace import Trace
 from pdserve.proxy.metrics import ProxyMetrics
+from pdserve.proxy.settings import DeadlineSettings
 from pdserve.routing import Role, Slot
 from pdserve.wire.openai import error_body
 
@@ -23,7 +24,7 @@ from pdserve.wire.openai import error_body
 class LegOwner(Protocol):
     """The leg runner that opened the stream: its deadlines and metrics, and how a leg ends."""
 
-    deadlines: Deadlines
+    deadlines: DeadlineSettings
     metrics: ProxyMetrics
 
     def _leg_finished(self, role: Role, slot: Slot, outcome: str) -> None: ...

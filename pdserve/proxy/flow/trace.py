@@ -1,7 +1,7 @@
-"""What one request carries through its attempts: its deadlines, and its trace for the one log line.
+"""What one request carries through its attempts, for its one log line and its metrics.
 
 Apart from the dispatcher and the legs so that the relay (pdserve.proxy.flow.relay), which the
-legs hand a stream to, reads them without importing the legs.
+legs hand a stream to, reads it without importing the legs.
 """
 
 from __future__ import annotations
@@ -10,13 +10,6 @@ import time
 from dataclasses import dataclass, field
 
 from pdserve.proxy.flow.attempts import Handoff
-
-
-@dataclass(frozen=True)
-class Deadlines:
-    prefill_ttfb: float  # whole prefill answer (it is one token)
-    decode_ttfb: float  # first chunk of a stream; the whole answer when not streaming
-    stream_idle: float  # between two chunks of a stream
 
 
 @dataclass

@@ -3,8 +3,8 @@
 Over k·L consecutive requests each of the L live slots gets exactly k (the routing-table
 property), because every live slot appears once per cycle of the list; a slot that is ejected or
 unreachable is left out of the cycle rather than passing its turn to its neighbour. With several
-worker processes the counter lives in shared memory (pdserve.proxy.policies.counters), and so do the
-ejections, so it is still the router's only counter over one live set and the property holds
+worker processes the counter lives in shared memory (pdserve.proxy.policies.counters), and so do
+the ejections, so it is still the router's only counter over one live set and the property holds
 for the router as a whole.
 """
 

@@ -22,6 +22,7 @@ from pdserve.proxy.flow.dispatcher import Dispatcher
 from pdserve.proxy.flow.reply import Reply
 from pdserve.proxy.flow.sequences import plan_split
 from pdserve.proxy.serving.ports import refused_here
+from pdserve.proxy.settings import RequestSettings
 from pdserve.wire.headers import ERROR_REASON
 from pdserve.wire.openai import (
     Endpoint,
@@ -76,14 +77,14 @@ class GenerationApp:
         self,
         dispatcher: Dispatcher,
         fallback: ASGIApp,
-        api_key: str | None,
-        max_body_bytes: int,
+        requests: RequestSettings,
         admin_port: int | None = None,
     ) -> None:
         self.dispatcher = dispatcher
         self.fallback = fallback
-        self.api_key = api_key
-        self.max_body_bytes = max_body_bytes
+        self.api_key = requests.api_key
+        self.max_body_bytes = requests.max_body_bytes
+        self.max_sequences = requests.max_sequences
         self.admin_port = admin_port
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -204,7 +205,7 @@ class GenerationApp:
     ) -> None:
         try:
             checked = parse_request(raw, endpoint)
-            split = plan_split(checked, endpoint, self.dispatcher.max_fan_out)
+            split = plan_split(checked, endpoint, self.max_sequences)
         except RequestError as exc:
             self._refused(request_id, path, exc)
             await _send_reply(send, _error_reply(exc), request_id)

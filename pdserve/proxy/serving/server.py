@@ -27,6 +27,7 @@ from hypercorn.config import Config as HypercornConfig
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
 
 from pdserve.proxy.serving.generation import PUSH_BODY, GenerationApp
+from pdserve.proxy.serving.worker_views import WorkerInfo
 from pdserve.proxy.settings import ProxySettings
 from pdserve.proxy.state.shared import SharedConnections, SharedState
 
@@ -42,15 +43,15 @@ class Lifecycle:
 
 #: Builds the app a process serves (pdserve.proxy.app.create_app): the server knows how to serve,
 #: not what.
-AppFactory = Callable[[ProxySettings, Lifecycle, SharedState | None], GenerationApp]
+AppFactory = Callable[[ProxySettings, Lifecycle, SharedState | None, WorkerInfo | None], GenerationApp]
 
 
 def hypercorn_config(settings: ProxySettings) -> HypercornConfig:
     config = HypercornConfig()
     config.bind = [f"[{host}]:{port}" if ":" in host else f"{host}:{port}" for host, port in binds(settings)]
-    config.backlog = settings.backlog
-    config.keep_alive_timeout = settings.keep_alive_seconds  # idle client connections between requests
-    config.graceful_timeout = settings.grace_seconds
+    config.backlog = settings.listen.backlog
+    config.keep_alive_timeout = settings.server.keep_alive_seconds  # idle client connections between requests
+    config.graceful_timeout = settings.server.grace_seconds
     config.read_timeout = None
     config.accesslog = None  # one structured line per request comes from the dispatcher instead
     config.errorlog = logging.getLogger("hypercorn.error")  # through our handler, not a second one
@@ -188,17 +189,17 @@ def uvicorn_config(
 ) -> uvicorn.Config:
     return uvicorn.Config(
         app,
-        host=settings.host,
-        port=settings.port,
+        host=settings.listen.host,
+        port=settings.listen.port,
         http=protocol_class(connections),
         ws="none",
         loop="none",  # the caller's loop (uvloop) is the one served on
         lifespan="on",  # Quart's before_serving/after_serving start and stop the upstream client
-        backlog=settings.backlog,
-        timeout_keep_alive=math.ceil(settings.keep_alive_seconds),
+        backlog=settings.listen.backlog,
+        timeout_keep_alive=math.ceil(settings.server.keep_alive_seconds),
         # uvicorn's shutdown: stop accepting, close idle connections, let in-flight requests
         # finish within the grace period, then cancel them (Hypercorn's graceful_timeout).
-        timeout_graceful_shutdown=math.ceil(settings.grace_seconds),
+        timeout_graceful_shutdown=math.ceil(settings.server.grace_seconds),
         access_log=False,
         log_config=None,  # our logging.basicConfig, not uvicorn's handlers
         proxy_headers=False,
@@ -218,9 +219,9 @@ class _UvicornServer(uvicorn.Server):
 def binds(settings: ProxySettings) -> list[tuple[str, int]]:
     """The client address and port, then the admin ones when there is an admin port (ports.py
     decides what each serves)."""
-    binds = [(settings.host, settings.port)]
-    if settings.admin_port is not None:
-        binds.append((settings.admin_host or settings.host, settings.admin_port))
+    binds = [(settings.listen.host, settings.listen.port)]
+    if settings.listen.admin_port is not None:
+        binds.append((settings.listen.admin_host or settings.listen.host, settings.listen.admin_port))
     return binds
 
 
@@ -246,7 +247,7 @@ async def _serve_uvicorn(
 ) -> None:
     server = _UvicornServer(uvicorn_config(app, settings, shared.connections if shared else None))
     # One server on every port (one lifespan, one app); uvicorn binds a single host:port itself.
-    sockets = list(given) or [listen(host, port, settings.backlog) for host, port in binds(settings)]
+    sockets = list(given) or [listen(host, port, settings.listen.backlog) for host, port in binds(settings)]
 
     async def relay_stop() -> None:
         await stop.wait()
@@ -276,13 +277,14 @@ async def serve_until_signalled(
     build: AppFactory,
     shared: SharedState | None = None,
     sockets: Sequence[socket.socket] = (),
+    worker: WorkerInfo | None = None,
 ) -> None:
     """Serve until SIGTERM/SIGINT; then /ready turns 503 at once, connections are still accepted
     for ``shutdown_delay_seconds``, then the server stops accepting and in-flight requests get
     ``grace_seconds`` to finish. A second signal skips what is left of the delay."""
-    serve = SERVERS[settings.http_server]
+    serve = SERVERS[settings.server.http_server]
     lifecycle = Lifecycle()
-    app = build(settings, lifecycle, shared)
+    app = build(settings, lifecycle, shared, worker)
     # What exists now (the modules, the app) lives as long as the process: a full collection
     # need not walk it again (some 57,000 objects, a pause of about 10 ms in the middle of
     # requests, each time). Requests' objects are still collected as before.
@@ -300,11 +302,11 @@ async def serve_until_signalled(
             "%s: not ready from now on; stop accepting in %g s, then let in-flight requests finish "
             "for up to %g s",
             sig.name,
-            settings.shutdown_delay_seconds,
-            settings.grace_seconds,
+            settings.server.shutdown_delay_seconds,
+            settings.server.grace_seconds,
         )
-        if settings.shutdown_delay_seconds > 0:
-            delayed.append(loop.call_later(settings.shutdown_delay_seconds, stop.set))
+        if settings.server.shutdown_delay_seconds > 0:
+            delayed.append(loop.call_later(settings.server.shutdown_delay_seconds, stop.set))
         else:
             stop.set()
 
@@ -312,15 +314,15 @@ async def serve_until_signalled(
         loop.add_signal_handler(sig, signalled, sig)
     log.info(
         "pdserve proxy listening on %s:%d%s (http server %s, policy=%s, backlog=%d, routing table from %s)",
-        settings.host,
-        settings.port,
-        f", admin port {settings.admin_host or settings.host}:{settings.admin_port}"
-        if settings.admin_port is not None
+        settings.listen.host,
+        settings.listen.port,
+        f", admin port {settings.listen.admin_host or settings.listen.host}:{settings.listen.admin_port}"
+        if settings.listen.admin_port is not None
         else "",
-        settings.http_server,
+        settings.server.http_server,
         settings.policy,
-        settings.backlog,
-        settings.source,
+        settings.listen.backlog,
+        settings.table.source,
     )
     try:
         await serve(app, settings, stop, sockets, shared)
@@ -335,10 +337,11 @@ def run_server(
     build: AppFactory,
     shared: SharedState | None = None,
     sockets: Sequence[socket.socket] = (),
+    worker: WorkerInfo | None = None,
 ) -> None:
     try:
         import uvloop
     except ImportError:  # pragma: no cover - uvloop is a dependency on every supported platform
-        asyncio.run(serve_until_signalled(settings, build, shared, sockets))
+        asyncio.run(serve_until_signalled(settings, build, shared, sockets, worker))
         return
-    uvloop.run(serve_until_signalled(settings, build, shared, sockets))
+    uvloop.run(serve_until_signalled(settings, build, shared, sockets, worker))

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-log = logging.getLogger("pdserve.proxy.workers")
+log = logging.getLogger("pdserve.proxy.serving.workers")
 
 VIEWS_TIMEOUT_S = 5.0
 MAX_VIEW_BYTES = 64 * 1024 * 1024

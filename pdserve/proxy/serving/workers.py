@@ -45,7 +45,6 @@ import socket
 import tempfile
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import replace
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -54,14 +53,14 @@ from pdserve.proxy.serving.worker_views import WorkerInfo
 from pdserve.proxy.settings import ProxySettings
 from pdserve.proxy.state.shared import SharedState
 
-log = logging.getLogger("pdserve.proxy.workers")
+log = logging.getLogger("pdserve.proxy.serving.workers")
 
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"  # pdserve.proxy.metrics reads it (not imported here)
 RESTART_DELAY_S = 1.0
 
 #: What each worker runs once forked (pdserve.proxy.cli.serve_process): its imports happen there,
 #: after PROMETHEUS_MULTIPROC_DIR is set.
-ServeProcess = Callable[[ProxySettings, SharedState | None, Sequence[socket.socket]], None]
+ServeProcess = Callable[[ProxySettings, SharedState | None, Sequence[socket.socket], WorkerInfo | None], None]
 
 
 def memory_dir() -> str | None:
@@ -77,8 +76,9 @@ def _worker_main(
     settings: ProxySettings,
     shared: SharedState,
     sockets: list[list[socket.socket]],
-    index: int,
+    worker: WorkerInfo,
 ) -> None:
+    index = worker.index
     signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the server installs its own on its loop
     signal.signal(signal.SIGINT, signal.SIG_DFL)
     for i, own in enumerate(sockets):
@@ -93,12 +93,12 @@ def _worker_main(
 
     pid = os.getpid()
     values.ValueClass = values.MultiProcessValue(lambda: pid)  # type: ignore[no-untyped-call]
-    serve(settings, shared, sockets[index])
+    serve(settings, shared, sockets[index], worker)
 
 
 def run_workers(settings: ProxySettings, serve: ServeProcess) -> int:
-    """Serve with ``settings.workers`` processes until SIGTERM/SIGINT; the exit status."""
-    count = settings.workers
+    """Serve with ``settings.server.workers`` processes until SIGTERM/SIGINT; the exit status."""
+    count = settings.server.workers
     rundir = Path(tempfile.mkdtemp(prefix="pdserve-proxy-", dir=memory_dir()))
     metrics_dir = rundir / "metrics"
     metrics_dir.mkdir()
@@ -111,7 +111,7 @@ def run_workers(settings: ProxySettings, serve: ServeProcess) -> int:
     shared = SharedState(context.Lock(), count)
     try:
         sockets = [
-            [listen(h, p, settings.backlog, reuse_port=True) for h, p in binds(settings)]
+            [listen(h, p, settings.listen.backlog, reuse_port=True) for h, p in binds(settings)]
             for _ in range(count)
         ]
     except OSError as exc:
@@ -122,10 +122,9 @@ def run_workers(settings: ProxySettings, serve: ServeProcess) -> int:
     stopping = {"signals": 0}
 
     def start(index: int) -> None:
-        worker_settings = replace(settings, worker=WorkerInfo(index, count, rundir))
         proc = context.Process(
             target=_worker_main,
-            args=(serve, worker_settings, shared, sockets, index),
+            args=(serve, settings, shared, sockets, WorkerInfo(index, count, rundir)),
             name=f"pdserve-proxy-worker-{index}",
             daemon=False,
         )
@@ -148,7 +147,9 @@ def run_workers(settings: ProxySettings, serve: ServeProcess) -> int:
 
     signal.signal(signal.SIGTERM, forward)
     signal.signal(signal.SIGINT, forward)
-    log.info("pdserve proxy: %d workers on %s:%d (SO_REUSEPORT)", count, settings.host, settings.port)
+    log.info(
+        "pdserve proxy: %d workers on %s:%d (SO_REUSEPORT)", count, settings.listen.host, settings.listen.port
+    )
     for index in range(count):
         start(index)
     status = 0
