@@ -7,7 +7,7 @@ import io
 import signal
 from typing import Any
 
-from pdserve.local.runner import describe_exit
+from pdserve.local.child import describe_exit
 from pdserve.local.view import LiveView, render_frame, request_totals, summary_line
 
 
