@@ -116,6 +116,9 @@ def _wait_serving(up: UpProcess, timeout: float = 60.0) -> dict[str, Any]:
             status, _ = _get(up.url + "/ready")
             if status == 200:
                 _, debug = _get(up.url + "/debug/routing")
+                if debug.get("table") is None:  # a router worker that has not loaded it yet answered
+                    time.sleep(0.1)
+                    continue
                 table = load_routing_table(json.dumps(debug["table"]))
                 sidecars = debug.get("sidecars") or []  # placement decode-sidecar: every one Ready
                 if all(i.routable for i in (*table.prefill, *table.decode)) and all(
