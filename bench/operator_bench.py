@@ -66,6 +66,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from tests.support.specs import NIXL, manifest
+
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results"
 NAMESPACE = "pdserve-bench"
@@ -299,24 +301,21 @@ def pdd_manifest(name: str, shape: Shape, drain_seconds: int, namespace: str = N
             spec["expertParallel"] = True
         return spec
 
-    return {
-        "apiVersion": "pdserve.io/v1alpha1",
-        "kind": "PDDeployment",
-        "metadata": {"name": name, "namespace": namespace},
-        "spec": {
-            "model": "deepseek-ai/DeepSeek-R1",
-            "image": "vllm/vllm-openai:v0.11.0",
-            "engine": "vllm",
-            "kvTransfer": {"connector": "NixlConnector"},
-            "prefill": role(shape.prefill_instances, shape.prefill_dp, shape.prefill_tp, "prefill"),
-            "decode": role(shape.decode_instances, shape.decode_dp, shape.decode_tp, "decode"),
-            "router": {
-                "replicas": shape.router_replicas,
-                "template": {"spec": {"nodeSelector": {POOL_LABEL: "router"}, "tolerations": [TOLERATION]}},
-            },
-            "rollout": {"maxUnavailable": 1, "drainSeconds": drain_seconds},
+    return manifest(
+        name,
+        metadata={"namespace": namespace},
+        model="deepseek-ai/DeepSeek-R1",
+        image="vllm/vllm-openai:v0.11.0",
+        engine="vllm",
+        kvTransfer=NIXL,
+        prefill=role(shape.prefill_instances, shape.prefill_dp, shape.prefill_tp, "prefill"),
+        decode=role(shape.decode_instances, shape.decode_dp, shape.decode_tp, "decode"),
+        router={
+            "replicas": shape.router_replicas,
+            "template": {"spec": {"nodeSelector": {POOL_LABEL: "router"}, "tolerations": [TOLERATION]}},
         },
-    }
+        rollout={"maxUnavailable": 1, "drainSeconds": drain_seconds},
+    )
 
 
 def plain_pods(group: int, shape: Shape, namespace: str) -> list[dict[str, Any]]:

@@ -8,7 +8,11 @@ one system after the other on those same backends:
     file naming the two simulators; ``pdserve-1w`` (``--workers 1``) and ``pdserve-hypercorn`` on
     request (``--systems``);
   * ``vllm-router``: the PyPI router in P/D mode (--vllm-pd-disaggregation --kv-connector nixl);
-  * ``direct``: the client talking to the decode simulator itself, the floor no proxy can beat.
+  * ``direct``: the client talking to the decode simulator itself, the floor no proxy can beat;
+  * with ``--baseline DIR`` (another checkout, e.g. ``git worktree add ../baseline main``), each
+    pdserve system also as ``<system>@baseline``: that checkout's router, same flags, same
+    backends and rounds, so a change's cost on the hot path shows as a ratio of one run
+    (results in bench/results/baseline-latest.md).
 
 Both proxies log at warning (no line per request). The systems run in rounds, each round in the
 reverse order of the previous one (A B C, C B A, ...), so a slow drift of the machine's load
@@ -55,6 +59,14 @@ PDSERVE_SYSTEMS: dict[str, tuple[str, ...]] = {
 }
 SYSTEMS = ("direct", *PDSERVE_SYSTEMS, "vllm-router")
 DEFAULT_SYSTEMS = ("direct", "pdserve", "pdserve-1w", "vllm-router")
+#: ``<pdserve system>@baseline``: the same system run from the ``--baseline`` checkout.
+BASELINE = "@baseline"
+
+
+def pdserve_system(system: str) -> str | None:
+    """The pdserve configuration a system runs (``pdserve-1w@baseline``: ``pdserve-1w``), or None."""
+    name = system.removesuffix(BASELINE)
+    return name if name in PDSERVE_SYSTEMS else None
 
 
 @dataclass(frozen=True)
@@ -98,18 +110,27 @@ def routing_file(prefill: Server, decode: Server, dp_size: int, path: Path) -> P
 
 
 def start_system(
-    system: str, prefill: Server, decode: Server, dp_size: int, logs: Path, limit: CpuLimit | None = None
+    system: str,
+    prefill: Server,
+    decode: Server,
+    dp_size: int,
+    logs: Path,
+    limit: CpuLimit | None = None,
+    baseline: Path | None = None,
 ) -> Server | None:
-    """The proxy under test (inside ``limit`` if given), or None for ``direct``."""
+    """The proxy under test (inside ``limit`` if given), or None for ``direct``; ``baseline``:
+    the checkout the ``@baseline`` systems run."""
     if system == "direct":
         return None
     port = free_port()
-    if system in PDSERVE_SYSTEMS:
+    config = pdserve_system(system)
+    if config is not None:
         table = routing_file(prefill, decode, dp_size, logs / "routing.json")
         argv = [sys.executable, "-m", "pdserve.cli", "proxy", "--routing-file", str(table)]
-        argv += [*PDSERVE_SYSTEMS[system], "--log-level", LOG_LEVEL]
+        argv += [*PDSERVE_SYSTEMS[config], "--log-level", LOG_LEVEL]
         argv += ["--host", "127.0.0.1", "--port", str(port)]
-        return start(system, argv, port, "/ready", logs, limit=limit)
+        tree = baseline if system.endswith(BASELINE) and baseline is not None else REPO
+        return start(system, argv, port, "/ready", logs, limit=limit, tree=tree)
     router = shutil.which("vllm-router", path=str(Path(sys.executable).parent)) or "vllm-router"
     argv = [
         router,
@@ -148,7 +169,7 @@ def bench_system(
     proxy: Server | None = None
     measured = []
     try:
-        proxy = start_system(system, prefill, decode, args.dp_size, logs, limit)
+        proxy = start_system(system, prefill, decode, args.dp_size, logs, limit, args.baseline)
         url = proxy.url if proxy is not None else decode.url
         warm = run_load(url, "stream", 200, 16, args.tokens, 60)
         if warm["failures"]:
@@ -236,11 +257,21 @@ def round_orders(systems: Sequence[str], rounds: int) -> list[list[str]]:
     return [list(systems) if r % 2 == 0 else list(reversed(systems)) for r in range(rounds)]
 
 
-def pdserve_proxy_available() -> bool:
+def pdserve_proxy_available(tree: Path = REPO) -> bool:
+    env = {**os.environ, "PYTHONPATH": str(tree)}
+    code = "import pdserve, pdserve.proxy.cli, sys; sys.exit(not pdserve.__file__.startswith(sys.argv[1]))"
     done = subprocess.run(
-        [sys.executable, "-c", "import pdserve.proxy.cli"], cwd=REPO, capture_output=True, check=False
+        [sys.executable, "-c", code, str(tree)], cwd=tree, env=env, capture_output=True, check=False
     )
     return done.returncode == 0
+
+
+def describe_tree(tree: Path) -> str:
+    """The checkout's last commit, else its directory's name (no path of this machine)."""
+    done = subprocess.run(
+        ["git", "-C", str(tree), "log", "-1", "--format=%h %s"], capture_output=True, text=True, check=False
+    )
+    return done.stdout.strip()[:100] if done.returncode == 0 and done.stdout.strip() else tree.name
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -273,6 +304,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         "default --workers and vllm-router's threads follow it; needs root); results go to "
         "bench/results/cpu<N>-latest.md and cpu<N>-<timestamp>.json/.png",
     )
+    parser.add_argument(
+        "--baseline",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="also run each pdserve system from this checkout, as <system>@baseline (same flags, backends "
+        "and rounds); ratios <system>/<system>@baseline are printed and results go to "
+        "bench/results/baseline-latest.md and baseline-<timestamp>.json/.png",
+    )
     parser.add_argument("--no-write", action="store_true", help="print only; write nothing to bench/results")
     parser.add_argument(
         "--no-profile",
@@ -297,8 +337,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
     systems = list(args.systems)
     notes: list[str] = []
-    if any(s in PDSERVE_SYSTEMS for s in systems) and not pdserve_proxy_available():
-        systems = [s for s in systems if s not in PDSERVE_SYSTEMS]
+    if args.baseline is not None:
+        args.baseline = args.baseline.resolve()
+        if not pdserve_proxy_available(args.baseline):
+            parser.error(f"--baseline {args.baseline}: no pdserve checkout whose router imports there")
+        with_baseline = [[s, s + BASELINE] if pdserve_system(s) else [s] for s in systems]
+        systems = [s for pair in with_baseline for s in pair]
+        notes.append(f"baseline: {describe_tree(args.baseline)}; this tree: {describe_tree(REPO)}")
+    if any(pdserve_system(s) for s in systems) and not pdserve_proxy_available():
+        systems = [s for s in systems if not pdserve_system(s)]
         notes.append("pdserve proxy not available (pdserve.proxy.cli does not import): not measured")
         log(notes[-1])
 
@@ -369,6 +416,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         for system in PDSERVE_SYSTEMS
         if system in systems and "vllm-router" in systems
     }
+    ratio_pairs |= {
+        (system, system + BASELINE): ratios(summaries, system, system + BASELINE)
+        for system in PDSERVE_SYSTEMS
+        if system in systems and system + BASELINE in systems
+    }
     for (num, den), per_load in ratio_pairs.items():
         for load, r in per_load.items():
             print(
@@ -415,6 +467,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         "notes": notes,
     }
     prefix = "" if args.router_cpus is None else f"cpu{args.router_cpus:g}-"
+    if args.baseline is not None:
+        prefix = "baseline-" + prefix
+        meta["baseline"] = describe_tree(args.baseline)
     written = write_results(RESULTS, prefix, summaries, meta, vars(args))
     log(f"wrote {', '.join(f'bench/results/{name}' for name in written)}")
     return 0

@@ -47,6 +47,7 @@ from bench.proxy_start_bench import table_json
 from tests.support.kube import grant_router_access, kubectl_for, router_kubeconfig
 from tests.support.load import Load
 from tests.support.procs import free_port
+from tests.support.specs import NIXL, manifest, sim_manifest
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results"
@@ -213,19 +214,16 @@ def measure_writes(api: Any, routers: list[Router], writes: int) -> dict[str, li
 
 def pdd_manifest() -> dict[str, Any]:
     # engine vllm asks for GPUs: its pods run on kwok's nodes, whose Ready condition the bench sets.
-    return {
-        "apiVersion": "pdserve.io/v1alpha1",
-        "kind": "PDDeployment",
-        "metadata": {"name": PDD, "namespace": NS_FLIP},
-        "spec": {
-            "model": "Qwen/Qwen3-0.6B",
-            "engine": "vllm",
-            "image": "vllm/vllm-openai:v0.11.0",
-            "kvTransfer": {"connector": "NixlConnector"},
-            "prefill": {"instances": 2, "dataParallel": 2, "tensorParallel": 1},
-            "decode": {"instances": 2, "dataParallel": 1, "tensorParallel": 1},
-        },
-    }
+    return manifest(
+        PDD,
+        metadata={"namespace": NS_FLIP},
+        model="Qwen/Qwen3-0.6B",
+        engine="vllm",
+        image="vllm/vllm-openai:v0.11.0",
+        kvTransfer=NIXL,
+        prefill={"instances": 2, "dataParallel": 2, "tensorParallel": 1},
+        decode={"instances": 2, "dataParallel": 1, "tensorParallel": 1},
+    )
 
 
 def routable(view: dict[str, Any], pod: str) -> bool:
@@ -275,20 +273,14 @@ def wait_all_routable(routers: list[Router], pods: list[str], timeout: float) ->
 
 
 def rollout_manifest(decode: int) -> dict[str, Any]:
-    return {
-        "apiVersion": "pdserve.io/v1alpha1",
-        "kind": "PDDeployment",
-        "metadata": {"name": PDD, "namespace": NS_ROLL},
-        "spec": {
-            "model": "sim-model",
-            "engine": "sim",
-            "kvTransfer": {"connector": "NixlConnector"},
-            "prefill": {"instances": 1, "dataParallel": 2},
-            "decode": {"instances": decode, "dataParallel": 1},
-            "router": {"replicas": 2},
-            "rollout": {"maxUnavailable": 1, "drainSeconds": 30},
-        },
-    }
+    return sim_manifest(
+        PDD,
+        metadata={"namespace": NS_ROLL},
+        prefill={"instances": 1, "dataParallel": 2},
+        decode={"instances": decode, "dataParallel": 1},
+        router={"replicas": 2},
+        rollout={"maxUnavailable": 1, "drainSeconds": 30},
+    )
 
 
 def live_pods(api: Any, selector: str) -> list[Any]:

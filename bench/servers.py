@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import shutil
 import socket
@@ -87,15 +88,22 @@ def start(
     logs: Path,
     timeout: float = 60,
     limit: CpuLimit | None = None,
+    tree: Path = REPO,
 ) -> Server:
-    """Start a server and wait until ``ready_path`` answers 200; ``limit``: inside that CPU limit."""
+    """Start a server and wait until ``ready_path`` answers 200; ``limit``: inside that CPU limit;
+    ``tree``: the checkout whose ``pdserve`` a ``python -m`` command runs (its working directory
+    and first on PYTHONPATH)."""
     log_path = logs / f"{name}.log"
+    env = None
+    if tree != REPO:
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tree), os.environ.get("PYTHONPATH", "")])}
     with log_path.open("wb") as out:
         popen = subprocess.Popen(
             list(argv),
             stdout=out,
             stderr=subprocess.STDOUT,
-            cwd=REPO,
+            cwd=tree,
+            env=env,
             preexec_fn=limit.enter if limit is not None else None,  # the bench runs no threads
         )
     server = Server(name, port, popen, log_path)

@@ -36,7 +36,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
+import random
 import shutil
 import socket
 import sys
@@ -49,7 +51,6 @@ from pdserve.local.plan import (
     ENGINES,
     LOOPBACK,
     NIXL_PORTS_PER_INSTANCE,
-    NIXL_SIDE_CHANNEL_BASE,
     PlanError,
     SimTimings,
     engine_process_count,
@@ -224,7 +225,8 @@ async def _run_with_view(runner: LocalRunner, reporter: Reporter) -> int:
             runner.stopping.set()
             await view_task
         if runner.stop_report:
-            reporter.final(runner.stop_report)
+            with contextlib.suppress(OSError):  # stdout may be gone (a closed pipe)
+                reporter.final(runner.stop_report)
 
 
 def _refuse(message: str) -> int:
@@ -240,11 +242,16 @@ def _port(text: str) -> int:
     return value
 
 
-def _free_port_ranges(sizes: list[int], first: int = NIXL_SIDE_CHANNEL_BASE) -> list[int]:
+def _free_port_ranges(sizes: list[int], first: int | None = None) -> list[int]:
     """For each size, the first port of a range of that many free ports (NIXL's side channel
-    listens on its port + DP rank), ranges disjoint, searched upwards from ``first``."""
+    listens on its port + DP rank), ranges disjoint, searched upwards from ``first``.
+
+    By default the search starts at a random multiple of 64 between 10000 and 30000 (below the
+    kernel's ephemeral ports), not at vLLM's 5600: a real vLLM binds its side channel a minute
+    after the plan found the range free, and another run on the machine (two `pdserve up`, or
+    a test's) must not be handed the same range meanwhile."""
     starts: list[int] = []
-    port = first
+    port = first if first is not None else random.randrange(10000, 30000, NIXL_PORTS_PER_INSTANCE)
     for size in sizes:
         while not all(port_free(p, LOOPBACK) for p in range(port, port + size)):
             port += size

@@ -144,11 +144,13 @@ class LocalRunner:
         return 0
 
     def _on_signal(self, sig: int) -> None:
-        if not self.stopping.is_set():
-            name = signal.Signals(sig).name
-            self.stop_cause = f"{name} (Ctrl-C)" if sig == signal.SIGINT else name
+        if self.stopping.is_set():
+            return
+        self.stopping.set()  # first: saying so may fail (stdout gone: a closed pipe)
+        name = signal.Signals(sig).name
+        self.stop_cause = f"{name} (Ctrl-C)" if sig == signal.SIGINT else name
+        with contextlib.suppress(OSError):
             self.reporter.event(f"{name}: stopping every process")
-        self.stopping.set()
 
     async def _tick(self, session: aiohttp.ClientSession) -> None:
         for router in self.routers.values():

@@ -44,6 +44,13 @@ def resource_version(body: Body) -> int | None:
     return version_number((body.get("metadata") or {}).get("resourceVersion"))
 
 
+def owner_key(body: Body) -> Key | None:
+    """The PDDeployment an object belongs to, by its ``pdserve.io/deployment`` label; None if none."""
+    meta = body.get("metadata") or {}
+    owner = (meta.get("labels") or {}).get(DEPLOYMENT_LABEL)
+    return (str(meta.get("namespace") or ""), str(owner)) if owner else None
+
+
 def _older(incoming: int | None, current: int | None) -> bool:
     """Whether ``incoming`` is known to be no newer than ``current`` (unknowns are newest)."""
     return incoming is not None and current is not None and incoming <= current
@@ -106,11 +113,9 @@ class ClusterCache:
 
     def pod_event(self, event_type: str | None, body: Body) -> Key | None:
         """A watch event or a write's response for one instance pod; returns its deployment."""
-        meta = body.get("metadata") or {}
-        owner = (meta.get("labels") or {}).get(DEPLOYMENT_LABEL)
-        if not owner:
+        key = owner_key(body)
+        if key is None:
             return None
-        key = (str(meta.get("namespace") or ""), str(owner))
         with self._lock:
             self._put_pod(self._pods.setdefault(key, _PodSet()), event_type, body)
         return key
@@ -165,11 +170,9 @@ class ClusterCache:
     # --- the router Deployment ---------------------------------------------------------------
 
     def router_event(self, event_type: str | None, body: Body) -> Key | None:
-        meta = body.get("metadata") or {}
-        owner = (meta.get("labels") or {}).get(DEPLOYMENT_LABEL)
-        if not owner:
+        key = owner_key(body)
+        if key is None:
             return None
-        key = (str(meta.get("namespace") or ""), str(owner))
         version = resource_version(body)
         available = None
         if event_type != "DELETED":
@@ -195,17 +198,16 @@ class ClusterCache:
 
     def set_event(self, event_type: str, body: Body) -> None:
         """One the operator created (ADDED) or deleted (DELETED)."""
-        meta = body.get("metadata") or {}
-        owner = (meta.get("labels") or {}).get(DEPLOYMENT_LABEL)
-        if not owner:
+        key = owner_key(body)
+        if key is None:
             return
-        key = (str(meta.get("namespace") or ""), str(owner))
+        name = str((body.get("metadata") or {}).get("name"))
         with self._lock:
             sets = self._sets.setdefault(key, {})
             if event_type == "DELETED":
-                sets.pop(str(meta.get("name")), None)
+                sets.pop(name, None)
             else:
-                sets[str(meta.get("name"))] = body
+                sets[name] = body
 
     def sets(self, key: Key) -> list[Body]:
         with self._lock:

@@ -5,15 +5,14 @@ deployment, after an error) reads everything back from the cluster: the PDDeploy
 (readiness, IP, template hash, sizes, the draining annotation), the routing ConfigMap, the
 Services and the router Deployment. A light pass (a pod or router event) plans from what the
 watches fed into :class:`~pdserve.operator.cache.ClusterCache` and reads nothing; it only writes
-what changed (bench/results/operator-latest.md: a full pass costs about 12 GETs, a readiness flip
-reaches the table in 0.1 s with none). Either kind runs to the end in one go. Pods are only
-created after a read of the PDDeployment in the same pass (a light pass GETs it first), so a late
-pod event cannot resurrect a deleted deployment's pods. The decisions are the pure functions of
-:mod:`pdserve.deployment` (rendering, validation, rollout planning, routing table, status); this
-module reads, sequences and reports, :mod:`pdserve.operator.views` turns pods into the planner's
-inputs and :mod:`pdserve.operator.steps` makes the writes. Running it twice on an unchanged
-cluster writes nothing, and a restarted operator continues a rollout where the annotations say
-it stands.
+what changed (bench/results/operator-latest.md has what each costs). Either kind runs to the
+end in one go. Pods are only created after a read of the PDDeployment in the same pass (a light
+pass GETs it first), so a late pod event cannot resurrect a deleted deployment's pods. The
+decisions are the pure functions of :mod:`pdserve.deployment` (rendering, validation, rollout
+planning, routing table, status); this module reads, sequences and reports,
+:mod:`pdserve.operator.views` turns pods into the planner's inputs and
+:mod:`pdserve.operator.steps` makes the writes. Running it twice on an unchanged cluster writes
+nothing, and a restarted operator continues a rollout where the annotations say it stands.
 
 Order inside one pass, chosen so that the router never sends work to a pod being removed and the
 routing table (what users wait for) goes out first:

@@ -30,7 +30,6 @@ from pdserve.proxy.serving.server import Lifecycle
 from pdserve.proxy.serving.worker_views import Views, WorkerInfo, serve_views
 from pdserve.proxy.settings import ProxySettings, TableSettings
 from pdserve.proxy.state.health import SlotBook
-from pdserve.proxy.state.shared import SharedState
 from pdserve.proxy.table.file import RoutingWatcher
 from pdserve.proxy.table.served import ServedTable, SlotBuilder
 from pdserve.routing import build_slot_table
@@ -40,12 +39,12 @@ from pdserve.routing.sidecar import LocalDecode, build_sidecar_slot_table
 def create_app(
     settings: ProxySettings,
     lifecycle: Lifecycle | None = None,
-    shared: SharedState | None = None,
     worker: WorkerInfo | None = None,
 ) -> GenerationApp:
-    """The router's ASGI app. ``shared`` and ``worker``: this process as one of several worker
-    processes (pdserve.proxy.serving.workers); None when it serves alone."""
+    """The router's ASGI app. ``worker``: this process as one of several worker processes
+    (pdserve.proxy.serving.workers); None when it serves alone."""
     lifecycle = lifecycle or Lifecycle()
+    shared = worker.shared if worker is not None else None
     metrics = ProxyMetrics(primary=worker is None or worker.index == 0)
     book = SlotBook(
         settings.retries.eject_seconds,

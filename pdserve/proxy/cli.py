@@ -40,7 +40,6 @@ if TYPE_CHECKING:  # the ConfigMap source's modules load only when it is chosen 
     import socket
 
     from pdserve.proxy.serving.worker_views import WorkerInfo
-    from pdserve.proxy.state.shared import SharedState
     from pdserve.proxy.table.kubeconfig import ApiCredentials, ConfigMapRef
 
 #: Variables the router reads that give no flag's default: (name, what for).
@@ -261,14 +260,11 @@ def run(args: argparse.Namespace) -> int:
 
 
 def serve_process(
-    settings: ProxySettings,
-    shared: SharedState | None = None,
-    sockets: Sequence[socket.socket] = (),
-    worker: WorkerInfo | None = None,
+    settings: ProxySettings, sockets: Sequence[socket.socket] = (), worker: WorkerInfo | None = None
 ) -> None:
     """One process of the router: the app (pdserve.proxy.app) on the chosen HTTP server. The heavy
     imports happen here, once the flags are valid (and in a worker, after the fork)."""
     from pdserve.proxy.app import create_app
     from pdserve.proxy.serving.server import run_server
 
-    run_server(settings, create_app, shared, sockets, worker)
+    run_server(settings, create_app, sockets, worker)

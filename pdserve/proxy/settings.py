@@ -84,8 +84,15 @@ def _check(value: object) -> None:
             raise SettingsError(f"{flag.names[0]}: expected one of {', '.join(flag.choices)}, got {given!r}")
 
 
+class Checked:
+    """A settings dataclass whose flags' checks run when it is made."""
+
+    def __post_init__(self) -> None:
+        _check(self)
+
+
 @dataclass(frozen=True)
-class ListenSettings:
+class ListenSettings(Checked):
     """Where the router listens: the client port, and optionally an admin port."""
 
     host: str = setting("0.0.0.0", "--host", env="PDSERVE_PROXY_HOST", help="address to listen on")
@@ -116,13 +123,13 @@ class ListenSettings:
     )
 
     def __post_init__(self) -> None:
-        _check(self)
+        super().__post_init__()
         if self.admin_port is not None and self.admin_port == self.port:
             raise SettingsError(f"--admin-port must differ from --port ({self.port})")
 
 
 @dataclass(frozen=True)
-class ServerSettings:
+class ServerSettings(Checked):
     """The HTTP server and the processes that run it."""
 
     http_server: str = setting(
@@ -172,12 +179,9 @@ class ServerSettings:
         help="log level; info logs one line per request",
     )
 
-    def __post_init__(self) -> None:
-        _check(self)
-
 
 @dataclass(frozen=True)
-class TableSettings:
+class TableSettings(Checked):
     """Where the routing table comes from: exactly one source, a watched file or a ConfigMap.
 
     The source's flags (``--routing-file``, ``--routing-configmap``, ``--kubeconfig``) are the
@@ -193,7 +197,7 @@ class TableSettings:
     )
 
     def __post_init__(self) -> None:
-        _check(self)
+        super().__post_init__()
         if (self.routing_file is None) == (self.routing_configmap is None):
             raise SettingsError("give one routing table source: --routing-file or --routing-configmap")
         if self.routing_configmap is not None and self.kube is None:
@@ -208,7 +212,7 @@ class TableSettings:
 
 
 @dataclass(frozen=True)
-class SidecarSettings:
+class SidecarSettings(Checked):
     """Decode-sidecar mode (``--local-decode``): the router inside a decode pod (pdserve.routing.sidecar)."""
 
     url: str | None = setting(
@@ -260,7 +264,7 @@ class SidecarSettings:
     )
 
     def __post_init__(self) -> None:
-        _check(self)
+        super().__post_init__()
         if self.url is not None and not self.url.startswith(("http://", "https://")):
             raise SettingsError(
                 f"--local-decode: expected an http(s) URL such as http://127.0.0.1:8000, got {self.url!r}"
@@ -277,7 +281,7 @@ class SidecarSettings:
 
 
 @dataclass(frozen=True)
-class RetrySettings:
+class RetrySettings(Checked):
     """How a request survives a failed leg: how often it is tried again, and what is skipped."""
 
     max_retries: int = setting(
@@ -305,12 +309,9 @@ class RetrySettings:
         "0 always re-prefills",
     )
 
-    def __post_init__(self) -> None:
-        _check(self)
-
 
 @dataclass(frozen=True)
-class DeadlineSettings:
+class DeadlineSettings(Checked):
     """How long each step may take. Real models need minutes for a long prompt's prefill or a busy
     decode's first token, so the deadlines only catch what is truly stuck."""
 
@@ -339,12 +340,9 @@ class DeadlineSettings:
         5.0, "--connect-timeout", minimum=0.001, help="seconds to open a TCP connection to a backend"
     )
 
-    def __post_init__(self) -> None:
-        _check(self)
-
 
 @dataclass(frozen=True)
-class AdmissionSettings:
+class AdmissionSettings(Checked):
     """Back-pressure: legs in flight per slot, and the queue of requests waiting for room."""
 
     # vLLM runs up to max_num_seqs (256 by default) at once per rank and queues the rest itself;
@@ -371,12 +369,9 @@ class AdmissionSettings:
         help="seconds a request may wait in the admission queue before it gets 429",
     )
 
-    def __post_init__(self) -> None:
-        _check(self)
-
 
 @dataclass(frozen=True)
-class RequestSettings:
+class RequestSettings(Checked):
     """What a client request may be, and the keys on either side of the router."""
 
     max_body_bytes: int = setting(
@@ -406,12 +401,9 @@ class RequestSettings:
         help="key sent to the vLLM backends; without it the client's Authorization header is forwarded",
     )
 
-    def __post_init__(self) -> None:
-        _check(self)
-
 
 @dataclass(frozen=True)
-class ProxySettings:
+class ProxySettings(Checked):
     """The router's whole configuration: built by the CLI, or by tests and benches directly."""
 
     table: TableSettings
@@ -430,9 +422,6 @@ class ProxySettings:
     deadlines: DeadlineSettings = field(default_factory=DeadlineSettings)
     admission: AdmissionSettings = field(default_factory=AdmissionSettings)
     requests: RequestSettings = field(default_factory=RequestSettings)
-
-    def __post_init__(self) -> None:
-        _check(self)
 
 
 #: The concerns in the order ``pdserve proxy --help`` lists them: (ProxySettings field, title, class).

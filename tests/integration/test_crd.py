@@ -19,6 +19,7 @@ from pdserve.deployment.spec import vllm_compat
 from pdserve.deployment.spec.pddeployment import SpecError, parse_pddeployment
 from pdserve.deployment.validate import problems
 from tests.support.kube import KubeCluster, eventually
+from tests.support.specs import manifest
 from tests.unit.test_deployment_objects import CONNECTORS, SHAPES, all_ready, shape_manifest
 
 pytestmark = pytest.mark.cluster
@@ -38,17 +39,6 @@ def crd(kube_cluster: KubeCluster) -> KubeCluster:
         message="the pdd resource in discovery",
     )
     return kube_cluster
-
-
-def manifest(name: str = "r1", **spec: Any) -> dict[str, Any]:
-    body: dict[str, Any] = {"model": "deepseek-ai/DeepSeek-R1", "image": "vllm/vllm-openai:v0.11.0"}
-    body.update(spec)
-    return {
-        "apiVersion": "pdserve.io/v1alpha1",
-        "kind": "PDDeployment",
-        "metadata": {"name": name},
-        "spec": body,
-    }
 
 
 def create(cluster: KubeCluster, namespace: str, obj: dict[str, Any], check: bool = True) -> Any:

@@ -25,6 +25,7 @@ import pytest
 from tests.support.kube import eventually
 from tests.support.load import Load
 from tests.support.operator import Cluster, Operator, pod_ready
+from tests.support.specs import sim_manifest
 
 pytestmark = pytest.mark.cluster
 
@@ -37,20 +38,13 @@ ROUTER_PORT = 8000
 def manifest(
     *, prefill: int = 2, decode: int = 2, routers: int = 2, drain_seconds: int = 30
 ) -> dict[str, Any]:
-    return {
-        "apiVersion": "pdserve.io/v1alpha1",
-        "kind": "PDDeployment",
-        "metadata": {"name": NAME},
-        "spec": {
-            "model": "sim-model",
-            "engine": "sim",
-            "kvTransfer": {"connector": "NixlConnector"},
-            "prefill": {"instances": prefill, "dataParallel": 2},
-            "decode": {"instances": decode, "dataParallel": 2},
-            "router": {"replicas": routers},
-            "rollout": {"maxUnavailable": 1, "drainSeconds": drain_seconds},
-        },
-    }
+    return sim_manifest(
+        NAME,
+        prefill={"instances": prefill, "dataParallel": 2},
+        decode={"instances": decode, "dataParallel": 2},
+        router={"replicas": routers},
+        rollout={"maxUnavailable": 1, "drainSeconds": drain_seconds},
+    )
 
 
 # --- reading the cluster -------------------------------------------------------------------------

@@ -14,6 +14,7 @@ import pytest
 from tests.integration.test_e2e_cluster import complete, get_json, ready_ips
 from tests.support.kube import eventually
 from tests.support.operator import Cluster, Operator, ready
+from tests.support.specs import sim_manifest
 
 pytestmark = pytest.mark.cluster
 
@@ -22,21 +23,14 @@ WAIT = 120.0
 
 
 def manifest() -> dict[str, Any]:
-    return {
-        "apiVersion": "pdserve.io/v1alpha1",
-        "kind": "PDDeployment",
-        "metadata": {"name": NAME},
-        "spec": {
-            "model": "sim-model",
-            "engine": "sim",
-            "gpusPerNode": 2,
-            "kvTransfer": {"connector": "NixlConnector"},
-            "prefill": {"instances": 1, "dataParallel": 4},
-            "decode": {"instances": 1, "dataParallel": 2},
-            "router": {"replicas": 1},
-            "rollout": {"drainSeconds": 5},
-        },
-    }
+    return sim_manifest(
+        NAME,
+        gpusPerNode=2,
+        prefill={"instances": 1, "dataParallel": 4},
+        decode={"instances": 1, "dataParallel": 2},
+        router={"replicas": 1},
+        rollout={"drainSeconds": 5},
+    )
 
 
 def by_global_rank(ips: list[str]) -> dict[str, int]:

@@ -23,6 +23,7 @@ from tests.integration.test_e2e_cluster import NAME, WAIT, complete, get_json, p
 from tests.support.kube import eventually
 from tests.support.load import Load
 from tests.support.operator import Cluster, Operator
+from tests.support.specs import sim_manifest
 
 pytestmark = pytest.mark.cluster
 
@@ -33,20 +34,13 @@ def manifest(decode_rev: str = "1", prefill_rev: str = "1") -> dict[str, Any]:
     def template(rev: str) -> dict[str, Any]:
         return {"metadata": {"annotations": {"e2e/rev": rev}}}
 
-    return {
-        "apiVersion": "pdserve.io/v1alpha1",
-        "kind": "PDDeployment",
-        "metadata": {"name": NAME},
-        "spec": {
-            "model": "sim-model",
-            "engine": "sim",
-            "kvTransfer": {"connector": "NixlConnector"},
-            "prefill": {"instances": 2, "dataParallel": 2, "template": template(prefill_rev)},
-            "decode": {"instances": 2, "dataParallel": 2, "template": template(decode_rev)},
-            "router": {"placement": "decode-sidecar"},
-            "rollout": {"maxUnavailable": 1, "drainSeconds": 60},
-        },
-    }
+    return sim_manifest(
+        NAME,
+        prefill={"instances": 2, "dataParallel": 2, "template": template(prefill_rev)},
+        decode={"instances": 2, "dataParallel": 2, "template": template(decode_rev)},
+        router={"placement": "decode-sidecar"},
+        rollout={"maxUnavailable": 1, "drainSeconds": 60},
+    )
 
 
 def sidecars(cluster: Cluster) -> Callable[[], list[str]]:

@@ -37,6 +37,7 @@ from pdserve.local.plan import plan_local_run
 from pdserve.local.runner import LocalRunner
 from pdserve.routing import load_routing_table
 from tests.support.procs import REPO, free_port
+from tests.support.specs import sim_manifest
 
 EXAMPLES = REPO / "examples"
 SIM_FLAGS = ["--sim-ttft-ms", "1", "--sim-itl-ms", "0", "--sim-tokens", "4"]
@@ -528,20 +529,14 @@ def test_a_multi_node_instance_runs_one_process_per_node_and_every_global_rank_g
     manifest = tmp_path / "mn.yaml"
     manifest.write_text(
         yaml.safe_dump(
-            {
-                "apiVersion": "pdserve.io/v1alpha1",
-                "kind": "PDDeployment",
-                "metadata": {"name": "mn"},
-                "spec": {
-                    "model": "Qwen/Qwen2.5-0.5B-Instruct",
-                    "engine": "sim",
-                    "gpusPerNode": 2,
-                    "multiNode": {"apiServers": api_servers},
-                    "kvTransfer": {"connector": "NixlConnector"},
-                    "prefill": {"instances": 1, "dataParallel": 4},
-                    "decode": {"instances": 1, "dataParallel": 2},
-                },
-            }
+            sim_manifest(
+                "mn",
+                model="Qwen/Qwen2.5-0.5B-Instruct",
+                gpusPerNode=2,
+                multiNode={"apiServers": api_servers},
+                prefill={"instances": 1, "dataParallel": 4},
+                decode={"instances": 1, "dataParallel": 2},
+            )
         )
     )
     up = _start(tmp_path, manifest, *SIM_FLAGS)

@@ -6,16 +6,15 @@ Skipped when the cluster has no LeaderWorkerSet API installed (pdserve's chart d
 
 from __future__ import annotations
 
-import copy
 import json
 from typing import Any
 
 import pytest
 
 from pdserve.deployment.render.groups import instance_lws, render_all
-from pdserve.deployment.spec.pddeployment import parse_pddeployment
 from pdserve.routing import Role
 from tests.support.kube import KubeCluster
+from tests.support.specs import pdd_of
 from tests.unit.test_deployment_groups import DEEPSEEK, SPANNING
 
 pytestmark = pytest.mark.cluster
@@ -24,15 +23,8 @@ LWS_CRD = "leaderworkersets.leaderworkerset.x-k8s.io"
 
 
 def lws_pdd(spec: dict[str, Any], namespace: str, api_servers: str) -> Any:
-    body = {**copy.deepcopy(spec), "multiNode": {"backend": "lws", "apiServers": api_servers}}
-    return parse_pddeployment(
-        {
-            "apiVersion": "pdserve.io/v1alpha1",
-            "kind": "PDDeployment",
-            "metadata": {"name": "mn", "namespace": namespace},
-            "spec": body,
-        }
-    )
+    multi_node = {"backend": "lws", "apiServers": api_servers}
+    return pdd_of("mn", metadata={"namespace": namespace}, **spec, multiNode=multi_node)
 
 
 @pytest.mark.parametrize("api_servers", ["perNode", "leader"])

@@ -44,6 +44,17 @@ def can_i(on: Cluster, account: str, *what: str) -> str:
     return out.stdout.strip()
 
 
+def router_pod_address(cluster: Cluster, deployment: str) -> tuple[str, dict[str, int]]:
+    """The IP and named ports of the deployment's one router pod, where a test runs a real router
+    in its place; skips unless the IP is on loopback (the kwok test cluster)."""
+    selector = f"pdserve.io/deployment={deployment},app.kubernetes.io/component=router"
+    (pod,) = json.loads(cluster.kubectl("get", "pods", "-o", "json", "-l", selector))["items"]
+    ip = pod["status"]["podIP"]
+    if not ip.startswith("127."):
+        pytest.skip(f"router pod IP {ip} is not on loopback (not the kwok test cluster)")
+    return ip, {p["name"]: p["containerPort"] for p in pod["spec"]["containers"][0]["ports"]}
+
+
 def test_the_router_may_read_its_routing_configmap_and_nothing_else(
     operator: Operator,
     cluster: Cluster,
@@ -190,12 +201,7 @@ def test_a_drain_ends_as_soon_as_the_real_router_lets_go(
     long before drainSeconds (600)."""
     cluster.apply(pdd_manifest("idle", decode_instances=2, drain_seconds=600, silent_router=True))
     eventually(lambda: ready(cluster, "idle"), timeout=WAIT, message="Ready=True")
-    selector = "pdserve.io/deployment=idle,app.kubernetes.io/component=router"
-    (router_pod,) = json.loads(cluster.kubectl("get", "pods", "-o", "json", "-l", selector))["items"]
-    ip = router_pod["status"]["podIP"]
-    if not ip.startswith("127."):
-        pytest.skip(f"router pod IP {ip} is not on loopback (not the kwok test cluster)")
-    ports = {p["name"]: p["containerPort"] for p in router_pod["spec"]["containers"][0]["ports"]}
+    ip, ports = router_pod_address(cluster, "idle")
     kubectl = kubectl_for(cluster.kube.kubeconfig)
     kubeconfig = router_kubeconfig(kubectl, cluster.ns, "idle-router", tmp_path)
     group = ProcessGroup(tmp_path)
@@ -247,12 +253,7 @@ def test_a_drain_waits_for_the_stream_on_the_pod_then_ends_routers_idle(
     eventually(lambda: ready(cluster, "busy"), timeout=WAIT, message="Ready=True")
     pods = {p["metadata"]["name"]: p for p in cluster.pods("busy")}
     d1 = cluster.instance_name("busy-decode-1")
-    selector = "pdserve.io/deployment=busy,app.kubernetes.io/component=router"
-    (router_pod,) = json.loads(cluster.kubectl("get", "pods", "-o", "json", "-l", selector))["items"]
-    router_ip = router_pod["status"]["podIP"]
-    if not router_ip.startswith("127."):
-        pytest.skip(f"router pod IP {router_ip} is not on loopback (not the kwok test cluster)")
-    ports = {p["name"]: p["containerPort"] for p in router_pod["spec"]["containers"][0]["ports"]}
+    router_ip, ports = router_pod_address(cluster, "busy")
     model = "Qwen/Qwen2.5-0.5B-Instruct"
     group = ProcessGroup(tmp_path)
     try:

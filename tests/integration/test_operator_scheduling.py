@@ -18,6 +18,7 @@ from tests.support.operator import (
     instance_of,
     ready,
 )
+from tests.support.specs import manifest
 
 pytestmark = pytest.mark.cluster
 
@@ -41,17 +42,12 @@ def shape(name: str, pool: str, prefill: int, prefill_tp: int, decode: int, deco
             ],
         }
     }
-    return {
-        "apiVersion": "pdserve.io/v1alpha1",
-        "kind": "PDDeployment",
-        "metadata": {"name": name},
-        "spec": {
-            "model": "meta-llama/Llama-3.3-70B-Instruct",
-            "image": "vllm/vllm-openai:v0.12.0",
-            "prefill": {"instances": prefill, "tensorParallel": prefill_tp, "template": template},
-            "decode": {"instances": decode, "tensorParallel": decode_tp, "template": template},
-        },
-    }
+    return manifest(
+        name,
+        model="meta-llama/Llama-3.3-70B-Instruct",
+        prefill={"instances": prefill, "tensorParallel": prefill_tp, "template": template},
+        decode={"instances": decode, "tensorParallel": decode_tp, "template": template},
+    )
 
 
 def test_a_shape_that_fits_becomes_ready_with_the_big_pod_placed_first(

@@ -25,6 +25,7 @@ from pdserve.deployment.render.routing_table import ObservedInstance, build_rout
 from pdserve.deployment.spec.pddeployment import parse_pddeployment
 from pdserve.routing import Role
 from tests.support.kube import KubeCluster, eventually
+from tests.support.specs import NIXL, pdd_of, sim_manifest
 
 pytestmark = pytest.mark.cluster
 
@@ -512,25 +513,18 @@ def test_gpu_pods_land_on_kwok_nodes_and_the_rest_on_the_runner(
 
 
 def vllm_engine_pod(namespace: str) -> dict[str, Any]:
-    manifest = {
-        "apiVersion": "pdserve.io/v1alpha1",
-        "kind": "PDDeployment",
-        "metadata": {"name": "v", "namespace": namespace, "generation": 1},
-        "spec": {
-            "model": "Qwen/Qwen3-0.6B",
-            "servedModelName": "qwen",
-            "engine": "vllm",
-            "image": "vllm/vllm-openai:v0.11.0",
-            "kvTransfer": {"connector": "NixlConnector"},
-            "prefill": {
-                "instances": 1,
-                "dataParallel": 2,
-                "args": ["--max-model-len", "2048", "--enforce-eager"],
-            },
-            "decode": {"instances": 1},
-        },
-    }
-    rendered = copy.deepcopy(instance_pod(parse_pddeployment(manifest), Role.PREFILL, 0))
+    pdd = pdd_of(
+        "v",
+        metadata={"namespace": namespace, "generation": 1},
+        model="Qwen/Qwen3-0.6B",
+        servedModelName="qwen",
+        engine="vllm",
+        image="vllm/vllm-openai:v0.11.0",
+        kvTransfer=NIXL,
+        prefill={"instances": 1, "dataParallel": 2, "args": ["--max-model-len", "2048", "--enforce-eager"]},
+        decode={"instances": 1},
+    )
+    rendered = copy.deepcopy(instance_pod(pdd, Role.PREFILL, 0))
     rendered["metadata"].pop("ownerReferences", None)  # no PDDeployment object here
     spec = rendered["spec"]
     spec["nodeName"] = RUNNER_NODE
@@ -566,19 +560,12 @@ def test_rendered_sim_engines_and_router_serve_a_request_by_pod_ip(
     """The operator's objects for ``engine: sim``, applied by hand: engines and router really run."""
     require_runner(kube_cluster)
     ns = kube_namespace
-    manifest = {
-        "apiVersion": "pdserve.io/v1alpha1",
-        "kind": "PDDeployment",
-        "metadata": {"name": "s", "namespace": ns, "generation": 1},
-        "spec": {
-            "model": "sim-model",
-            "engine": "sim",
-            "kvTransfer": {"connector": "NixlConnector"},
-            "prefill": {"instances": 1},
-            "decode": {"instances": 1, "dataParallel": 2},
-        },
-    }
-    pdd = parse_pddeployment(manifest)
+    metadata = {"namespace": ns, "generation": 1}
+    pdd = parse_pddeployment(
+        sim_manifest(
+            "s", metadata=metadata, prefill={"instances": 1}, decode={"instances": 1, "dataParallel": 2}
+        )
+    )
     objects = render_all(pdd)
     pods = [o for o in objects if o["kind"] == "Pod"]
     create(kube_cluster, ns, *pods)

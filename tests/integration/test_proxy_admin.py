@@ -7,12 +7,11 @@ sidecar whose API stays on localhost)."""
 from __future__ import annotations
 
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
-from tests.support.pdstack import FAST_SIM, PDStack, Sim, http, router_error
-from tests.support.procs import ProcessGroup, free_port
+from tests.support.pdstack import PDStack, SimSpec, StackFactory, http, router_error
+from tests.support.procs import free_port
 
 CLIENT_KEY = "sk-client-admin-3b9e0d57-secret"
 BACKEND_KEY = "sk-engine-admin-c41a6f02-secret"
@@ -21,35 +20,21 @@ ADMIN_HOST = "127.0.0.2"
 
 
 @pytest.fixture(scope="module", params=["hypercorn", "uvicorn"])
-def stack(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[PDStack]:
+def stack(request: pytest.FixtureRequest, pd_stack: StackFactory) -> Iterator[PDStack]:
     server = str(request.param)
-    group = ProcessGroup(Path(tmp_path_factory.mktemp(f"pd-admin-{server}")))
-    pd = PDStack(group, group.log_dir, admin_headers=AUTH)
-    try:
-        for name, role, kv_port in (("p0", "prefill", 21100), ("d0", "decode", 21101)):
-            args = ["sim", "--role", role, "--instance-name", name, "--kv-port", str(kv_port), *FAST_SIM]
-            proc = group.start(name, args, env={"VLLM_API_KEY": BACKEND_KEY})
-            pd.sims[name] = Sim(name, role, 1, 1, proc, f"127.0.0.1:{kv_port}")
-        pd.write(pd.table([pd.sims["p0"]], [pd.sims["d0"]]), wait=False)
-        admin = free_port()
-        args = [
-            "proxy",
-            "--routing-file",
-            str(pd.routing_file),
-            "--host",
-            "127.0.0.1",
-            "--http-server",
-            server,
-        ]
-        pd.proxy = group.start(
-            "proxy",
-            [*args, "--admin-port", str(admin), "--admin-host", ADMIN_HOST, "--log-level", "debug"],
-            env={"PDSERVE_PROXY_API_KEY": CLIENT_KEY, "PDSERVE_BACKEND_API_KEY": BACKEND_KEY},
-        )
-        pd.admin_url = f"http://{ADMIN_HOST}:{admin}"  # type: ignore[attr-defined]
-        yield pd
-    finally:
-        group.stop_all()
+    key = (("VLLM_API_KEY", BACKEND_KEY),)
+    sims = {"p0": SimSpec("prefill", env=key, kv_port=21100), "d0": SimSpec("decode", env=key, kv_port=21101)}
+    pd = pd_stack(f"admin-{server}", sims, routed=(["p0"], ["d0"]), proxy=None, admin_headers=AUTH)
+    admin = free_port()
+    args = ["proxy", "--routing-file", str(pd.routing_file), "--host", "127.0.0.1", "--http-server", server]
+    pd.proxy = pd.group.start(
+        "proxy",
+        [*args, "--admin-port", str(admin), "--admin-host", ADMIN_HOST, "--log-level", "debug"],
+        env={"PDSERVE_PROXY_API_KEY": CLIENT_KEY, "PDSERVE_BACKEND_API_KEY": BACKEND_KEY},
+    )
+    pd.admin_url = f"http://{ADMIN_HOST}:{admin}"  # type: ignore[attr-defined]
+    yield pd
+    pd.group.stop_all()  # one server's stack at a time
 
 
 def admin(stack: PDStack) -> str:

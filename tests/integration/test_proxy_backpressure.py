@@ -13,28 +13,28 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Iterator
-from pathlib import Path
 
 import aiohttp
 import pytest
 
-from tests.support.pdstack import HttpAnswer, PDStack, proxy_args, proxy_metric, router_error, sse_events
-from tests.support.procs import Proc, ProcessGroup
+from tests.support.pdstack import (
+    HttpAnswer,
+    PDStack,
+    decode_sim,
+    module_stack,
+    prefill_sim,
+    proxy_args,
+    proxy_metric,
+    router_error,
+    sse_events,
+)
+from tests.support.procs import Proc
 
-
-@pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PDStack]:
-    group = ProcessGroup(Path(tmp_path_factory.mktemp("pd-backpressure")))
-    pd = PDStack(group, group.log_dir)
-    try:
-        for name, role in (("p0", "prefill"), ("d0", "decode"), ("d1", "decode")):
-            pd.sim(name, role, wait=False)
-        pd.wait_sims()
-        pd.write(pd.table([pd.sims["p0"]], [pd.sims["d0"], pd.sims["d1"]]), wait=False)
-        pd.start_proxy()
-        yield pd
-    finally:
-        group.stop_all()
+stack = module_stack(
+    "backpressure",
+    {"p0": prefill_sim(), "d0": decode_sim(), "d1": decode_sim()},
+    routed=(["p0"], ["d0", "d1"]),
+)
 
 
 @pytest.mark.parametrize("fault", ["busy", "busy-429"])

@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import statistics
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -38,12 +37,15 @@ from tests.support.kube import (
 from tests.support.pdstack import (
     PDStack,
     configmap_proxy_args,
+    decode_sim,
     eventually,
     http,
+    module_stack,
     only_these_serve,
+    prefill_sim,
     proxy_metric,
 )
-from tests.support.procs import Proc, ProcessGroup, free_port
+from tests.support.procs import Proc, free_port
 
 pytestmark = pytest.mark.cluster
 
@@ -51,17 +53,10 @@ ACCOUNT = "llama-router"
 CONFIGMAP = "llama-routing"
 
 
-@pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PDStack]:
-    group = ProcessGroup(Path(tmp_path_factory.mktemp("pd-configmap")))
-    pd = PDStack(group, group.log_dir)
-    try:
-        for name, role in (("p0", "prefill"), ("p1", "prefill"), ("d0", "decode"), ("d1", "decode")):
-            pd.sim(name, role, wait=False)
-        pd.wait_sims()
-        yield pd
-    finally:
-        group.stop_all()
+# no table yet: the tests write the ConfigMap
+stack = module_stack(
+    "configmap", {"p0": prefill_sim(), "p1": prefill_sim(), "d0": decode_sim(), "d1": decode_sim()}
+)
 
 
 class Cm:

@@ -15,29 +15,16 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
-from pathlib import Path
 
-import pytest
+from tests.support.pdstack import HttpAnswer, PDStack, Sim, decode_sim, http, module_stack, prefill_sim
 
-from tests.support.pdstack import HttpAnswer, PDStack, Sim, http
-from tests.support.procs import ProcessGroup
-
-
-@pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PDStack]:
-    group = ProcessGroup(Path(tmp_path_factory.mktemp("pd-engine-loss")))
-    pd = PDStack(group, group.log_dir)
-    try:
-        pd.sim("p0", "prefill", dp_size=2, wait=False)
-        pd.sim("d0", "decode", dp_size=2, wait=False)
-        pd.wait_sims()
-        pd.write(pd.table([pd.sims["p0"]], [pd.sims["d0"]]), wait=False)
-        # a cool-down longer than any test here: what was found dead stays out meanwhile
-        pd.start_proxy("--eject-seconds", "60")
-        yield pd
-    finally:
-        group.stop_all()
+# a cool-down longer than any test here: what was found dead stays out meanwhile
+stack = module_stack(
+    "engine-loss",
+    {"p0": prefill_sim(2), "d0": decode_sim(2)},
+    routed=(["p0"], ["d0"]),
+    proxy=["--eject-seconds", "60"],
+)
 
 
 def killed(sim: Sim) -> None:

@@ -12,33 +12,35 @@ import asyncio
 import json
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
-from tests.support.pdstack import PDStack, Sim, eventually, router_error, sse_error, sse_events, vllm_error
-from tests.support.procs import ProcessGroup
+from tests.support.pdstack import (
+    PDStack,
+    Sim,
+    decode_sim,
+    eventually,
+    module_stack,
+    prefill_sim,
+    router_error,
+    sse_error,
+    sse_events,
+    vllm_error,
+)
 
 EJECT_S = 0.5
+DEADLINES = ("--prefill-ttfb-timeout", "1", "--decode-ttfb-timeout", "1", "--stream-idle-timeout", "1")
 
 
-@pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PDStack]:
-    group = ProcessGroup(Path(tmp_path_factory.mktemp("pd-faults")))
-    pd = PDStack(group, group.log_dir)
-    try:
-        for name, role in (("p0", "prefill"), ("p1", "prefill"), ("d0", "decode"), ("d1", "decode")):
-            pd.sim(name, role, wait=False)
-        pd.sim("dslow", "decode", extra=["--itl-ms", "1500"], wait=False)  # stalls between chunks
-        pd.wait_sims()
-        pd.write(pd.table(prefill(pd), decode(pd)), wait=False)
-        pd.start_proxy(
-            "--prefill-ttfb-timeout", "1", "--decode-ttfb-timeout", "1", "--stream-idle-timeout", "1",
-            "--eject-seconds", str(EJECT_S), "--max-retries", "2",
-        )  # fmt: skip
-        yield pd
-    finally:
-        group.stop_all()
+stack = module_stack(
+    "faults",
+    {
+        **{"p0": prefill_sim(), "p1": prefill_sim(), "d0": decode_sim(), "d1": decode_sim()},
+        "dslow": decode_sim(1, 1, "--itl-ms", "1500"),  # stalls between chunks
+    },
+    routed=(["p0", "p1"], ["d0", "d1"]),
+    proxy=[*DEADLINES, "--eject-seconds", str(EJECT_S), "--max-retries", "2"],
+)
 
 
 def prefill(pd: PDStack) -> list[Sim]:

@@ -8,15 +8,19 @@ import asyncio
 import json
 import random
 from collections import Counter
-from collections.abc import Iterator
-from pathlib import Path
 
 import aiohttp
 import psutil
-import pytest
 
-from tests.support.pdstack import PDStack, sse_error, sse_events, vllm_error
-from tests.support.procs import ProcessGroup
+from tests.support.pdstack import (
+    PDStack,
+    decode_sim,
+    module_stack,
+    prefill_sim,
+    sse_error,
+    sse_events,
+    vllm_error,
+)
 
 BURST = 1200
 SOAK_SECONDS = 20.0
@@ -36,18 +40,13 @@ STREAM_ERRORS = {
 }
 
 
-@pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PDStack]:
-    group = ProcessGroup(Path(tmp_path_factory.mktemp("pd-load")))
-    pd = PDStack(group, group.log_dir)
-    try:
-        for name, role in (("p0", "prefill"), ("p1", "prefill"), ("d0", "decode"), ("d1", "decode")):
-            pd.sim(name, role, dp_size=2, wait=False)
-        pd.wait_sims()
-        pd.write(pd.table([pd.sims["p0"], pd.sims["p1"]], [pd.sims["d0"], pd.sims["d1"]]), wait=False)
-        yield pd
-    finally:
-        group.stop_all()
+# each test starts its own router
+stack = module_stack(
+    "load",
+    {"p0": prefill_sim(2), "p1": prefill_sim(2), "d0": decode_sim(2), "d1": decode_sim(2)},
+    routed=(["p0", "p1"], ["d0", "d1"]),
+    proxy=None,
+)
 
 
 async def test_burst_of_simultaneous_connections_is_queued_not_reset(stack: PDStack) -> None:
@@ -94,9 +93,15 @@ def check_outcome(status: int, reason: str, stream: bool, body: bytes, tally: Co
 
 async def test_soak_with_random_faults_stays_clean_and_bounded(stack: PDStack) -> None:
     stack.start_proxy(
-        "--prefill-ttfb-timeout", "1", "--decode-ttfb-timeout", "1", "--stream-idle-timeout", "1",
-        "--eject-seconds", "1",
-    )  # fmt: skip
+        "--prefill-ttfb-timeout",
+        "1",
+        "--decode-ttfb-timeout",
+        "1",
+        "--stream-idle-timeout",
+        "1",
+        "--eject-seconds",
+        "1",
+    )
     healthy, faulty = [stack.sims["p0"], stack.sims["d0"]], [stack.sims["p1"], stack.sims["d1"]]
     stack.route([stack.sims["p0"], stack.sims["p1"]], [stack.sims["d0"], stack.sims["d1"]])
     assert stack.proxy is not None

@@ -12,12 +12,10 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
-from tests.support.pdstack import FAST_SIM, PDStack, http, proxy_args
+from tests.support.pdstack import FAST_SIM, PDStack, StackFactory, decode_sim, http, proxy_args
 from tests.support.procs import Proc, ProcessGroup, free_port, wait_http
 
 
@@ -31,38 +29,33 @@ def node(
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[PDStack, dict[str, Proc]]]:
-    group = ProcessGroup(Path(tmp_path_factory.mktemp("pd-multinode")))
-    pd = PDStack(group, group.log_dir)
-    try:
-        p_rpc, d_rpc = free_port(), free_port()
-        hybrid = "--data-parallel-hybrid-lb"
-        nodes = {
-            "p.0": node(group, "p.0", "prefill", 0, p_rpc, hybrid, health="/sim/stats"),
-            "p.1": node(group, "p.1", "prefill", 2, p_rpc, hybrid, health="/sim/stats"),
-            "d.0": node(group, "d.0", "decode", 0, d_rpc, health="/sim/stats"),
-            "d.1": node(group, "d.1", "decode", 2, d_rpc, "--headless", health="/sim/stats"),
-        }
-        for name in ("p.0", "p.1", "d.0"):
-            wait_http(nodes[name].url + "/health", timeout=30, proc=nodes[name].popen)
-        pd.sim("e", "decode", dp_size=2)
-        prefill = {
-            "name": "p",
-            "url": nodes["p.0"].url,
-            "dpSize": 4,
-            "tpSize": 1,
-            "ready": True,
-            "endpoints": [
-                {"url": nodes["p.0"].url, "firstRank": 0, "ranks": 2},
-                {"url": nodes["p.1"].url, "firstRank": 2, "ranks": 2},
-            ],
-        }
-        decode = {"name": "d", "url": nodes["d.0"].url, "dpSize": 4, "tpSize": 1, "ready": True}
-        pd.write(pd.table([prefill], [decode, pd.sims["e"]]), wait=False)
-        pd.start_proxy()
-        yield pd, nodes
-    finally:
-        group.stop_all()
+def stack(pd_stack: StackFactory) -> tuple[PDStack, dict[str, Proc]]:
+    pd = pd_stack("multinode", {"e": decode_sim(2)}, proxy=None)  # e: a single-node DP2 decode
+    p_rpc, d_rpc = free_port(), free_port()
+    hybrid = "--data-parallel-hybrid-lb"
+    nodes = {
+        "p.0": node(pd.group, "p.0", "prefill", 0, p_rpc, hybrid, health="/sim/stats"),
+        "p.1": node(pd.group, "p.1", "prefill", 2, p_rpc, hybrid, health="/sim/stats"),
+        "d.0": node(pd.group, "d.0", "decode", 0, d_rpc, health="/sim/stats"),
+        "d.1": node(pd.group, "d.1", "decode", 2, d_rpc, "--headless", health="/sim/stats"),
+    }
+    for name in ("p.0", "p.1", "d.0"):
+        wait_http(nodes[name].url + "/health", timeout=30, proc=nodes[name].popen)
+    prefill = {
+        "name": "p",
+        "url": nodes["p.0"].url,
+        "dpSize": 4,
+        "tpSize": 1,
+        "ready": True,
+        "endpoints": [
+            {"url": nodes["p.0"].url, "firstRank": 0, "ranks": 2},
+            {"url": nodes["p.1"].url, "firstRank": 2, "ranks": 2},
+        ],
+    }
+    decode = {"name": "d", "url": nodes["d.0"].url, "dpSize": 4, "tpSize": 1, "ready": True}
+    pd.write(pd.table([prefill], [decode, pd.sims["e"]]), wait=False)
+    pd.start_proxy()
+    return pd, nodes
 
 
 def by_rank(proc: Proc) -> dict[str, int]:

@@ -13,35 +13,38 @@ from __future__ import annotations
 import json
 import threading
 import time
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.support.pdstack import HttpAnswer, PDStack, Sim, http, sse_error, sse_events
-from tests.support.procs import ProcessGroup
+from tests.support.pdstack import (
+    HttpAnswer,
+    PDStack,
+    Sim,
+    decode_sim,
+    http,
+    module_stack,
+    prefill_sim,
+    sse_error,
+    sse_events,
+)
 
 TEXT = " tok0 tok1 tok2"  # what the simulator generates for max_tokens 3
 EJECT_S = 0.2  # short cool-downs: every test starts with every slot healthy
 
 
-@pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PDStack]:
-    group = ProcessGroup(Path(tmp_path_factory.mktemp("pd-requests")))
-    pd = PDStack(group, group.log_dir)
-    try:
-        pd.sim("p0", "prefill", wait=False)
-        pd.sim("p1", "prefill", wait=False)
-        pd.sim("d0", "decode", dp_size=2, wait=False)
-        pd.sim("d1", "decode", wait=False)
-        pd.sim("pslow", "prefill", extra=["--ttft-ms", "400"], wait=False)  # holds requests in flight
-        pd.wait_sims()
-        pd.write(pd.table(prefill(pd), decode(pd)), wait=False)
-        pd.start_proxy("--max-fan-out", "8", "--eject-seconds", str(EJECT_S))
-        yield pd
-    finally:
-        group.stop_all()
+stack = module_stack(
+    "requests",
+    {
+        "p0": prefill_sim(),
+        "p1": prefill_sim(),
+        "d0": decode_sim(2),
+        "d1": decode_sim(),
+        "pslow": prefill_sim(1, 1, "--ttft-ms", "400"),
+    },  # pslow holds requests in flight
+    routed=(["p0", "p1"], ["d0", "d1"]),
+    proxy=["--max-fan-out", "8", "--eject-seconds", str(EJECT_S)],
+)
 
 
 def prefill(pd: PDStack) -> list[Sim]:

@@ -10,37 +10,37 @@ import signal
 import socket
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import aiohttp
-import pytest
 
-from tests.support.pdstack import PDStack, eventually, http, only_these_serve, proxy_args, sse_events
-from tests.support.procs import Proc, ProcessGroup
-
-
-@pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PDStack]:
-    group = ProcessGroup(Path(tmp_path_factory.mktemp("pd-resilience")))
-    pd = PDStack(group, group.log_dir)
-    try:
-        for name, role in (("p0", "prefill"), ("p1", "prefill"), ("d0", "decode"), ("d1", "decode")):
-            pd.sim(name, role, wait=False)
-        pd.sim("dlong", "decode", extra=["--itl-ms", "100", "--tokens", "30"], wait=False)  # a 3 s stream
-        bulk = ["--itl-ms", "0", "--tokens", str(BULK_TOKENS)]  # megabytes as fast as it can
-        pd.sim("dbulk", "decode", extra=bulk, wait=False)
-        pd.wait_sims()
-        pd.write(pd.table([pd.sims["p0"]], [pd.sims["d0"]]), wait=False)
-        pd.start_proxy()
-        yield pd
-    finally:
-        group.stop_all()
-
+from tests.support.pdstack import (
+    PDStack,
+    decode_sim,
+    eventually,
+    http,
+    module_stack,
+    only_these_serve,
+    prefill_sim,
+    proxy_args,
+    sse_events,
+)
+from tests.support.procs import Proc
 
 BULK_TOKENS = 40000  # about 10 MB of events: past every buffer between the decode and the client
 STALL_EVERY = 1 << 20  # the slow client stops reading after each MB it gets, a few times
+
+
+stack = module_stack(
+    "resilience",
+    {
+        **{"p0": prefill_sim(), "p1": prefill_sim(), "d0": decode_sim(), "d1": decode_sim()},
+        "dlong": decode_sim(1, 1, "--itl-ms", "100", "--tokens", "30"),  # a 3 s stream
+        "dbulk": decode_sim(1, 1, "--itl-ms", "0", "--tokens", str(BULK_TOKENS)),  # megabytes, fast
+    },
+    routed=(["p0"], ["d0"]),
+)
 
 
 def proxy_debug(proxy: Proc) -> dict[str, Any]:

@@ -14,28 +14,19 @@ instances refused connections for ``--eject-seconds``).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from pathlib import Path
+from tests.support.pdstack import (
+    PDStack,
+    Sim,
+    decode_sim,
+    module_stack,
+    prefill_sim,
+    proxy_args,
+    send_requests,
+)
+from tests.support.procs import Proc
 
-import pytest
-
-from tests.support.pdstack import PDStack, Sim, http, proxy_args, sse_events
-from tests.support.procs import Proc, ProcessGroup
-
-
-@pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PDStack]:
-    group = ProcessGroup(Path(tmp_path_factory.mktemp("pd-retries")))
-    pd = PDStack(group, group.log_dir)
-    try:
-        pd.sim("p0", "prefill", wait=False)
-        pd.sim("d0", "decode", wait=False)
-        pd.wait_sims()
-        pd.write(pd.table([pd.sims["p0"]], [pd.sims["d0"]]), wait=False)
-        pd.start_proxy()  # --eject-seconds 10 (the default): unreachable instances stay out meanwhile
-        yield pd
-    finally:
-        group.stop_all()
+# --eject-seconds 10 (the default): unreachable instances stay out meanwhile
+stack = module_stack("retries", {"p0": prefill_sim(), "d0": decode_sim()}, routed=(["p0"], ["d0"]))
 
 
 def dead(stack: PDStack, name: str, role: str, dp_size: int = 1) -> Sim:
@@ -46,23 +37,13 @@ def dead(stack: PDStack, name: str, role: str, dp_size: int = 1) -> Sim:
     return sim
 
 
-def send(proxy_url: str, n: int) -> None:
-    for i in range(n):
-        stream = i % 2 == 1
-        body = {"prompt": "hello", "max_tokens": 3, "stream": stream}
-        answer = http("POST", proxy_url + "/v1/completions", body, headers={"X-Request-Id": f"req-{i}"})
-        assert answer.status == 200, answer.body
-        if stream:
-            assert sse_events(answer.body)[-1] == "[DONE]"
-
-
 def test_unreachable_decode_is_replaced_with_the_same_handoff(stack: PDStack) -> None:
     p0, d0 = stack.sims["p0"], stack.sims["d0"]
     victim = dead(stack, "victim-d", "decode", dp_size=4)
     stack.route([p0], [victim, d0])  # flat order: victim/0, d0/0, victim/1, victim/2, victim/3
     retries = stack.metric("pdserve_proxy_retries_total", role="decode", reason="connect_error")
     refused = stack.metric("pdserve_proxy_upstream_requests_total", role="decode", outcome="connect_error")
-    send(stack.url, 10)
+    send_requests(stack.url, 10)
     # every request succeeded with ONE prefill each: no prefill was spent on the dead decode
     assert p0.stats()["by_leg"]["prefill"] == 10
     assert d0.stats()["by_leg"]["decode"] == 10 and d0.stats()["malformed_handoff"] == 0
@@ -101,7 +82,7 @@ def test_without_handoff_reuse_each_unreachable_decode_costs_a_prefill(stack: PD
     proxy: Proc = stack.group.start(
         "proxy-no-lease", proxy_args(stack.routing_file, "--kv-lease-seconds", "0")
     )
-    send(proxy.url, 6)
+    send_requests(proxy.url, 6)
     assert d0.stats()["by_leg"]["decode"] == 6
     assert p0.stats()["by_leg"]["prefill"] == 7  # one new prefill for the request that met the dead decode
     proxy.stop()
@@ -145,7 +126,7 @@ def test_unreachable_prefill_retry_goes_to_another_instance(stack: PDStack) -> N
     victim = dead(stack, "victim-p8", "prefill", dp_size=8)
     stack.route([victim, p0], [d0])  # 9 prefill slots, 8 of them on the dead instance
     refused = stack.metric("pdserve_proxy_upstream_requests_total", role="prefill", outcome="connect_error")
-    send(stack.url, 9)
+    send_requests(stack.url, 9)
     # the first request to meet it ejected all 8 slots; its retry and every later request went to p0
     assert p0.stats()["by_leg"]["prefill"] == 9 and d0.stats()["by_leg"]["decode"] == 9
     assert (

@@ -10,35 +10,33 @@ from __future__ import annotations
 import json
 import math
 import uuid
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.support.pdstack import HttpAnswer, PDStack, Sim, http, sse_events
-from tests.support.procs import ProcessGroup
+from tests.support.pdstack import (
+    HttpAnswer,
+    PDStack,
+    Sim,
+    decode_sim,
+    http,
+    module_stack,
+    prefill_sim,
+    sse_events,
+)
 
-
-@pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PDStack]:
-    group = ProcessGroup(Path(tmp_path_factory.mktemp("pd-routing")))
-    pd = PDStack(group, group.log_dir)
-    try:
-        for i in range(2):
-            pd.sim(f"ptp{i}", "prefill", dp_size=1, tp_size=8, wait=False)
-            pd.sim(f"pdp{i}", "prefill", dp_size=8, tp_size=1, wait=False)
-        for i in range(4):
-            pd.sim(f"dtp{i}", "decode", dp_size=1, tp_size=8, wait=False)
-        for i in range(3):
-            pd.sim(f"ddp{i}", "decode", dp_size=8, tp_size=1, wait=False)
-        pd.wait_sims()
-        pd.write(pd.table([pd.sims["ptp0"]], [pd.sims["dtp0"]]), wait=False)
-        pd.start_proxy()
-        yield pd
-    finally:
-        group.stop_all()
+# TP8 and DP8 instances of both roles, to route any shape between them
+stack = module_stack(
+    "routing",
+    {
+        **{f"ptp{i}": prefill_sim(1, 8) for i in range(2)},
+        **{f"pdp{i}": prefill_sim(8, 1) for i in range(2)},
+        **{f"dtp{i}": decode_sim(1, 8) for i in range(4)},
+        **{f"ddp{i}": decode_sim(8, 1) for i in range(3)},
+    },
+    routed=(["ptp0"], ["dtp0"]),
+)
 
 
 def send_all(pd: PDStack, n: int, streaming: bool | None = None) -> list[tuple[bool, str, HttpAnswer]]:

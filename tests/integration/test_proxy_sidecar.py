@@ -9,41 +9,27 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from pathlib import Path
-
 import pytest
 
-from tests.support.pdstack import PDStack, Sim, http, sse_events
-from tests.support.procs import ProcessGroup
+from tests.support.pdstack import (
+    PDStack,
+    Sim,
+    StackFactory,
+    decode_sim,
+    http,
+    prefill_sim,
+    send_requests,
+)
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PDStack]:
-    group = ProcessGroup(Path(tmp_path_factory.mktemp("pd-sidecar")))
-    pd = PDStack(group, group.log_dir)
-    try:
-        pd.sim("p0", "prefill", dp_size=2, wait=False)
-        pd.sim("p1", "prefill", dp_size=2, wait=False)
-        pd.sim("d0", "decode", dp_size=4, wait=False)  # the local engine
-        pd.sim("d1", "decode", dp_size=4, wait=False)  # another decode pod: never used by d0's sidecar
-        pd.wait_sims()
-        pd.write(pd.table([pd.sims["p0"], pd.sims["p1"]], [pd.sims["d0"], pd.sims["d1"]]), wait=False)
-        local = ["--local-decode", pd.sims["d0"].url, "--local-dp-size", "4", "--local-name", "d0"]
-        pd.start_proxy(*local, "--instance-index", "1")
-        yield pd
-    finally:
-        group.stop_all()
-
-
-def send(url: str, n: int, prefix: str) -> None:
-    for i in range(n):
-        stream = i % 2 == 1
-        body = {"prompt": "hello", "max_tokens": 3, "stream": stream}
-        answer = http("POST", url + "/v1/completions", body, headers={"X-Request-Id": f"{prefix}-{i}"})
-        assert answer.status == 200, answer.body
-        if stream:
-            assert sse_events(answer.body)[-1] == "[DONE]"
+def stack(pd_stack: StackFactory) -> PDStack:
+    # d0: the local engine; d1: another decode pod, never used by d0's sidecar
+    sims = {"p0": prefill_sim(2), "p1": prefill_sim(2), "d0": decode_sim(4), "d1": decode_sim(4)}
+    pd = pd_stack("sidecar", sims, routed=(["p0", "p1"], ["d0", "d1"]), proxy=None)
+    local = ["--local-decode", pd.sims["d0"].url, "--local-dp-size", "4", "--local-name", "d0"]
+    pd.start_proxy(*local, "--instance-index", "1")
+    return pd
 
 
 def ranks(sim: Sim) -> dict[str, int]:
@@ -54,7 +40,7 @@ def test_prefill_remote_decode_local_and_dp_ranks_walked_here(stack: PDStack) ->
     p0, p1, d0, d1 = (stack.sims[n] for n in ("p0", "p1", "d0", "d1"))
     stack.route([p0, p1], [d0, d1])
     assert http("GET", stack.url + "/ready").status == 200
-    send(stack.url, 8, "flat")
+    send_requests(stack.url, 8, "flat")
     # 4 prefill slots, 2 requests each; 4 local ranks, 2 each; the other decode pod got nothing
     assert ranks(p0) == {"0": 2, "1": 2} and ranks(p1) == {"0": 2, "1": 2}
     assert ranks(d0) == {"0": 2, "1": 2, "2": 2, "3": 2}
@@ -72,7 +58,7 @@ def test_retries_go_across_prefills_only(stack: PDStack) -> None:
     stack.route([p0, p1], [d0, d1])
     p0.faults("http-500")
     retries = stack.metric("pdserve_proxy_retries_total", role="prefill")
-    send(stack.url, 8, "retry")
+    send_requests(stack.url, 8, "retry")
     assert p1.stats()["by_leg"]["prefill"] == 8  # every request ended on the healthy prefill
     assert d0.stats()["by_leg"]["decode"] == 8 and d1.stats()["by_leg"]["decode"] == 0
     assert stack.metric("pdserve_proxy_retries_total", role="prefill") > retries
@@ -83,7 +69,7 @@ def test_draining_pod_turns_unready_and_still_serves(stack: PDStack) -> None:
     stack.route([p0], [d0.instance(draining=True), d1])
     ready = http("GET", stack.url + "/ready")
     assert ready.status == 503 and "draining" in ready.json()["reason"], ready.body
-    send(stack.url, 2, "drain")  # what a lagging Service still sends is served
+    send_requests(stack.url, 2, "drain")  # what a lagging Service still sends is served
     assert d0.stats()["by_leg"]["decode"] == 2
     served = http("GET", stack.url + "/routing/served").json()
     row = served["instances"]["d0"]

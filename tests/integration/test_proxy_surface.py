@@ -5,14 +5,20 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
 from pdserve.wire.headers import ERROR_REASON
-from tests.support.pdstack import TEST_HTTP_SERVER, PDStack, http, proxy_args, router_error
-from tests.support.procs import ProcessGroup
+from tests.support.pdstack import (
+    TEST_HTTP_SERVER,
+    PDStack,
+    decode_sim,
+    http,
+    module_stack,
+    prefill_sim,
+    proxy_args,
+    router_error,
+)
 
 CLIENT_KEY = "sk-client-7f3a9c1e-secret"
 BACKEND_KEY = "sk-backend-42d8b6aa-secret"
@@ -20,22 +26,14 @@ AUTH = {"Authorization": f"Bearer {CLIENT_KEY}"}
 MAX_BODY = 4000
 
 
-@pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PDStack]:
-    group = ProcessGroup(Path(tmp_path_factory.mktemp("pd-surface")))
-    pd = PDStack(group, group.log_dir, admin_headers=AUTH)
-    try:
-        pd.sim("p0", "prefill", wait=False)
-        pd.sim("d0", "decode", dp_size=2, wait=False)
-        pd.wait_sims()
-        pd.write(pd.table([pd.sims["p0"]], [pd.sims["d0"]]), wait=False)
-        pd.start_proxy(
-            "--max-body-bytes", str(MAX_BODY), "--log-level", "debug",
-            env={"PDSERVE_PROXY_API_KEY": CLIENT_KEY, "PDSERVE_BACKEND_API_KEY": BACKEND_KEY},
-        )  # fmt: skip
-        yield pd
-    finally:
-        group.stop_all()
+stack = module_stack(
+    "surface",
+    {"p0": prefill_sim(), "d0": decode_sim(2)},
+    routed=(["p0"], ["d0"]),
+    proxy=["--max-body-bytes", str(MAX_BODY), "--log-level", "debug"],
+    env={"PDSERVE_PROXY_API_KEY": CLIENT_KEY, "PDSERVE_BACKEND_API_KEY": BACKEND_KEY},
+    admin_headers=AUTH,
+)
 
 
 def test_proxy_serves_on_the_http_server_under_test(stack: PDStack) -> None:

@@ -17,14 +17,20 @@ import json
 import os
 import signal
 import time
-from collections.abc import Iterator
-from pathlib import Path
 
 import aiohttp
-import pytest
 
-from tests.support.pdstack import PDStack, eventually, http, proxy_args, proxy_metric
-from tests.support.procs import Proc, ProcessGroup
+from tests.support.pdstack import (
+    PDStack,
+    decode_sim,
+    eventually,
+    http,
+    module_stack,
+    prefill_sim,
+    proxy_args,
+    proxy_metric,
+)
+from tests.support.procs import Proc
 
 WORKERS = 2
 #: The routing file's poll interval (the proxy's default) and the slack of a loaded machine.
@@ -32,21 +38,17 @@ RELOAD_INTERVAL_S = 0.2
 SWAP_WINDOW_BOUND_S = RELOAD_INTERVAL_S + 0.3
 
 
-@pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PDStack]:
-    group = ProcessGroup(Path(tmp_path_factory.mktemp("pd-workers")))
-    pd = PDStack(group, group.log_dir)
-    try:
-        pd.sim("p0", "prefill", dp_size=2, wait=False)
-        pd.sim("p1", "prefill", dp_size=1, wait=False)
-        pd.sim("d0", "decode", dp_size=3, wait=False)
-        pd.sim("dslow", "decode", extra=["--itl-ms", "400", "--tokens", "10"], wait=False)
-        pd.wait_sims()
-        pd.write(pd.table([pd.sims["p0"], pd.sims["p1"]], [pd.sims["d0"]]), wait=False)
-        pd.start_proxy("--workers", str(WORKERS))
-        yield pd
-    finally:
-        group.stop_all()
+stack = module_stack(
+    "workers",
+    {
+        "p0": prefill_sim(2),
+        "p1": prefill_sim(1),
+        "d0": decode_sim(3),
+        "dslow": decode_sim(1, 1, "--itl-ms", "400", "--tokens", "10"),
+    },
+    routed=(["p0", "p1"], ["d0"]),
+    proxy=["--workers", str(WORKERS)],
+)
 
 
 def served(url: str) -> dict:  # type: ignore[type-arg]

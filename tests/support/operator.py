@@ -26,6 +26,7 @@ import pytest
 from pdserve.routing.table import RoutingTable, load_routing_table
 from tests.support.kube import REPO, KubeCluster, eventually
 from tests.support.procs import free_port
+from tests.support.specs import NIXL, manifest
 
 WAIT = 60.0
 
@@ -47,32 +48,22 @@ def pdd_manifest(
     its router pod asks for no GPU and really runs on the pod runner's node, unless
     ``silent_router`` pins it to a kwok node too, where it is Ready but never answers (so drains
     end at the ``drainSeconds`` bound)."""
-    doc: dict[str, Any] = {
-        "apiVersion": "pdserve.io/v1alpha1",
-        "kind": "PDDeployment",
-        "metadata": {"name": name},
-        "spec": {
-            "model": "Qwen/Qwen2.5-0.5B-Instruct",
-            "image": "vllm/vllm-openai:v0.11.0",
-            "engine": "vllm",
-            "kvTransfer": {"connector": "NixlConnector"},
-            "prefill": {"instances": prefill_instances, "dataParallel": prefill_dp, "tensorParallel": 1},
-            "decode": {
-                "instances": decode_instances,
-                "dataParallel": 1,
-                "tensorParallel": decode_tp,
-                "args": decode_args or [],
-            },
-            "rollout": {
-                "maxUnavailable": max_unavailable,
-                "maxSurge": max_surge,
-                "drainSeconds": drain_seconds,
-            },
+    return manifest(
+        name,
+        model="Qwen/Qwen2.5-0.5B-Instruct",
+        image="vllm/vllm-openai:v0.11.0",
+        engine="vllm",
+        kvTransfer=NIXL,
+        prefill={"instances": prefill_instances, "dataParallel": prefill_dp, "tensorParallel": 1},
+        decode={
+            "instances": decode_instances,
+            "dataParallel": 1,
+            "tensorParallel": decode_tp,
+            "args": decode_args or [],
         },
-    }
-    if silent_router:
-        doc["spec"]["router"] = {"template": {"spec": KWOK_PLACEMENT}}
-    return doc
+        rollout={"maxUnavailable": max_unavailable, "maxSurge": max_surge, "drainSeconds": drain_seconds},
+        router={"template": {"spec": KWOK_PLACEMENT}} if silent_router else None,
+    )
 
 
 #: Places a pod that asks for no GPU on a kwok node anyway.

@@ -2,7 +2,9 @@
 `pdserve proxy`, and small HTTP helpers (stdlib for single calls, aiohttp for concurrency).
 
 Module-scoped stacks keep the suite lean: processes start once per module, tests rewrite the
-routing file (the proxy hot-reloads it) and call POST /sim/reset so counts stay exact.
+routing file (the proxy hot-reloads it) and call POST /sim/reset so counts stay exact. A test
+module makes its stack with the ``pd_stack`` factory fixture: the simulators it names, the first
+table, the router's flags; every process of the module stops at its end.
 """
 
 from __future__ import annotations
@@ -12,10 +14,12 @@ import os
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import pytest
 
 from pdserve.proxy.settings import ServerSettings
 from pdserve.wire.headers import ERROR_REASON
@@ -153,12 +157,14 @@ class PDStack:
         tp_size: int = 1,
         extra: Sequence[str] = (),
         wait: bool = True,
+        env: dict[str, str] | None = None,
+        kv_port: int | None = None,
     ) -> Sim:
         """Start a simulator; with ``wait=False`` call :meth:`wait_sims` later (parallel start-up)."""
-        kv_port = 20000 + len(self.sims)
+        kv_port = kv_port or 20000 + len(self.sims)
         args = ["sim", "--role", role, "--dp-size", str(dp_size), "--tp-size", str(tp_size)]
         args += ["--instance-name", name, "--kv-port", str(kv_port), *FAST_SIM, *extra]
-        proc = self.group.start(name, args, health="/health" if wait else None)
+        proc = self.group.start(name, args, health="/health" if wait else None, env=env)
         sim = Sim(name, role, dp_size, tp_size, proc, f"127.0.0.1:{kv_port}")
         self.sims[name] = sim
         return sim
@@ -228,6 +234,99 @@ class PDStack:
     ) -> HttpAnswer:
         payload = {"prompt": "hello", "max_tokens": 3, "stream": stream, **body}
         return http("POST", self.url + "/v1/completions", payload, headers=headers)
+
+
+@dataclass(frozen=True)
+class SimSpec:
+    """One simulator of a stack: its role, DP and TP sizes, ``pdserve sim`` flags and environment."""
+
+    role: str
+    dp_size: int = 1
+    tp_size: int = 1
+    extra: tuple[str, ...] = ()
+    env: tuple[tuple[str, str], ...] = ()
+    kv_port: int | None = None
+
+
+def prefill_sim(dp: int = 1, tp: int = 1, *extra: str) -> SimSpec:
+    return SimSpec("prefill", dp, tp, extra)
+
+
+def decode_sim(dp: int = 1, tp: int = 1, *extra: str) -> SimSpec:
+    return SimSpec("decode", dp, tp, extra)
+
+
+#: ``pd_stack(label, sims, routed=None, proxy=(), env=None, admin_headers=None)``
+StackFactory = Callable[..., PDStack]
+
+
+@pytest.fixture(scope="module")
+def pd_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StackFactory]:
+    """Makes the router + simulators stacks of one test module; their processes stop at its end.
+
+    ``pd_stack(label, sims, routed=(prefill names, decode names), proxy=flags)``: the simulators
+    start in parallel, in ``sims``' order; the first routing table routes ``routed`` (none:
+    the test writes one); the router starts with ``proxy``'s flags once there is a table
+    (None: the test starts it), with ``env`` added to its environment."""
+    groups: list[ProcessGroup] = []
+
+    def make(
+        label: str,
+        sims: Mapping[str, SimSpec],
+        routed: tuple[Sequence[str], Sequence[str]] | None = None,
+        proxy: Sequence[str] | None = (),
+        env: dict[str, str] | None = None,
+        admin_headers: dict[str, str] | None = None,
+    ) -> PDStack:
+        group = ProcessGroup(Path(tmp_path_factory.mktemp(f"pd-{label}")))
+        groups.append(group)
+        stack = PDStack(group, group.log_dir, admin_headers=admin_headers or {})
+        for name, spec in sims.items():
+            stack.sim(
+                name, spec.role, spec.dp_size, spec.tp_size, spec.extra, False, dict(spec.env), spec.kv_port
+            )
+        stack.wait_sims()
+        if routed is not None:
+            names_p, names_d = routed
+            stack.write(stack.table([stack.sims[n] for n in names_p], [stack.sims[n] for n in names_d]))
+            if proxy is not None:
+                stack.start_proxy(*proxy, env=env)
+        return stack
+
+    try:
+        yield make
+    finally:
+        for group in groups:
+            group.stop_all()
+
+
+def module_stack(
+    label: str,
+    sims: Mapping[str, SimSpec],
+    routed: tuple[Sequence[str], Sequence[str]] | None = None,
+    proxy: Sequence[str] | None = (),
+    **options: Any,
+) -> Any:
+    """A test module's ``stack`` fixture, made by :func:`pd_stack` once for the module, e.g.
+    ``stack = module_stack("x", {"p0": prefill_sim(), "d0": decode_sim()}, routed=(["p0"], ["d0"]))``."""
+
+    @pytest.fixture(scope="module")
+    def stack(pd_stack: StackFactory) -> PDStack:
+        return pd_stack(label, sims, routed, proxy, **options)
+
+    return stack
+
+
+def send_requests(url: str, n: int, prefix: str = "req") -> None:
+    """``n`` requests, every other one streamed, each with its own X-Request-Id
+    (``<prefix>-<i>``); every one must succeed (a stream up to its ``[DONE]``)."""
+    for i in range(n):
+        stream = i % 2 == 1
+        body = {"prompt": "hello", "max_tokens": 3, "stream": stream}
+        answer = http("POST", url + "/v1/completions", body, headers={"X-Request-Id": f"{prefix}-{i}"})
+        assert answer.status == 200, answer.body
+        if stream:
+            assert sse_events(answer.body)[-1] == "[DONE]"
 
 
 def proxy_metric(url: str, name: str, **labels: str) -> float:

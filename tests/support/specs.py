@@ -1,31 +1,48 @@
-"""Small builders shared by the unit tests of the deployment package: a PDDeployment from a few
-spec fields, and the golden-file check (``PDSERVE_UPDATE_GOLDEN=1`` rewrites instead)."""
+"""The one PDDeployment builder of the tests and benches, and the golden-file check
+(``PDSERVE_UPDATE_GOLDEN=1`` rewrites instead).
+
+:func:`manifest` makes the object (what ``kubectl apply`` or ``pdserve up`` reads); :func:`pdd_of`
+parses it; :func:`sim_manifest` is the simulator deployment the test cluster and local mode run.
+A test states only the spec fields it is about."""
 
 from __future__ import annotations
 
+import copy
 import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from pdserve.deployment.spec.pddeployment import PDDeployment, parse_pddeployment
 
+API_VERSION = "pdserve.io/v1alpha1"
 IMAGE = "vllm/vllm-openai:v0.12.0"
+NIXL = {"connector": "NixlConnector"}
 
 
-def manifest(name: str = "r1", **spec: Any) -> dict[str, Any]:
-    body: dict[str, Any] = {"model": "m", "image": IMAGE}
-    body.update(spec)
+def manifest(name: str = "r1", *, metadata: Mapping[str, Any] | None = None, **spec: Any) -> dict[str, Any]:
+    """A PDDeployment object named ``name``: ``spec`` on top of model ``m`` and a vLLM image (a
+    field given as None is left out, e.g. ``image=None``); ``metadata``: more of its metadata
+    (namespace, uid, generation). The values are copied: callers may share their dicts."""
+    body = {"model": "m", "image": IMAGE, **copy.deepcopy(spec)}
     return {
-        "apiVersion": "pdserve.io/v1alpha1",
+        "apiVersion": API_VERSION,
         "kind": "PDDeployment",
-        "metadata": {"name": name},
-        "spec": body,
+        "metadata": {"name": name, **(metadata or {})},
+        "spec": {field: value for field, value in body.items() if value is not None},
     }
 
 
-def pdd_of(**spec: Any) -> PDDeployment:
-    """A parsed PDDeployment ``r1``: model ``m``, a vLLM image, and ``spec`` on top."""
-    return parse_pddeployment(manifest(**spec))
+def pdd_of(name: str = "r1", *, metadata: Mapping[str, Any] | None = None, **spec: Any) -> PDDeployment:
+    """:func:`manifest`, parsed."""
+    return parse_pddeployment(manifest(name, metadata=metadata, **spec))
+
+
+def sim_manifest(name: str, *, metadata: Mapping[str, Any] | None = None, **spec: Any) -> dict[str, Any]:
+    """``engine: sim`` (model ``sim-model``, NIXL): simulators for engines, as the test cluster's pod
+    runner and ``pdserve up`` run them; ``spec`` on top."""
+    defaults = {"model": "sim-model", "engine": "sim", "image": None, "kvTransfer": NIXL}
+    return manifest(name, metadata=metadata, **{**defaults, **spec})
 
 
 def check_golden(golden: Path, text: str) -> None:

@@ -26,6 +26,7 @@ from pdserve import __version__
 from pdserve.deployment.render.client_sidecar import client_rbac
 from pdserve.deployment.spec.pddeployment import parse_pddeployment
 from pdserve.operator.cli import configure as configure_operator_cli
+from tests.support.specs import check_golden, pdd_of
 
 REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "charts" / "pdserve"
@@ -170,15 +171,7 @@ def test_helm_lint_is_clean(helm: str) -> None:
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_helm_template_matches_golden(helm: str, case: str) -> None:
-    text = render(helm, CASES[case])
-    golden = GOLDEN / f"{case}.yaml"
-    if os.environ.get("PDSERVE_UPDATE_GOLDEN") == "1":
-        golden.parent.mkdir(parents=True, exist_ok=True)
-        golden.write_text(text)
-    assert golden.exists(), f"{golden} missing: run with PDSERVE_UPDATE_GOLDEN=1"
-    assert text == golden.read_text(), (
-        f"helm template differs from {golden}; if intended, PDSERVE_UPDATE_GOLDEN=1"
-    )
+    check_golden(GOLDEN / f"{case}.yaml", render(helm, CASES[case]))
 
 
 def _rules(doc: dict[str, Any]) -> list[dict[str, Any]]:
@@ -286,14 +279,7 @@ def test_client_sidecar_rbac_is_what_pdserve_render_sidecar_prints(helm: str) ->
     docs = objects(render(helm, CASES["client-sidecars"]))
     (role,) = [r for r in by_kind(docs, "Role") if r["metadata"]["name"] == "chat-routing-reader"]
     bindings = [b for b in by_kind(docs, "RoleBinding") if b["metadata"]["name"].startswith("chat-")]
-    pdd = parse_pddeployment(
-        {
-            "apiVersion": "pdserve.io/v1alpha1",
-            "kind": "PDDeployment",
-            "metadata": {"name": "chat", "namespace": "serving"},
-            "spec": {"model": "m", "engine": "sim"},
-        }
-    )
+    pdd = pdd_of("chat", metadata={"namespace": "serving"}, engine="sim", image=None)
     for account, namespace, binding in zip(
         ("chat-frontend", "batch"), ("serving", "jobs"), bindings, strict=True
     ):
@@ -450,7 +436,6 @@ def _selects(selector: dict[str, Any], labels: dict[str, str]) -> bool:
 
 def test_production_values_render_a_valid_pddeployment_and_policies_that_fit_its_pods(helm: str) -> None:
     from pdserve.deployment.render.groups import render_all
-    from pdserve.deployment.spec.pddeployment import parse_pddeployment
     from pdserve.deployment.validate import problems
 
     docs = objects(render(helm, CASES["production"]))

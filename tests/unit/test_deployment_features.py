@@ -7,7 +7,6 @@ the diff: it is exactly what changes in users' clusters.
 
 from __future__ import annotations
 
-import copy
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +16,7 @@ from pdserve.deployment.cli import to_yaml
 from pdserve.deployment.render.groups import render_all
 from pdserve.deployment.spec.pddeployment import parse_pddeployment
 from pdserve.deployment.validate import problems
+from tests.support import specs
 from tests.support.specs import check_golden
 
 GOLDEN = Path(__file__).resolve().parents[1] / "golden" / "render" / "features"
@@ -86,14 +86,8 @@ FEATURES: dict[str, dict[str, Any]] = {
 
 
 def manifest(extra: dict[str, Any]) -> dict[str, Any]:
-    spec = copy.deepcopy(BASE)
-    spec.update(copy.deepcopy(extra))
-    return {
-        "apiVersion": "pdserve.io/v1alpha1",
-        "kind": "PDDeployment",
-        "metadata": {"name": "llama", "namespace": "serving", "uid": "0d9f6b3c-4c1e-4f5a-9a53-2b7d3c9e8f10"},
-        "spec": spec,
-    }
+    metadata = {"namespace": "serving", "uid": "0d9f6b3c-4c1e-4f5a-9a53-2b7d3c9e8f10"}
+    return specs.manifest("llama", metadata=metadata, **{**BASE, **extra})
 
 
 @pytest.mark.parametrize("feature", sorted(FEATURES))

@@ -33,6 +33,7 @@ from pdserve.deployment.render.objects import (
 from pdserve.deployment.spec.pddeployment import PDDeployment, parse_pddeployment
 from pdserve.deployment.validate import problems
 from pdserve.routing import Role
+from tests.support import specs
 from tests.support.specs import check_golden
 from tests.unit.test_deployment_objects import SHAPES, shape_manifest
 
@@ -73,14 +74,8 @@ CASES: dict[str, dict[str, Any]] = {
 
 
 def pdd_of(spec: dict[str, Any], name: str = "ds") -> PDDeployment:
-    return parse_pddeployment(
-        {
-            "apiVersion": "pdserve.io/v1alpha1",
-            "kind": "PDDeployment",
-            "metadata": {"name": name, "namespace": "serving", "uid": UID, "generation": 1},
-            "spec": copy.deepcopy(spec),
-        }
-    )
+    metadata = {"namespace": "serving", "uid": UID, "generation": 1}
+    return specs.pdd_of(name, metadata=metadata, **{"image": None, **spec})  # the image the case gives
 
 
 def engine(pod: dict[str, Any]) -> dict[str, Any]:
@@ -239,12 +234,7 @@ def test_lws_worker_script_runs_the_same_argv_as_the_pod() -> None:
 
 def test_render_cli_prints_group_pods_and_lws(tmp_path: Path) -> None:
     for backend, kinds in (("pods", ["Pod"] * 6), ("lws", ["LeaderWorkerSet"] * 2)):
-        manifest = {
-            "apiVersion": "pdserve.io/v1alpha1",
-            "kind": "PDDeployment",
-            "metadata": {"name": "ds"},
-            "spec": {**DEEPSEEK, "multiNode": {"backend": backend}},
-        }
+        manifest = specs.manifest("ds", **{**DEEPSEEK, "multiNode": {"backend": backend}})
         path = tmp_path / f"{backend}.yaml"
         path.write_text(yaml.safe_dump(manifest))
         out = subprocess.run(

@@ -44,6 +44,7 @@ from pdserve.deployment.render.objects import (
 from pdserve.deployment.render.routing_table import ObservedInstance, build_routing_table
 from pdserve.deployment.spec.pddeployment import MAX_NAME_LENGTH, PDDeployment, parse_pddeployment
 from pdserve.routing import Role, build_slot_table, load_routing_table
+from tests.support import specs
 
 GOLDEN = Path(__file__).resolve().parents[1] / "golden" / "render"
 UPDATE = os.environ.get("PDSERVE_UPDATE_GOLDEN") == "1"
@@ -78,13 +79,9 @@ def shape_manifest(shape: str, connector: str, **extra: Any) -> dict[str, Any]:
         "decode": {"instances": d_count, **d_role},
         "router": {"replicas": 2},
     }
-    spec.update(extra)
-    return {
-        "apiVersion": "pdserve.io/v1alpha1",
-        "kind": "PDDeployment",
-        "metadata": {"name": "r1", "namespace": "serving", "uid": UID, "generation": 1},
-        "spec": spec,
-    }
+    return specs.manifest(
+        "r1", metadata={"namespace": "serving", "uid": UID, "generation": 1}, **{**spec, **extra}
+    )
 
 
 def all_ready(pdd: PDDeployment) -> list[ObservedInstance]:

@@ -5,27 +5,15 @@ from __future__ import annotations
 from typing import Any
 
 from pdserve.deployment.render.routing_table import ObservedInstance, build_routing_table
-from pdserve.deployment.spec.pddeployment import PDDeployment, parse_pddeployment
+from pdserve.deployment.spec.pddeployment import PDDeployment
 from pdserve.routing import Connector, Role, build_slot_table, load_routing_table
 from pdserve.wire.kv import MoriioRequestId, parse_moriio_request_id
+from tests.support import specs
 
 
 def pdd_of(**spec: Any) -> PDDeployment:
-    base = {
-        "model": "m",
-        "engine": "sim",
-        "prefill": {"instances": 2, "dataParallel": 8},
-        "decode": {"instances": 2, "tensorParallel": 4},
-    }
-    base.update(spec)
-    return parse_pddeployment(
-        {
-            "apiVersion": "pdserve.io/v1alpha1",
-            "kind": "PDDeployment",
-            "metadata": {"name": "r1"},
-            "spec": base,
-        }
-    )
+    shape = {"prefill": {"instances": 2, "dataParallel": 8}, "decode": {"instances": 2, "tensorParallel": 4}}
+    return specs.pdd_of(**{"engine": "sim", "image": None, **shape, **spec})
 
 
 def obs(

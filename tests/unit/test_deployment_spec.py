@@ -19,13 +19,11 @@ from pdserve.deployment.spec.pddeployment import (
     parse_spec,
 )
 from pdserve.routing import Connector, Role
+from tests.support import specs
 
-MINIMAL: dict[str, Any] = {
-    "apiVersion": "pdserve.io/v1alpha1",
-    "kind": "PDDeployment",
-    "metadata": {"name": "r1", "namespace": "serving"},
-    "spec": {"model": "deepseek-ai/DeepSeek-R1", "image": "vllm/vllm-openai:v0.11.0"},
-}
+MINIMAL: dict[str, Any] = specs.manifest(
+    metadata={"namespace": "serving"}, model="deepseek-ai/DeepSeek-R1", image="vllm/vllm-openai:v0.11.0"
+)
 
 
 def manifest(**spec: Any) -> dict[str, Any]:

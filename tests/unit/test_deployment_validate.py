@@ -6,26 +6,17 @@ from typing import Any
 
 import pytest
 
-from pdserve.deployment.spec.pddeployment import PDDeployment, parse_pddeployment
+from pdserve.deployment.spec.pddeployment import PDDeployment
 from pdserve.deployment.validate import problems
+from tests.support import specs
 
 
 def pdd_of(**spec: Any) -> PDDeployment:
-    base = {
-        "model": "m",
-        "image": "vllm/vllm-openai:v0.11.0",
+    shape = {
         "prefill": {"instances": 2, "dataParallel": 8, "expertParallel": True},
         "decode": {"instances": 1, "tensorParallel": 8},
     }
-    base.update(spec)
-    return parse_pddeployment(
-        {
-            "apiVersion": "pdserve.io/v1alpha1",
-            "kind": "PDDeployment",
-            "metadata": {"name": "r1"},
-            "spec": base,
-        }
-    )
+    return specs.pdd_of(**{"image": "vllm/vllm-openai:v0.11.0", **shape, **spec})
 
 
 def test_a_fitting_deployment_has_no_problems() -> None:

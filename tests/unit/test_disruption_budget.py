@@ -29,22 +29,20 @@ from pdserve.deployment.spec.pddeployment import (
 )
 from pdserve.local.plan import SimTimings, plan_local_run
 from pdserve.routing import Role
+from tests.support import specs
 
 UID = "0b8e7c1e-55a4-4c53-8f4e-3d2b1f0a9c11"
 
 
 def manifest(prefill: dict[str, Any] | None = None, decode: dict[str, Any] | None = None) -> dict[str, Any]:
-    return {
-        "apiVersion": "pdserve.io/v1alpha1",
-        "kind": "PDDeployment",
-        "metadata": {"name": "m", "namespace": "serving", "uid": UID},
-        "spec": {
-            "model": "Qwen/Qwen3-0.6B",
-            "image": "vllm/vllm-openai:v0.11.0",
-            "prefill": {"instances": 2, **(prefill or {})},
-            "decode": {"instances": 3, **(decode or {})},
-        },
-    }
+    return specs.manifest(
+        "m",
+        metadata={"namespace": "serving", "uid": UID},
+        model="Qwen/Qwen3-0.6B",
+        image="vllm/vllm-openai:v0.11.0",
+        prefill={"instances": 2, **(prefill or {})},
+        decode={"instances": 3, **(decode or {})},
+    )
 
 
 def pdd_of(prefill: dict[str, Any] | None = None, decode: dict[str, Any] | None = None) -> PDDeployment:

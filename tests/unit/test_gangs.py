@@ -24,6 +24,7 @@ from pdserve.deployment.render.objects import (
 from pdserve.deployment.render.routing_table import NodeEndpoint
 from pdserve.deployment.spec.pddeployment import parse_pddeployment
 from pdserve.operator.views import gang_pass, lws_stand_in, pod_view
+from tests.support.specs import sim_manifest
 
 TIMEOUT = 600.0
 NOW = 10_000.0
@@ -89,18 +90,13 @@ def test_gang_timeout_replaces_a_group_that_never_became_whole() -> None:
 
 # --- pods read into units ---------------------------------------------------------------------
 
-SPEC = {
-    "apiVersion": "pdserve.io/v1alpha1",
-    "kind": "PDDeployment",
-    "metadata": {"name": "g", "namespace": "ns", "uid": "u1", "generation": 1},
-    "spec": {
-        "model": "m",
-        "engine": "sim",
-        "kvTransfer": {"connector": "NixlConnector"},
-        "prefill": {"instances": 1, "dataParallel": 4},
-        "decode": {"instances": 1},
-    },
-}
+SPEC = sim_manifest(
+    "g",
+    metadata={"namespace": "ns", "uid": "u1", "generation": 1},
+    model="m",
+    prefill={"instances": 1, "dataParallel": 4},
+    decode={"instances": 1},
+)
 
 
 def pod(

@@ -13,6 +13,7 @@ from pdserve.deployment.spec.pddeployment import PDDeployment, load_manifest_fil
 from pdserve.local.plan import LOOPBACK, PlanError, SimTimings, plan_local_run
 from pdserve.local.view import instance_rows, render_frame, summary_line
 from pdserve.routing import Role
+from tests.support.specs import pdd_of
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 PYTHON = "/usr/bin/python3"
@@ -251,22 +252,14 @@ def test_summary_line_gives_totals_and_spread() -> None:
 
 
 def _multinode(api_servers: str = "perNode", **decode: Any) -> PDDeployment:
-    from pdserve.deployment.spec.pddeployment import parse_pddeployment
-
-    return parse_pddeployment(
-        {
-            "apiVersion": "pdserve.io/v1alpha1",
-            "kind": "PDDeployment",
-            "metadata": {"name": "mn"},
-            "spec": {
-                "model": "m",
-                "engine": "sim",
-                "gpusPerNode": 2,
-                "multiNode": {"apiServers": api_servers},
-                "prefill": {"instances": 2, "dataParallel": 4},
-                "decode": {"instances": 1, "dataParallel": 2, **decode},
-            },
-        }
+    return pdd_of(
+        "mn",
+        engine="sim",
+        image=None,
+        gpusPerNode=2,
+        multiNode={"apiServers": api_servers},
+        prefill={"instances": 2, "dataParallel": 4},
+        decode={"instances": 1, "dataParallel": 2, **decode},
     )
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import Counter
+from pathlib import Path
 
 import pytest
 
@@ -35,6 +36,21 @@ def test_registry() -> None:
     assert set(POLICIES) == {"flat-interleaved", "least-outstanding"}
     with pytest.raises(ValueError, match="unknown policy 'random'"):
         make_policy("random")
+
+
+def test_every_policy_is_known_to_the_spec_parser_and_the_crd() -> None:
+    """A policy is a module and a line in the registry, and its name in the spec's choices and the
+    CRD's enum (docs/architecture.md#adding-a-routing-policy): they must agree."""
+    import yaml
+
+    from pdserve.deployment.spec import pddeployment
+
+    crd_path = Path(__file__).resolve().parents[2] / "crds" / "pddeployments.pdserve.io.yaml"
+    crd = yaml.safe_load(crd_path.read_text(encoding="utf-8"))
+    spec = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
+    enum = spec["properties"]["router"]["properties"]["policy"]["enum"]
+    assert set(POLICIES) == set(pddeployment.POLICIES) == set(enum)
+    assert DEFAULT_POLICY == pddeployment.DEFAULT_POLICY
 
 
 def test_flat_interleaved_candidates_rotate_once_per_request() -> None:

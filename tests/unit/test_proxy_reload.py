@@ -17,6 +17,16 @@ def watch(path: Path, metrics: ProxyMetrics | None = None) -> tuple[RoutingWatch
     return RoutingWatcher(path, served), served
 
 
+def loaded(tmp_path: Path) -> tuple[Path, RoutingWatcher, ServedTable, ProxyMetrics]:
+    """A routing file with generation 1, watched, and its first poll done (it loads)."""
+    path = tmp_path / "routing.json"
+    path.write_text(json.dumps(table(1)))
+    metrics = ProxyMetrics()
+    watcher, served = watch(path, metrics)
+    assert watcher.poll(confirm_errors=False)
+    return path, watcher, served, metrics
+
+
 def table(generation: int, decode_ready: bool = True) -> dict[str, Any]:
     return {
         "apiVersion": "pdserve.io/v1alpha1",
@@ -34,11 +44,7 @@ def value(metrics: ProxyMetrics, name: str) -> float:
 
 
 def test_plain_rewrite_is_picked_up(tmp_path: Path) -> None:
-    path = tmp_path / "routing.json"
-    path.write_text(json.dumps(table(1)))
-    metrics = ProxyMetrics()
-    watcher, served = watch(path, metrics)
-    assert watcher.poll(confirm_errors=False)
+    path, watcher, served, metrics = loaded(tmp_path)
     assert served.current is not None and served.current.generation == 1
     assert not watcher.poll()  # unchanged
     path.write_text(json.dumps(table(2, decode_ready=False)))
@@ -72,11 +78,7 @@ def test_configmap_data_symlink_swap(tmp_path: Path) -> None:
 
 
 def test_invalid_file_keeps_the_last_good_table_and_is_counted_once(tmp_path: Path) -> None:
-    path = tmp_path / "routing.json"
-    path.write_text(json.dumps(table(1)))
-    metrics = ProxyMetrics()
-    watcher, served = watch(path, metrics)
-    watcher.poll(confirm_errors=False)
+    path, watcher, served, metrics = loaded(tmp_path)
     bad = table(2)
     bad["decode"][0]["dpSize"] = "one"
     path.write_text(json.dumps(bad))
@@ -104,11 +106,7 @@ def test_missing_file_at_start_is_not_ready_until_it_appears(tmp_path: Path) -> 
 
 
 def test_same_content_same_generation_is_not_a_reload(tmp_path: Path) -> None:
-    path = tmp_path / "routing.json"
-    path.write_text(json.dumps(table(1)))
-    metrics = ProxyMetrics()
-    watcher, _ = watch(path, metrics)
-    watcher.poll(confirm_errors=False)
+    path, watcher, _, metrics = loaded(tmp_path)
     path.write_text(json.dumps(table(1), indent=4))  # new bytes, same table
     assert not watcher.poll()
     assert value(metrics, "pdserve_proxy_routing_reloads_total") == 1

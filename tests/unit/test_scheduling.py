@@ -15,8 +15,8 @@ from pdserve.deployment.plan.scheduling import (
 )
 from pdserve.deployment.plan.status import Observation, compute_status
 from pdserve.deployment.render.objects import instance_pod
-from pdserve.deployment.spec.pddeployment import parse_pddeployment
 from pdserve.routing import Role
+from tests.support.specs import pdd_of
 
 NOW = "2026-12-03T00:00:00Z"
 
@@ -52,14 +52,7 @@ def test_gates_lift_from_the_largest_down() -> None:
 
 
 def test_placement_is_read_from_the_pod() -> None:
-    pdd = parse_pddeployment(
-        {
-            "apiVersion": "pdserve.io/v1alpha1",
-            "kind": "PDDeployment",
-            "metadata": {"name": "r1"},
-            "spec": {"model": "m", "image": "i", "prefill": {"tensorParallel": 8}},
-        }
-    )
+    pdd = pdd_of(image="i", prefill={"tensorParallel": 8})
     pod: dict[str, Any] = with_gate(instance_pod(pdd, Role.PREFILL, 0))
     assert pod["spec"]["schedulingGates"] == [{"name": GATE}]
     assert placement_of(pod, "nvidia.com/gpu") == Placement("r1-prefill-0", 8, gated=True)

@@ -12,6 +12,7 @@ from pdserve.deployment.render.objects import instance_pod
 from pdserve.deployment.spec.pddeployment import parse_pddeployment
 from pdserve.routing import Role
 from pdserve.sim import vllm_cli
+from tests.support import specs
 
 TP8 = {"dataParallel": 1, "tensorParallel": 8}
 DP8EP = {"dataParallel": 8, "tensorParallel": 1, "expertParallel": True}
@@ -45,13 +46,8 @@ def manifest(connector: str, shape: str, **extra: Any) -> dict[str, Any]:
         "prefill": {"instances": 1, **prefill, "args": USER_ARGS},
         "decode": {"instances": 2, **decode},
     }
-    spec.update(extra)
-    return {
-        "apiVersion": "pdserve.io/v1alpha1",
-        "kind": "PDDeployment",
-        "metadata": {"name": "m", "namespace": "serving", "uid": "u", "generation": 1},
-        "spec": spec,
-    }
+    metadata = {"namespace": "serving", "uid": "u", "generation": 1}
+    return specs.manifest("m", metadata=metadata, **{**spec, **extra})
 
 
 def engine_argv(pod: dict[str, Any]) -> list[str]:

@@ -22,7 +22,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from pdserve.deployment.render.defaults import ROUTER_PRESTOP_SECONDS, ROUTER_SHUTDOWN_GRACE_SECONDS
+from pdserve.deployment.render.defaults import (
+    ROUTER_PRESTOP_SECONDS,
+    ROUTER_SHUTDOWN_GRACE_SECONDS,
+    router_args,
+)
 from pdserve.deployment.render.security import router_admin_args, router_admin_port, router_key_env
 from pdserve.deployment.spec.owned import ROUTER_CONTAINER
 from pdserve.deployment.spec.pddeployment import DEFAULT_IMAGE, ENGINE_PORT, PDDeployment
@@ -44,21 +48,7 @@ def sidecar_container(pdd: PDDeployment, configmap: str, revision: str) -> dict[
         "image": router.image or DEFAULT_IMAGE,
         "command": ["pdserve"],
         "args": [
-            "proxy",
-            "--routing-configmap",
-            f"$(POD_NAMESPACE)/{configmap}",
-            "--shutdown-grace-seconds",
-            str(ROUTER_SHUTDOWN_GRACE_SECONDS),
-            "--host",
-            "0.0.0.0",
-            "--port",
-            str(SIDECAR_PORT),
-            "--policy",
-            router.policy,
-            "--backlog",
-            str(router.backlog),
-            "--workers",
-            str(router.workers),
+            *router_args(router, configmap, SIDECAR_PORT),
             "--local-decode",
             # The pod's own IP, not localhost: same pod either way, and it also holds where
             # containers share the node's network but bind their pod IP (the test cluster's runner).

@@ -1,4 +1,4 @@
-"""Engine pod defaults a platform team expects, each one overridable.
+"""Engine and router pod defaults a platform team expects, each one overridable.
 
 * **Requests:** an engine container without a CPU or memory request (or limit) of its own,
   after the role's ``resources`` and its template are merged, requests
@@ -19,12 +19,17 @@
 * **Clean shutdown:** engine and router pods sleep in a ``preStop`` hook before their process
   gets SIGTERM (:data:`ENGINE_PRESTOP_SECONDS`, :data:`ROUTER_PRESTOP_SECONDS`), and their
   ``terminationGracePeriodSeconds`` covers that sleep plus the time in-flight requests need.
+* **One router command line** for both placements (:func:`router_args`): the router Deployment
+  and the decode sidecar watch the same ConfigMap with the same grace period and tuning.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from pdserve.deployment.spec.pddeployment import RouterSpec
 
 CPU_PER_GPU = 4
 MEMORY_PER_GPU_GI = 32
@@ -35,8 +40,8 @@ STARTUP_PERIOD_SECONDS = 10
 #: A pod deleted outside a rollout (by hand, an eviction) must first leave every router's
 #: table: the operator sees the deletionTimestamp on its pod watch and writes a table without
 #: the pod in one light pass (debounce 50 ms plus one ConfigMap write), and each router's watch
-#: delivers the new table in well under a second (bench/results/routing-lag-latest.md: pod
-#: NotReady to served by every router, p99 0.18 s on the test cluster). Five seconds covers
+#: delivers the new table in well under a second (bench/results/routing-lag-latest.md measures
+#: it from pod NotReady to served by every router). Five seconds covers
 #: that with room for a busy API server; in-flight requests keep running meanwhile and no new
 #: one arrives.
 ENGINE_PRESTOP_SECONDS = 5
@@ -80,3 +85,26 @@ def startup_failure_threshold(timeout_seconds: int) -> int:
 def engine_security_context(sim: bool) -> dict[str, Any]:
     """The pod-level securityContext; the simulator's image runs as a non-root user."""
     return {"runAsNonRoot": True} if sim else {}
+
+
+def router_args(router: RouterSpec, configmap: str, port: int) -> list[str]:
+    """``pdserve proxy``'s flags in a router container: the routing ConfigMap watched through the
+    API server (a new table is served within a second of being written; a mounted ConfigMap would
+    follow only on the kubelet's sync period), its grace period, its port and spec.router's tuning."""
+    return [
+        "proxy",
+        "--routing-configmap",
+        f"$(POD_NAMESPACE)/{configmap}",
+        "--shutdown-grace-seconds",
+        str(ROUTER_SHUTDOWN_GRACE_SECONDS),
+        "--host",
+        "0.0.0.0",
+        "--port",
+        str(port),
+        "--policy",
+        router.policy,
+        "--backlog",
+        str(router.backlog),
+        "--workers",
+        str(router.workers),
+    ]

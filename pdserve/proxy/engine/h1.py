@@ -1,7 +1,7 @@
 """The legs' HTTP/1.1 client: keep-alive connections per engine, httptools' parser, one write per
 request.
 
-Why not aiohttp's client here: the py-spy profile of the proxy under load put about 40 % of
+Why not aiohttp's client here: a py-spy profile of the proxy under load put a large share of
 its CPU in aiohttp's request path (request and response objects, header multidicts, payload
 registry, a writer task per request, the connector's bookkeeping), for legs that are always
 the same: a POST of a body already encoded, to an engine the proxy keeps connections to, whose

@@ -44,6 +44,11 @@ class BackendRefusal(Exception):
     body: bytes
     content_type: str
 
+    @property
+    def outcome(self) -> str:
+        """The leg's outcome in the metrics: ``http_4xx``."""
+        return f"http_{self.status // 100}xx"
+
 
 @dataclass(frozen=True)
 class Answer:

@@ -146,14 +146,9 @@ class LegRunner:
                 answer = await self.upstream.post(
                     slot.url + path, payload, headers, self.deadlines.prefill_ttfb
                 )
-            except LegError as exc:
+            except (LegError, BackendRefusal) as exc:
                 outcome = exc.outcome
-                if exc.outcome == "timeout":
-                    self.metrics.deadline_expiries.labels("prefill", "prefill_ttfb").inc()
-                raise LegFailure(Role.PREFILL, slot, exc) from None
-            except BackendRefusal as refusal:
-                outcome = f"http_{refusal.status // 100}xx"
-                raise
+                raise self._leg_failure(Role.PREFILL, slot, exc) from None
             handoff = _kv_transfer_params(answer)
             problems = connector.handoff_problems(handoff)
             if problems:
@@ -192,14 +187,9 @@ class LegRunner:
                     )
                 else:
                     answer = await self.upstream.post(url, payload, headers, self.deadlines.decode_ttfb)
-            except LegError as exc:
+            except (LegError, BackendRefusal) as exc:
                 outcome = exc.outcome
-                if exc.outcome == "timeout":
-                    self.metrics.deadline_expiries.labels("decode", "decode_ttfb").inc()
-                raise LegFailure(Role.DECODE, slot, exc) from None
-            except BackendRefusal as refusal:
-                outcome = f"http_{refusal.status // 100}xx"
-                raise
+                raise self._leg_failure(Role.DECODE, slot, exc) from None
             trace.first_byte = time.monotonic()
             if background is not None:
                 background.add_done_callback(self._observe_background_prefill)
@@ -211,6 +201,15 @@ class LegRunner:
         finally:
             if outcome != "streaming":
                 self._leg_finished(Role.DECODE, slot, outcome)
+
+    def _leg_failure(self, role: Role, slot: Slot, exc: LegError | BackendRefusal) -> Exception:
+        """What a failed leg raises: the engine's own refusal (a 4xx, passed to the client), or a
+        LegFailure the dispatcher may retry elsewhere, its deadline counted when it expired."""
+        if isinstance(exc, BackendRefusal):
+            return exc
+        if exc.outcome == "timeout":
+            self.metrics.deadline_expiries.labels(role.value, f"{role.value}_ttfb").inc()
+        return LegFailure(role, slot, exc)
 
     def _observe_background_prefill(self, task: asyncio.Task[Any]) -> None:
         """MoRIIO WRITE: a prefill that fails after its decode started cannot fail the request."""

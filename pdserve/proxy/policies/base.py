@@ -19,6 +19,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import ClassVar, Protocol
 
+from pdserve.proxy.policies.counters import Counters, LocalCounters
 from pdserve.proxy.state.health import SlotBook
 from pdserve.routing import Role, Slot
 
@@ -33,6 +34,17 @@ class Policy(Protocol):
     def candidates(self, role: Role, slots: Sequence[Slot], book: SlotBook, turn: int) -> list[Slot]:
         """Every usable slot once, best first, for the request holding ``turn`` (module doc)."""
         ...
+
+
+class Turns:
+    """The turns of a policy: one counter per (role, group), in this process, or in shared memory
+    for every worker process (pdserve.proxy.policies.counters)."""
+
+    def __init__(self, counters: Counters | None = None) -> None:
+        self._counters = counters or LocalCounters()
+
+    def turn(self, role: Role, group: str = "") -> int:
+        return self._counters.take(role.value, group)
 
 
 def rotation(slots: Sequence[Slot], start: int) -> list[Slot]:

@@ -10,20 +10,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import ClassVar
 
-from pdserve.proxy.policies.base import live_and_ejected, rotation
-from pdserve.proxy.policies.counters import Counters, LocalCounters
+from pdserve.proxy.policies.base import Turns, live_and_ejected, rotation
 from pdserve.proxy.state.health import SlotBook
 from pdserve.routing import Role, Slot
 
 
-class LeastOutstanding:
+class LeastOutstanding(Turns):
     name: ClassVar[str] = "least-outstanding"
-
-    def __init__(self, counters: Counters | None = None) -> None:
-        self._counters = counters or LocalCounters()
-
-    def turn(self, role: Role, group: str = "") -> int:
-        return self._counters.take(role.value, group)
 
     def candidates(self, role: Role, slots: Sequence[Slot], book: SlotBook, turn: int) -> list[Slot]:
         live, ejected = live_and_ejected(role, slots, book)

@@ -1,8 +1,8 @@
 """Serving: uvicorn (default) or Hypercorn on uvloop, sized for bursts and multi-minute streams,
 graceful on SIGTERM.
 
-Quart's debug server listens with a backlog of 100 and reset about 16% of a 512-connection
-burst in vLLM's MoRIIO proxy; either server here listens with a deep backlog and queues them.
+Quart's debug server listens with a backlog of 100 and reset part of a 512-connection burst
+in vLLM's MoRIIO proxy; either server here listens with a deep backlog and queues them.
 uvicorn runs with httptools (never h11): its HTTP parsing and framing cost well under
 Hypercorn's per request, and on a shared machine CPU per request is what decides throughput.
 Both get the same app, the same backlog, keep-alive and grace period, and no access log.
@@ -43,7 +43,7 @@ class Lifecycle:
 
 #: Builds the app a process serves (pdserve.proxy.app.create_app): the server knows how to serve,
 #: not what.
-AppFactory = Callable[[ProxySettings, Lifecycle, SharedState | None, WorkerInfo | None], GenerationApp]
+AppFactory = Callable[[ProxySettings, Lifecycle, WorkerInfo | None], GenerationApp]
 
 
 def hypercorn_config(settings: ProxySettings) -> HypercornConfig:
@@ -275,7 +275,6 @@ SERVERS: dict[str, Serve] = {
 async def serve_until_signalled(
     settings: ProxySettings,
     build: AppFactory,
-    shared: SharedState | None = None,
     sockets: Sequence[socket.socket] = (),
     worker: WorkerInfo | None = None,
 ) -> None:
@@ -284,10 +283,10 @@ async def serve_until_signalled(
     ``grace_seconds`` to finish. A second signal skips what is left of the delay."""
     serve = SERVERS[settings.server.http_server]
     lifecycle = Lifecycle()
-    app = build(settings, lifecycle, shared, worker)
+    app = build(settings, lifecycle, worker)
     # What exists now (the modules, the app) lives as long as the process: a full collection
-    # need not walk it again (some 57,000 objects, a pause of about 10 ms in the middle of
-    # requests, each time). Requests' objects are still collected as before.
+    # need not walk it again (a pause in the middle of requests, each time). Requests' objects
+    # are still collected as before.
     gc.freeze()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -325,7 +324,7 @@ async def serve_until_signalled(
         settings.table.source,
     )
     try:
-        await serve(app, settings, stop, sockets, shared)
+        await serve(app, settings, stop, sockets, worker.shared if worker else None)
     finally:
         for handle in delayed:
             handle.cancel()
@@ -335,13 +334,12 @@ async def serve_until_signalled(
 def run_server(
     settings: ProxySettings,
     build: AppFactory,
-    shared: SharedState | None = None,
     sockets: Sequence[socket.socket] = (),
     worker: WorkerInfo | None = None,
 ) -> None:
     try:
         import uvloop
     except ImportError:  # pragma: no cover - uvloop is a dependency on every supported platform
-        asyncio.run(serve_until_signalled(settings, build, shared, sockets, worker))
+        asyncio.run(serve_until_signalled(settings, build, sockets, worker))
         return
-    uvloop.run(serve_until_signalled(settings, build, shared, sockets, worker))
+    uvloop.run(serve_until_signalled(settings, build, sockets, worker))

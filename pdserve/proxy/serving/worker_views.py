@@ -18,11 +18,13 @@ import contextlib
 import json
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-log = logging.getLogger("pdserve.proxy.serving.workers")
+from pdserve.proxy.state.shared import SharedState
+
+log = logging.getLogger("pdserve.proxy.workers")
 
 VIEWS_TIMEOUT_S = 5.0
 MAX_VIEW_BYTES = 64 * 1024 * 1024
@@ -30,11 +32,13 @@ MAX_VIEW_BYTES = 64 * 1024 * 1024
 
 @dataclass(frozen=True)
 class WorkerInfo:
-    """Which of ``count`` workers this process is, and where the workers' sockets live."""
+    """This process as one of ``count`` workers of the router: which one, where the workers'
+    sockets live, and the memory they share (pdserve.proxy.state.shared)."""
 
     index: int
     count: int
     rundir: Path
+    shared: SharedState = field(repr=False, compare=False)
 
     def socket_path(self, index: int) -> Path:
         return self.rundir / f"worker-{index}.sock"

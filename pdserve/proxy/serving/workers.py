@@ -53,14 +53,14 @@ from pdserve.proxy.serving.worker_views import WorkerInfo
 from pdserve.proxy.settings import ProxySettings
 from pdserve.proxy.state.shared import SharedState
 
-log = logging.getLogger("pdserve.proxy.serving.workers")
+log = logging.getLogger("pdserve.proxy.workers")
 
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"  # pdserve.proxy.metrics reads it (not imported here)
 RESTART_DELAY_S = 1.0
 
 #: What each worker runs once forked (pdserve.proxy.cli.serve_process): its imports happen there,
 #: after PROMETHEUS_MULTIPROC_DIR is set.
-ServeProcess = Callable[[ProxySettings, SharedState | None, Sequence[socket.socket], WorkerInfo | None], None]
+ServeProcess = Callable[[ProxySettings, Sequence[socket.socket], WorkerInfo | None], None]
 
 
 def memory_dir() -> str | None:
@@ -74,11 +74,10 @@ def memory_dir() -> str | None:
 def _worker_main(
     serve: ServeProcess,
     settings: ProxySettings,
-    shared: SharedState,
     sockets: list[list[socket.socket]],
     worker: WorkerInfo,
 ) -> None:
-    index = worker.index
+    index, shared = worker.index, worker.shared
     signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the server installs its own on its loop
     signal.signal(signal.SIGINT, signal.SIG_DFL)
     for i, own in enumerate(sockets):
@@ -93,7 +92,7 @@ def _worker_main(
 
     pid = os.getpid()
     values.ValueClass = values.MultiProcessValue(lambda: pid)  # type: ignore[no-untyped-call]
-    serve(settings, shared, sockets[index], worker)
+    serve(settings, sockets[index], worker)
 
 
 def run_workers(settings: ProxySettings, serve: ServeProcess) -> int:
@@ -124,7 +123,7 @@ def run_workers(settings: ProxySettings, serve: ServeProcess) -> int:
     def start(index: int) -> None:
         proc = context.Process(
             target=_worker_main,
-            args=(serve, settings, shared, sockets, WorkerInfo(index, count, rundir)),
+            args=(serve, settings, sockets, WorkerInfo(index, count, rundir, shared)),
             name=f"pdserve-proxy-worker-{index}",
             daemon=False,
         )

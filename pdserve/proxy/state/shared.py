@@ -12,7 +12,7 @@ flight never fills up with finished ones. Keys and values are native 8-byte word
 offsets: a read sees a word whole, never half of an update.
 
 The lock is per request's work, so the hot path takes it as rarely as it can (a py-spy
-profile put the shared state at about a fifth of a worker's CPU per request when every
+profile showed the shared state as a visible share of a worker's CPU per request when every
 operation took it): reads of tables whose entries never move go without it, and the legs in
 flight are counted without a table at all (:class:`SharedInFlight`).
 
@@ -281,8 +281,8 @@ class SharedConnections:
     """Client connections open on each worker, one native word per worker (its only writer).
 
     SO_REUSEPORT spreads new connections by a hash of their addresses, which spreads a few
-    long-lived ones unevenly: of a gateway's pool of 8 connections, one of two workers gets 6 or
-    more after about 29 % of its starts, and serves three quarters of the traffic on one core. A
+    long-lived ones unevenly: of a gateway's pool of 8 connections, one of two workers often
+    gets most, and serves most of the traffic on one core. A
     worker over its share closes a connection once its response is sent (pdserve.proxy.serving.server),
     and the client's next connection is spread again.
     """

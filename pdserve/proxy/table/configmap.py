@@ -43,7 +43,7 @@ from pdserve.proxy.table.kubeconfig import ApiCredentials, ConfigMapRef, Credent
 from pdserve.proxy.table.served import ServedTable
 from pdserve.routing import CONFIGMAP_KEY
 
-log = logging.getLogger("pdserve.proxy.table.configmap")
+log = logging.getLogger("pdserve.proxy.kubewatch")
 
 WATCH_TIMEOUT_S = 300.0  # asked of the server, with jitter, like client-go's 5-10 min
 IDLE_READ_S = 90.0  # the API server sends a BOOKMARK about every minute: silence longer is a dead link

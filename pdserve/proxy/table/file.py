@@ -20,7 +20,7 @@ from pdserve.routing import RoutingTableError
 
 __all__ = ["RoutingState", "RoutingWatcher", "file_signature"]
 
-log = logging.getLogger("pdserve.proxy.table.file")
+log = logging.getLogger("pdserve.proxy.reload")
 
 FileSignature = tuple[str, int, int, int, int]
 

@@ -33,7 +33,7 @@ from pdserve.routing.slots import split_slot_key
 #: standalone router, the prefills plus its own engine for a decode sidecar (pdserve.routing.sidecar).
 SlotBuilder = Callable[[RoutingTable], SlotTable]
 
-log = logging.getLogger("pdserve.proxy.table.file")
+log = logging.getLogger("pdserve.proxy.reload")
 
 
 @dataclass(frozen=True)
