@@ -116,8 +116,10 @@ def _wait_serving(up: UpProcess, timeout: float = 60.0) -> dict[str, Any]:
         try:
             status, _ = _get(up.url + "/ready")
             if status == 200:
-                _, debug = _get(up.url + "/debug/routing")
-                if debug.get("table") is None:  # a router worker that has not loaded it yet answered
+                status, debug = _get(up.url + "/debug/routing")
+                # Just after /ready, a router worker may not have loaded the table yet, or the
+                # workers' views may not all answer (503): ask again.
+                if status != 200 or not isinstance(debug, dict) or debug.get("table") is None:
                     time.sleep(0.1)
                     continue
                 table = load_routing_table(json.dumps(debug["table"]))
