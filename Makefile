@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: install test test-workers unit lint fmt bench bench-operator bench-replay bench-routing cluster-build cluster-up cluster-down kind-e2e demo clean \
+.PHONY: install test test-workers unit lint fmt bench bench-operator bench-prefix bench-replay bench-routing cluster-build cluster-up cluster-down kind-e2e demo clean \
 	e2e-vllm record-vllm-fixtures
 
 install: $(VENV)/.installed
@@ -26,7 +26,8 @@ PROXY_WORKER_TESTS := tests/integration/test_proxy_routing.py tests/integration/
 	tests/integration/test_proxy_faults.py tests/integration/test_proxy_retries.py \
 	tests/integration/test_proxy_backpressure.py tests/integration/test_proxy_admin.py \
 	tests/integration/test_proxy_load.py tests/integration/test_proxy_workers.py \
-	tests/integration/test_proxy_multinode.py tests/integration/test_proxy_engine_loss.py
+	tests/integration/test_proxy_multinode.py tests/integration/test_proxy_engine_loss.py \
+	tests/integration/test_proxy_prefix_affinity.py
 test-workers: install
 	PDSERVE_TEST_PROXY_WORKERS=2 $(VENV)/bin/pytest $(PROXY_WORKER_TESTS) $(PYTEST_ARGS)
 
@@ -55,6 +56,11 @@ bench-operator: install cluster-up
 ## results in bench/results/replay-latest.md (docs/benchmarking.md).
 bench-replay: install
 	$(PY) -m bench.replay_bench
+
+## Cache-aware prefill routing on the Mooncake trace: flat, prefix-affinity (1 and 2 workers, 2 routers)
+## and vllm-router cache_aware on fresh profiled sims (about 40 minutes); bench/results/prefix-latest.md.
+bench-prefix: install
+	$(PY) -m bench.prefix_bench
 
 bench-routing: install cluster-up
 	$(PY) -m bench.routing_lag_bench
@@ -87,8 +93,10 @@ $(VENV)/.demo-installed: pyproject.toml
 
 ## Opt-in (not in `make test`): real vLLM for CPU behind `pdserve up` (cached venv of several GB
 ## under ~/.cache/pdserve; see docs/testing.md). One e2e at a time: it needs about 8 GB.
+## Then the simulator's cpu-tiny-llama profile against one real vLLM (docs/simulator.md).
 e2e-vllm: install
 	$(PY) -m tests.e2e_vllm run
+	$(PY) -m tests.e2e_vllm check-profile
 
 ## Re-record tests/fixtures/vllm-<version>/ from real vLLM (the same setup as e2e-vllm).
 record-vllm-fixtures: install

@@ -5,7 +5,8 @@ one system after the other on those same backends:
 
   * ``pdserve``: `pdserve proxy` in its default configuration (uvicorn, ``--workers`` = the
     CPUs available, back-pressure on), which is what the image and the chart run, with a routing
-    file naming the two simulators; ``pdserve-1w`` (``--workers 1``) and ``pdserve-hypercorn`` on
+    file naming the two simulators; ``pdserve-1w`` (``--workers 1``), ``pdserve-hypercorn`` and
+    ``pdserve-prefix`` (``--prefill-policy prefix-affinity``) on
     request (``--systems``);
   * ``vllm-router``: the PyPI router in P/D mode (--vllm-pd-disaggregation --kv-connector nixl);
   * ``direct``: the client talking to the decode simulator itself, the floor no proxy can beat;
@@ -56,6 +57,7 @@ PDSERVE_SYSTEMS: dict[str, tuple[str, ...]] = {
     "pdserve": (),
     "pdserve-1w": ("--workers", "1"),
     "pdserve-hypercorn": ("--http-server", "hypercorn"),
+    "pdserve-prefix": ("--prefill-policy", "prefix-affinity"),
 }
 SYSTEMS = ("direct", *PDSERVE_SYSTEMS, "vllm-router")
 DEFAULT_SYSTEMS = ("direct", "pdserve", "pdserve-1w", "vllm-router")
@@ -459,6 +461,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 )
                 + (f", the decode holding its first byte {load.hold_ms} ms" if load.hold_ms else "")
                 for load in loads(args)
+                if not args.loads or load.name in args.loads
             )
             + f"; {args.rounds} round(s), alternating order, pooled; both proxies at --log-level {LOG_LEVEL}"
         ),
@@ -470,7 +473,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.baseline is not None:
         prefix = "baseline-" + prefix
         meta["baseline"] = describe_tree(args.baseline)
-    written = write_results(RESULTS, prefix, summaries, meta, vars(args))
+    # The checkout by its commit, never by a path of this machine.
+    recorded = {**vars(args), "baseline": meta.get("baseline")}
+    written = write_results(RESULTS, prefix, summaries, meta, recorded)
     log(f"wrote {', '.join(f'bench/results/{name}' for name in written)}")
     return 0
 

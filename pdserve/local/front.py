@@ -198,6 +198,7 @@ def merge_debug(
         "placement": "decode-sidecar",
         "source": first.get("source"),
         "policy": first.get("policy"),
+        "prefill_policy": first.get("prefill_policy"),
         "last_reload_error": next(
             (d["last_reload_error"] for d in answered if d.get("last_reload_error")), None
         ),

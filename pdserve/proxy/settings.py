@@ -14,7 +14,8 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pdserve.proxy.policies import DEFAULT_POLICY, POLICIES
+from pdserve.proxy.policies import DEFAULT_POLICY, POLICIES, PREFILL_POLICIES, PrefixOptions
+from pdserve.proxy.policies.prefix_affinity import DEFAULT_INDEX_CHUNKS, UNMATCHED_MODES
 from pdserve.routing.sidecar import LocalDecode
 
 if TYPE_CHECKING:  # the ConfigMap source's types; the file source never imports them
@@ -403,6 +404,78 @@ class RequestSettings(Checked):
 
 
 @dataclass(frozen=True)
+class PrefixSettings(Checked):
+    """The prefix-affinity prefill policy (pdserve.proxy.policies.prefix_affinity; docs/proxy.md)."""
+
+    balance: float = setting(
+        PrefixOptions.balance,
+        "--prefix-balance",
+        minimum=0,
+        metavar="EPSILON",
+        help="the load bound: a slot takes a request for its prefix only while its prefill legs in flight "
+        "stay within ceil((1 + EPSILON) x the mean over the live slots), this request counted",
+    )
+    min_match_chars: int = setting(
+        PrefixOptions.min_match_chars,
+        "--prefix-min-match",
+        minimum=0,
+        metavar="CHARS",
+        help="the shortest prompt prefix (characters, rounded up to whole chunks) worth leaving the flat "
+        "interleave for",
+    )
+    chunk_chars: int = setting(
+        PrefixOptions.chunk_chars,
+        "--prefix-chunk-chars",
+        minimum=1,
+        metavar="CHARS",
+        help="prompts are indexed in chunks of this many characters, each chunk's hash chained to the one "
+        "before",
+    )
+    index_chunks: int = setting(
+        PrefixOptions.index_chunks,
+        "--prefix-index-chunks",
+        minimum=0,
+        metavar="N",
+        help="chunks each prefill slot's index holds (LRU); 0 sizes it from the engine's KV capacity "
+        "(vllm:cache_config_info: num_gpu_blocks x block_size tokens x --prefix-chars-per-token), "
+        f"{DEFAULT_INDEX_CHUNKS} until that is read",
+    )
+    chars_per_token: float = setting(
+        PrefixOptions.chars_per_token,
+        "--prefix-chars-per-token",
+        minimum=0.01,
+        help="characters per engine token, to size the index from the engine's KV capacity",
+    )
+    unmatched: str = setting(
+        PrefixOptions.unmatched,
+        "--prefix-unmatched",
+        env="PDSERVE_PROXY_PREFIX_UNMATCHED",
+        choices=UNMATCHED_MODES,
+        help="where a prompt that matches no slot goes: flat (the flat interleave's next slot: unique "
+        "prompts keep exact shares; one router) or rendezvous (the slot its head hashes to, within the "
+        "load bound: several routers agree without talking)",
+    )
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        try:
+            self.options  # noqa: B018  (PrefixOptions checks what a flag's minimum cannot say)
+        except ValueError as exc:
+            raise SettingsError(str(exc)) from None
+
+    @property
+    def options(self) -> PrefixOptions:
+        return PrefixOptions(
+            chunk_chars=self.chunk_chars,
+            min_match_chars=self.min_match_chars,
+            balance=self.balance,
+            index_chunks=self.index_chunks,
+            chars_per_token=self.chars_per_token,
+            unmatched=self.unmatched,
+        )
+
+
+@dataclass(frozen=True)
 class ProxySettings(Checked):
     """The router's whole configuration: built by the CLI, or by tests and benches directly."""
 
@@ -415,6 +488,17 @@ class ProxySettings(Checked):
         help="slot choice: flat-interleaved gives every slot exactly one request per cycle; "
         "least-outstanding picks the slot with the fewest in-flight requests",
     )
+    prefill_policy: str | None = setting(
+        None,
+        "--prefill-policy",
+        env="PDSERVE_PROXY_PREFILL_POLICY",
+        type=str,
+        choices=PREFILL_POLICIES,
+        help="the prefill slots' choice, when it differs from --policy's: prefix-affinity sends a prompt to "
+        "the slot that already holds its longest prefix, among the slots whose load stays within "
+        "--prefix-balance, and otherwise to the flat interleave's slot; the decode keeps --policy's; "
+        "unset: --policy's",
+    )
     listen: ListenSettings = field(default_factory=ListenSettings)
     server: ServerSettings = field(default_factory=ServerSettings)
     sidecar: SidecarSettings = field(default_factory=SidecarSettings)
@@ -422,6 +506,7 @@ class ProxySettings(Checked):
     deadlines: DeadlineSettings = field(default_factory=DeadlineSettings)
     admission: AdmissionSettings = field(default_factory=AdmissionSettings)
     requests: RequestSettings = field(default_factory=RequestSettings)
+    prefix: PrefixSettings = field(default_factory=PrefixSettings)
 
 
 #: The concerns in the order ``pdserve proxy --help`` lists them: (ProxySettings field, title, class).
@@ -434,4 +519,5 @@ GROUPS: tuple[tuple[str, str, type], ...] = (
     ("deadlines", "deadlines", DeadlineSettings),
     ("admission", "admission (back-pressure)", AdmissionSettings),
     ("requests", "requests and keys", RequestSettings),
+    ("prefix", "prefix affinity (--prefill-policy prefix-affinity)", PrefixSettings),
 )

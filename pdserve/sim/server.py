@@ -503,9 +503,20 @@ class Simulator:
             base_id=base,
             engine_request_id=engine_request_id,
             prompt_tokens=count_prompt_tokens(body, endpoint),
-            num_tokens=payloads.num_output_tokens(body, self.config.tokens),
+            num_tokens=self._output_tokens(body, endpoint),
             record=record,
         )
+
+    def _output_tokens(self, body: Mapping[str, Any], endpoint: Endpoint) -> int:
+        """--tokens, capped by max_tokens; with an engine max_tokens is honoured as vLLM does (a
+        performance model must generate what a trace asks), within max_model_len."""
+        if self.engines is None:
+            return payloads.num_output_tokens(body, self.config.tokens)
+        cap = body.get("max_tokens") or body.get("max_completion_tokens")
+        if cap is None:
+            return self.config.tokens
+        room = self.config.identity.max_model_len - count_prompt_tokens(body, endpoint)
+        return max(1, min(int(cap), room))
 
     def _submit(self, job: Job) -> None:
         """--profile: the request joins its rank's engine, which will time its tokens."""

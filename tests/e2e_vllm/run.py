@@ -14,6 +14,9 @@
    for a retry, none once no decode is left: those requests fail fast with a clean 503) and no
    KV lease expired unpulled; the restarted decode (same ports) serves again.
 7. Ctrl-C: `pdserve up` exits 0 and no process of the run is left.
+8. Prefill DP2 with prefix caching (examples/cpu/nixl-2p-dp2-prefix.yaml), a multi-turn workload
+   through the flat interleave and through a prefix-affinity router: vLLM's own
+   ``vllm:prefix_cache_hits_total`` rises more with prefix-affinity (tests/e2e_vllm/prefix.py).
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from pdserve.wire.headers import ERROR_REASON
 from tests.e2e_vllm.argcheck import check_rendered_commands
 from tests.e2e_vllm.common import FIXTURES, SERVED_NAME, Answer, check, metrics, request, say, total
 from tests.e2e_vllm.model import ensure_model
+from tests.e2e_vllm.prefix import prefix_policies
 from tests.e2e_vllm.record import record
 from tests.e2e_vllm.up import Up
 from tests.e2e_vllm.venv import ensure_venv
@@ -84,6 +88,8 @@ def run(out: Path | None = None, record_only: bool = False, keep: bool = False) 
             figures["killed_decode"] = killed_decode(up, prefill["url"], decode)
         figures["seconds_to_stop"] = round(up.stop(), 1)
         say(f"stopped in {figures['seconds_to_stop']} s; no process of the run is left")
+        if not record_only:
+            figures["prefill_policies"] = prefix_policies(work)
     except BaseException:
         say(f"failed; logs kept in {work}")
         up.kill()

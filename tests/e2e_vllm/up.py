@@ -26,6 +26,7 @@ from tests.support.procs import free_port
 @dataclass
 class Up:
     log_dir: Path
+    manifest: Path = MANIFEST
     port: int = field(default_factory=free_port)
     popen: subprocess.Popen[str] | None = None
     lines: list[str] = field(default_factory=list)
@@ -37,9 +38,9 @@ class Up:
         return f"http://127.0.0.1:{self.port}"
 
     def start(self) -> None:
-        argv = [sys.executable, "-m", "pdserve.cli", "up", str(MANIFEST), "--engine", "vllm"]
+        argv = [sys.executable, "-m", "pdserve.cli", "up", str(self.manifest), "--engine", "vllm"]
         argv += ["--port", str(self.port), "--no-view", "--log-dir", str(self.log_dir)]
-        say(f"starting: pdserve up {MANIFEST.relative_to(REPO)} --engine vllm (logs in {self.log_dir})")
+        say(f"starting: pdserve up {self.manifest.relative_to(REPO)} --engine vllm (logs in {self.log_dir})")
         self.popen = subprocess.Popen(
             argv, cwd=REPO, env=engine_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
         )

@@ -42,9 +42,7 @@ EXAMPLES = sorted((REPO / "examples").rglob("*.yaml"))
 @pytest.fixture
 def crd(kube_cluster: KubeCluster) -> None:
     kube_cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", CRD)
-    kube_cluster.kubectl(
-        "wait", "--for=condition=Established", "crd/pddeployments.pdserve.io", "--timeout=60s"
-    )
+    kube_cluster.wait_established("pddeployments.pdserve.io", timeout=60)
 
 
 @pytest.mark.parametrize("example", EXAMPLES, ids=lambda p: str(p.relative_to(REPO / "examples")))

@@ -117,8 +117,8 @@ def _wait_serving(up: UpProcess, timeout: float = 60.0) -> dict[str, Any]:
             status, _ = _get(up.url + "/ready")
             if status == 200:
                 status, debug = _get(up.url + "/debug/routing")
-                # Just after /ready, a router worker may not have loaded the table yet, or the
-                # workers' views may not all answer (503): ask again.
+                # /ready came from one worker; the merged view is the slowest worker's, which may
+                # not have a table yet, or may not answer (503) under load: ask again.
                 if status != 200 or not isinstance(debug, dict) or debug.get("table") is None:
                     time.sleep(0.1)
                     continue

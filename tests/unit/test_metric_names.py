@@ -20,7 +20,7 @@ from prometheus_client import registry as default_registry
 from prometheus_client.parser import text_string_to_metric_families
 
 import pdserve.operator.metrics  # noqa: F401 - registers the operator's metrics
-from pdserve.proxy.metrics import ProxyMetrics
+from pdserve.proxy.metrics import PrefixMetrics, ProxyMetrics
 from pdserve.sim import payloads
 from tests.support import vllm_fixtures
 
@@ -49,7 +49,10 @@ def _samples(registry: CollectorRegistry, prefix: str) -> tuple[set[str], set[st
 
 
 def _router() -> tuple[set[str], set[str]]:
-    return _samples(ProxyMetrics().registry, "pdserve_proxy_")
+    """The router's metrics, with the prefix-affinity policy's (registered when it routes)."""
+    metrics = ProxyMetrics()
+    PrefixMetrics(metrics.registry)
+    return _samples(metrics.registry, "pdserve_proxy_")
 
 
 def _operator() -> tuple[set[str], set[str]]:

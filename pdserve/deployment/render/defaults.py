@@ -90,7 +90,8 @@ def engine_security_context(sim: bool) -> dict[str, Any]:
 def router_args(router: RouterSpec, configmap: str, port: int) -> list[str]:
     """``pdserve proxy``'s flags in a router container: the routing ConfigMap watched through the
     API server (a new table is served within a second of being written; a mounted ConfigMap would
-    follow only on the kubelet's sync period), its grace period, its port and spec.router's tuning."""
+    follow only on the kubelet's sync period), its grace period, its port and spec.router's tuning
+    (the policy flags: RouterSpec.policy_args)."""
     return [
         "proxy",
         "--routing-configmap",
@@ -101,8 +102,7 @@ def router_args(router: RouterSpec, configmap: str, port: int) -> list[str]:
         "0.0.0.0",
         "--port",
         str(port),
-        "--policy",
-        router.policy,
+        *router.policy_args(),
         "--backlog",
         str(router.backlog),
         "--workers",

@@ -66,6 +66,9 @@ ENGINES = ("vllm", "sim")
 CONNECTORS = ("NixlConnector", "MoRIIOConnector")
 TRANSFER_MODES = ("READ", "WRITE")
 POLICIES = ("flat-interleaved", "least-outstanding")
+#: What spec.router.prefillPolicy may name (absent: the prefill slots follow ``policy``).
+PREFILL_POLICIES = ("flat-interleaved", "prefix-affinity")
+PREFIX_AFFINITY = "prefix-affinity"
 SERVICE_TYPES = ("ClusterIP", "NodePort", "LoadBalancer")
 #: Where the router runs: its own Deployment in front of the engines, or a container in every
 #: decode pod (pdserve.routing.sidecar).
@@ -194,6 +197,8 @@ class RouterSpec:
     replicas: int = DEFAULT_ROUTER_REPLICAS
     image: str = ""  # "" means the pdserve image of this version
     policy: str = DEFAULT_POLICY
+    #: The prefill slots' policy; None: ``policy``'s (the decode keeps ``policy``'s either way).
+    prefill_policy: str | None = None
     backlog: int = DEFAULT_BACKLOG
     workers: int = DEFAULT_ROUTER_WORKERS
     port: int = DEFAULT_ROUTER_PORT
@@ -208,6 +213,18 @@ class RouterSpec:
     def decode_sidecar(self) -> bool:
         """The router runs in every decode pod: no router Deployment, the Service selects decodes."""
         return self.placement == PLACEMENT_DECODE_SIDECAR
+
+    def policy_args(self) -> list[str]:
+        """The router's policy flags. Several routers (replicas, or a sidecar per decode pod) with
+        prefix-affinity send prompts that match nothing by rendezvous hashing, so that they agree on
+        where a new prefix goes without talking (pdserve.proxy.policies.prefix_affinity); one
+        router keeps the flat interleave's exact shares for them."""
+        args = ["--policy", self.policy]
+        if self.prefill_policy is not None:
+            args += ["--prefill-policy", self.prefill_policy]
+            if self.prefill_policy == PREFIX_AFFINITY and (self.decode_sidecar or self.replicas > 1):
+                args += ["--prefix-unmatched", "rendezvous"]
+        return args
 
 
 @dataclass(frozen=True)
@@ -551,7 +568,7 @@ def _quantity(doc: Mapping[str, Any], key: str, path: str, default: str) -> str:
 def _parse_router(value: object, path: str) -> RouterSpec:
     doc = _object(value, path)
     known = ("replicas", "image", "policy", "backlog", "workers", "port", "serviceType", "template")
-    _no_unknown(doc, path, (*known, "adminPort", "apiKeySecretRef", "placement"))
+    _no_unknown(doc, path, (*known, "adminPort", "apiKeySecretRef", "placement", "prefillPolicy"))
     port = _integer(doc, "port", path, DEFAULT_ROUTER_PORT, 1, 65535)
     admin_port = _integer(doc, "adminPort", path, DEFAULT_ADMIN_PORT, 1, 65535)
     if admin_port == port:
@@ -560,6 +577,9 @@ def _parse_router(value: object, path: str) -> RouterSpec:
         replicas=_integer(doc, "replicas", path, DEFAULT_ROUTER_REPLICAS, 0, MAX_ROUTER_REPLICAS),
         image=_string(doc, "image", path, default=""),
         policy=_choice(doc, "policy", path, POLICIES, DEFAULT_POLICY),
+        prefill_policy=(
+            _choice(doc, "prefillPolicy", path, PREFILL_POLICIES, None) if "prefillPolicy" in doc else None
+        ),
         backlog=_integer(doc, "backlog", path, DEFAULT_BACKLOG, 1, MAX_BACKLOG),
         workers=_integer(doc, "workers", path, DEFAULT_ROUTER_WORKERS, 0, MAX_ROUTER_WORKERS),
         port=port,

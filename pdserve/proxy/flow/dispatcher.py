@@ -137,8 +137,11 @@ class Dispatcher(LegRunner):
             paired_prefill_missing = slots is not None and any(i.routable for i in slots.table.prefill)
             decode_missing = paired_prefill_missing and slots is not None and not slots.decode
             return self._no_slot(Role.DECODE if decode_missing else Role.PREFILL, slots)
-        walk = Walk(self.policy.turn(Role.PREFILL))
-        prefills = self.policy.candidates(Role.PREFILL, slots.prefill, self.book, walk.prefill_turn)
+        policy = self.policy
+        walk = Walk(policy.turn(Role.PREFILL))
+        # A policy that reads requests gets this sequence's view; for the others nothing is made.
+        request = policy.view(_endpoint(path), body) if policy.reads_requests else None
+        prefills = policy.candidates(Role.PREFILL, slots.prefill, self.book, walk.prefill_turn, request)
         gate = self.admission
         if gate.limit > 0 and prefills:
             first_slots = slots
@@ -150,7 +153,9 @@ class Dispatcher(LegRunner):
             if failure is not None:  # a retry routes by the table served now
                 state = self.served.current or state
                 slots = state.slots
-                prefills = self.policy.candidates(Role.PREFILL, slots.prefill, self.book, walk.prefill_turn)
+                prefills = policy.candidates(
+                    Role.PREFILL, slots.prefill, self.book, walk.prefill_turn, request
+                )
             pair = await self._pair(slots, prefills, walk, trace.handoff, check=failure is not None)
             if isinstance(pair, Reply):
                 return pair
@@ -159,6 +164,8 @@ class Dispatcher(LegRunner):
                 self.metrics.retries.labels(failure.role.value, failure.error.outcome).inc()
             trace.attempts += 1
             trace.prefill, trace.decode = source.key, decode.key
+            if request is not None and trace.handoff is None:
+                policy.sent(Role.PREFILL, source, request)  # a new prefill (not a reused handoff)
             try:
                 return await self._attempt(state, path, body, source, decode, trace, auth)
             except BackendRefusal as refusal:
@@ -341,7 +348,7 @@ class Dispatcher(LegRunner):
         if trace.claimed:
             self._release(trace.request_id)
         now = time.monotonic()
-        endpoint = "chat" if trace.endpoint.endswith("chat/completions") else "completions"
+        endpoint = _endpoint(trace.endpoint)
         self.metrics.in_flight.dec()
         self.metrics.child(self.metrics.requests, endpoint, outcome).inc()
         self.metrics.child(self.metrics.total, endpoint).observe(now - trace.started)
@@ -372,6 +379,10 @@ class Dispatcher(LegRunner):
             (now - trace.started) * 1000,
             extra,
         )
+
+
+def _endpoint(path: str) -> str:
+    return "chat" if path.endswith("chat/completions") else "completions"
 
 
 def reply_outcome(reply: Reply) -> str:
