@@ -83,10 +83,18 @@ cluster-down:
 kind-e2e: install
 	hack/kind-e2e
 
-## Both router placements: one router, then a sidecar router per decode instance.
-demo: install
+## Both router placements: one router, then a sidecar router per decode instance. Needs only the
+## package and its plot extra (matplotlib), wheels on Linux x86_64/arm64 and macOS: not the dev
+## and bench extras (vllm-router has a Linux x86_64 wheel only).
+demo: $(VENV)/.demo-installed
 	$(PY) -m pdserve.local.demo
 	$(PY) -m pdserve.local.demo --placement decode-sidecar
+
+$(VENV)/.demo-installed: pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e '.[plot]'
+	@touch $@
 
 ## Opt-in (not in `make test`): real vLLM for CPU behind `pdserve up` (cached venv of several GB
 ## under ~/.cache/pdserve; see docs/testing.md). One e2e at a time: it needs about 8 GB.

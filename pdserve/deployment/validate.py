@@ -201,6 +201,15 @@ def _fits_nodes(spec: PDDeploymentSpec, role: Role, path: str, allocatable: Sequ
     ]
 
 
+def with_pdserve_image(pdd: PDDeployment, image: str) -> PDDeployment:
+    """The deployment as the operator renders it: routers (and ``engine: sim`` pods) run ``image``,
+    the operator's own (`pdserve operator --pdserve-image`, which the chart sets to the image it
+    runs the operator from), unless ``spec.router.image`` names one."""
+    if pdd.spec.router.image or not image:
+        return pdd
+    return replace(pdd, spec=replace(pdd.spec, router=replace(pdd.spec.router, image=image)))
+
+
 def with_node_default(pdd: PDDeployment, allocatable: Sequence[int] | None) -> PDDeployment:
     """The deployment as the operator renders it: without spec.gpusPerNode, the nodes' count
     when every GPU node has the same (so groups split where the nodes do); as written otherwise."""

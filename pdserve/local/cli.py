@@ -12,12 +12,19 @@ over them in turn, as the decode pods' Service would; the X-PDServe-Sidecar head
 answer names the decode instance whose sidecar served it.
 
 A manifest the operator would refuse is refused here too, with the field and the reason,
-before anything starts (exit code 2); so is a missing or too old vLLM with --engine vllm.
+before anything starts (exit code 2); so is a missing or too old vLLM with --engine vllm, or a
+--port already in use. Ctrl-C (or SIGTERM) stops every process it started and says what it
+stopped; an engine that exits on its own is restarted, and the message says how it ended
+(an exit code, or the signal that stopped it).
 
 With --engine vllm on a machine without GPUs (--device auto), the engines run on vLLM's CPU
 backend: each engine gets a share of the cores (decode ranks apart from the prefill's NIXL
 progress thread), --enforce-eager and a KV cache size unless the manifest sets them, and the
 NIXL environment for loopback; the first lines of output say what was applied.
+
+Environment: every engine and router gets this process's environment (PATH finds `vllm`;
+HF_HOME, HF_TOKEN, HF_HUB_OFFLINE reach vLLM), plus the manifest's env and what local mode
+sets (the first lines of output name it). pdserve up reads none of its own.
 
 With --otlp-traces-endpoint URL (or spec.tracing in the manifest) the router and every engine
 send their spans there, so one request is one trace across the router, the prefill and the
@@ -33,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 import os
 import random
@@ -79,7 +87,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
         choices=ENGINES,
         default="sim",
         help="sim: simulated engines, no GPU or model (default); vllm: real `vllm serve` processes "
-        "with the arguments the operator renders (needs vLLM installed and the GPUs)",
+        "with the arguments the operator renders (needs the `vllm` command: vLLM on GPUs, or its CPU "
+        "build on a machine without, see --device)",
     )
     parser.add_argument(
         "--device",
@@ -94,9 +103,24 @@ def configure(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="no live view: print events as lines (the default when not a TTY)",
     )
-    parser.add_argument("--sim-ttft-ms", type=float, default=None, help="simulated time to first token, ms")
-    parser.add_argument("--sim-itl-ms", type=float, default=None, help="simulated inter-token latency, ms")
-    parser.add_argument("--sim-tokens", type=int, default=None, help="simulated tokens per request")
+    parser.add_argument(
+        "--sim-ttft-ms",
+        type=float,
+        default=None,
+        help="simulated time to first token, ms (default: pdserve sim's --ttft-ms)",
+    )
+    parser.add_argument(
+        "--sim-itl-ms",
+        type=float,
+        default=None,
+        help="simulated inter-token latency, ms (default: pdserve sim's --itl-ms)",
+    )
+    parser.add_argument(
+        "--sim-tokens",
+        type=int,
+        default=None,
+        help="simulated tokens per request (default: pdserve sim's --tokens)",
+    )
     parser.add_argument(
         "--sim-profile",
         default=None,
@@ -220,6 +244,9 @@ async def _run_with_view(runner: LocalRunner, reporter: Reporter) -> int:
         if view_task is not None:
             runner.stopping.set()
             await view_task
+        if runner.stop_report:
+            with contextlib.suppress(OSError):  # stdout may be gone (a closed pipe)
+                reporter.final(runner.stop_report)
 
 
 def _refuse(message: str) -> int:

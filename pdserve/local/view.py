@@ -1,8 +1,11 @@
-"""The live terminal view of `pdserve up`: per-slot requests, in-flight and errors, and each
-engine rank's prefix-cache hit ratio.
+"""The live terminal view of `pdserve up`: client requests, per-slot requests, in-flight and
+errors, and each engine rank's prefix-cache hit ratio.
 
-It reads the proxy's own ``/debug/routing`` (the counters the router keeps per slot), so
-what you see is what the router did, not a second count; the hit ratios are the engines' own
+It reads the proxy's own ``/debug/routing`` (the counters the router keeps per slot, and the
+client requests it answered by outcome), so what you see is what the router did, not a second
+count. The header counts client requests: one retried on another slot is one request there, and
+a request per slot it was sent to; client errors (4xx: a bad body, a wrong key) never reach a
+slot, so only the header shows them. The hit ratios are the engines' own
 (``vllm:prefix_cache_hits_total / vllm:prefix_cache_queries_total`` per engine rank, from each
 instance's ``/metrics``, read every few seconds). With ``placement: decode-sidecar`` it
 reads the front's, which merges every sidecar's (:func:`pdserve.local.front.merge_debug`) and
@@ -77,6 +80,35 @@ class InstanceRow:
     slots: tuple[SlotCounters, ...]
 
 
+@dataclass(frozen=True)
+class RequestTotals:
+    """Client requests the router answered, by what they got."""
+
+    ok: int
+    client_errors: int  # 4xx: the client's mistake
+    failed: int  # the router's or an engine's: 5xx, no slot, shed, a broken stream
+    cancelled: int  # the client went away
+
+    @property
+    def total(self) -> int:
+        return self.ok + self.client_errors + self.failed + self.cancelled
+
+    def describe(self) -> str:
+        return (
+            f"requests {self.total}: ok {self.ok}, client errors {self.client_errors}, "
+            f"failed {self.failed}, cancelled {self.cancelled}"
+        )
+
+
+def request_totals(debug: Mapping[str, Any]) -> RequestTotals:
+    """The router's ``requests`` (counts by outcome, pdserve_proxy_requests_total's)."""
+    counts = {str(k): int(v) for k, v in (debug.get("requests") or {}).items()}
+    ok = counts.pop("ok", 0)
+    client = counts.pop("client_error", 0)
+    cancelled = counts.pop("cancelled", 0)
+    return RequestTotals(ok, client, sum(counts.values()), cancelled)
+
+
 def slot_counters(debug: Mapping[str, Any]) -> list[SlotCounters]:
     """The proxy's per-slot counters, from its ``/debug/routing`` document."""
     out = []
@@ -116,8 +148,11 @@ def render_frame(
     def style(code: str, text: str) -> str:
         return f"{code}{text}{_RESET}" if color else text
 
+    def warn(text: str, count: int) -> str:
+        return style(_RED, text) if count else text
+
     counters = slot_counters(debug)
-    total = sum(c.requests for c in counters if c.role is Role.DECODE)
+    totals = request_totals(debug)
     errors = sum(c.errors for c in counters)
     sidecars = debug.get("sidecars") or []
     placement = debug.get("placement", "deployment")
@@ -126,7 +161,13 @@ def render_frame(
         style(_BOLD, f"pdserve up — {(debug.get('table') or {}).get('deployment', '?')}")
         + f"  placement {placement} ({routers})  routing generation {debug.get('generation')}"
         + f"  policy {debug.get('policy')}",
-        f"decode requests {total}   in flight {sum(c.in_flight for c in counters)}   errors {errors}"
+        f"requests {totals.total}   ok {totals.ok}   "
+        + warn(f"client errors {totals.client_errors}", totals.client_errors)
+        + "   "
+        + warn(f"failed {totals.failed}", totals.failed)
+        + f"   cancelled {totals.cancelled}   in flight {sum(c.in_flight for c in counters)}"
+        + "   "
+        + warn(f"slot errors {errors}", errors)
         + _cache_summary(debug, cache),
         "",
     ]
@@ -189,7 +230,7 @@ def _cache_summary(debug: Mapping[str, Any], cache: CacheCounts | None) -> str:
 def summary_line(debug: Mapping[str, Any], cache: CacheCounts | None = None) -> str:
     """One line for logs: totals and the spread of requests over the decode and prefill slots."""
     counters = slot_counters(debug)
-    parts = [f"generation {debug.get('generation')}"]
+    parts = [f"generation {debug.get('generation')}", request_totals(debug).describe()]
     for role in Role:
         mine = [c.requests for c in counters if c.role is role]
         if mine:
@@ -237,6 +278,11 @@ class LiveView(Reporter):
         finally:
             self.out.write(_SHOW_CURSOR)
             self.out.flush()
+
+    def final(self, text: str) -> None:
+        """Printed under the last frame, once the view has stopped redrawing."""
+        self.out.write(f"{time.monotonic() - self._t0:6.1f}s  {text}\n")
+        self.out.flush()
 
     def _waiting(self) -> list[str]:
         return ["pdserve up — waiting for the router ...", "", *self.events]

@@ -27,7 +27,7 @@ from typing import Any
 import kopf
 
 from pdserve.deployment.render.objects import DEPLOYMENT_LABEL, ROLE_LABEL
-from pdserve.deployment.spec.pddeployment import GROUP, PLURAL, VERSION
+from pdserve.deployment.spec.pddeployment import DEFAULT_IMAGE, GROUP, PLURAL, VERSION
 from pdserve.operator.cache import ClusterCache
 from pdserve.operator.controller import Controller
 from pdserve.operator.kube import Kube, KubeError
@@ -48,6 +48,8 @@ class OperatorOptions:
     elector: LeaderElector | None = None
     #: kopf's stop flag (``kopf.run(stop_flag=...)``): set when leadership is lost.
     stop: asyncio.Event | None = None
+    #: The image of routers and ``engine: sim`` pods whose spec names none (--pdserve-image).
+    pdserve_image: str = DEFAULT_IMAGE
     #: ``--otlp-traces-endpoint``: the reconcile passes as spans (pdserve.operator.tracing).
     traces_endpoint: str | None = None
 
@@ -74,7 +76,7 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) ->
 
         tracer = memo["tracer"] = PassTracer.start(options.traces_endpoint)
     controller = Controller(
-        Reconciler(kube, cache, nodes=nodes, tracer=tracer),
+        Reconciler(kube, cache, nodes=nodes, pdserve_image=options.pdserve_image, tracer=tracer),
         cache,
         nodes=nodes,
         debounce=options.debounce_seconds,

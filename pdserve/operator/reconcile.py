@@ -56,9 +56,9 @@ from pdserve.deployment.render.objects import (
     template_hash,
 )
 from pdserve.deployment.spec.multinode import BACKEND_LWS
-from pdserve.deployment.spec.pddeployment import PDDeployment, SpecError, parse_pddeployment
+from pdserve.deployment.spec.pddeployment import DEFAULT_IMAGE, PDDeployment, SpecError, parse_pddeployment
 from pdserve.deployment.validate import problems as spec_problems
-from pdserve.deployment.validate import with_node_default
+from pdserve.deployment.validate import with_node_default, with_pdserve_image
 from pdserve.operator import metrics
 from pdserve.operator.cache import Body, ClusterCache, version_number
 from pdserve.operator.kube import Kube, KubeError, NotLeader
@@ -114,10 +114,12 @@ class Reconciler:
         nodes: NodeCache | None = None,
         clock: Callable[[], float] = time.time,
         routers: Routers | None = None,
+        pdserve_image: str = DEFAULT_IMAGE,
         tracer: PassTracer | None = None,
     ) -> None:
         """``tracer``: the passes' spans when the operator traces (pdserve.operator.tracing)."""
         self._kube = kube
+        self._pdserve_image = pdserve_image
         self._tracer = tracer
         self._routers = routers or Routers(kube)
         self._cache = cache or ClusterCache()
@@ -272,7 +274,7 @@ class Reconciler:
         meta = body["metadata"]
         generation = int(meta.get("generation") or 0)
         try:
-            pdd = parse_pddeployment(body)
+            pdd = with_pdserve_image(parse_pddeployment(body), self._pdserve_image)
         except SpecError as exc:
             outcome.result = "invalid"
             self._write_status(body, Observation(generation, None, (), 0, 0, problems=[str(exc)]), outcome)

@@ -24,6 +24,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from pdserve.listen import unavailable
 from pdserve.proxy.serving.cpus import available_cpus
 from pdserve.proxy.settings import (
     GROUPS,
@@ -248,6 +249,14 @@ def run(args: argparse.Namespace) -> int:
         settings = settings_from_args(args)
     except UsageError as exc:
         print(f"pdserve proxy: {exc}", file=sys.stderr)
+        return 2
+    listen = settings.listen
+    ports = [(listen.host, listen.port, "--port")]
+    if listen.admin_port is not None:
+        ports.append((listen.admin_host or listen.host, listen.admin_port, "--admin-port"))
+    taken = unavailable(ports)
+    if taken:
+        print(f"pdserve proxy: {taken}", file=sys.stderr)
         return 2
     logging.basicConfig(
         level=settings.server.log_level.upper(),

@@ -252,6 +252,16 @@ class ProxyMetrics:
             self.unpaired.labels(*labels).set(slots)
         self._unpaired_labels = set(now)
 
+    def request_outcomes(self) -> dict[str, int]:
+        """Client requests this process answered, by outcome (its share of ``requests_total``)."""
+        counts: dict[str, int] = {}
+        for family in self.requests.collect():
+            for sample in family.samples:
+                if sample.name.endswith("_total"):
+                    outcome = sample.labels["outcome"]
+                    counts[outcome] = counts.get(outcome, 0) + int(sample.value)
+        return counts
+
     def child(self, metric: M, *labels: str) -> M:
         """``metric.labels(*labels)``, cached: the hot path touches a few children per request."""
         key = (id(metric), labels)

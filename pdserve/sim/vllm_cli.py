@@ -36,8 +36,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from pdserve.sim import cli as sim_cli
+from pdserve.wire import vllm
 
-VERSION = "0.32.0+pdserve.sim"
+VERSION = f"{vllm.VERSION}+pdserve.sim"
 CONNECTORS = ("NixlConnector", "MoRIIOConnector")
 ROLES = {"kv_producer": "prefill", "kv_consumer": "decode", "kv_both": "both"}
 #: vLLM 0.32's KVTransferConfig fields (vllm/config/kv_transfer.py).

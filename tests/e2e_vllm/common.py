@@ -13,13 +13,14 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from pdserve.wire import vllm
 from tests.support.pdstack import http
 
 REPO = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
 
 #: What real-vllm-cpu.md found to work on a 2-core x86 machine without GPUs.
-VLLM_VERSION = "0.32.0"
+VLLM_VERSION = vllm.VERSION
 TORCH_VERSION = "2.13.0"
 NIXL_VERSION = "1.5.1"
 FIXTURES = REPO / "tests" / "fixtures" / f"vllm-{VLLM_VERSION}"

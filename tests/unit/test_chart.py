@@ -260,10 +260,12 @@ def test_operator_args_are_accepted_by_the_operator_cli(helm: str, case: str) ->
         == f"ghcr.io/pdserve/pdserve:{'0.1.0-rc1' if case == 'monitoring' else __version__}"
     )
     args = container["args"]
-    assert args[0] == "operator"
+    assert container["command"] == ["pdserve"] and args[0] == "operator"
     parser = argparse.ArgumentParser(exit_on_error=False)
     configure_operator_cli(parser)
     parsed = parser.parse_args(args[1:])
+    # Routers and engine: sim pods run the image the operator runs from.
+    assert parsed.pdserve_image == container["image"]
     if case == "namespaced":
         assert parsed.namespace == ["team-a", "team-b"] and not parsed.all_namespaces
     else:

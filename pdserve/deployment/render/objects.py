@@ -181,8 +181,14 @@ def owner_reference(pdd: PDDeployment) -> dict[str, Any]:
     }
 
 
+def namespaced(namespace: str) -> dict[str, str]:
+    """``{"namespace": ...}``, or nothing for "" (the namespace ``kubectl apply -n`` gives). A
+    ServiceAccount subject of a RoleBinding without one is the binding's own (RBAC's rule)."""
+    return {"namespace": namespace} if namespace else {}
+
+
 def object_metadata(pdd: PDDeployment, name: str, component: str) -> dict[str, Any]:
-    meta: dict[str, Any] = {"name": name, "namespace": pdd.namespace, "labels": labels(pdd, component)}
+    meta: dict[str, Any] = {"name": name, **namespaced(pdd.namespace), "labels": labels(pdd, component)}
     if pdd.uid:
         meta["ownerReferences"] = [owner_reference(pdd)]
     return meta
@@ -596,7 +602,7 @@ def router_role_binding(pdd: PDDeployment) -> dict[str, Any]:
         "kind": "RoleBinding",
         "metadata": object_metadata(pdd, name, "router"),
         "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
-        "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": pdd.namespace}],
+        "subjects": [{"kind": "ServiceAccount", "name": name, **namespaced(pdd.namespace)}],
     }
 
 

@@ -53,6 +53,7 @@ from pdserve.deployment.spec.readers import show as _show
 from pdserve.deployment.spec.storage import ModelCache, parse_model, parse_model_cache
 from pdserve.deployment.spec.tracing import TracingSpec, parse_tracing
 from pdserve.routing import Connector, Role
+from pdserve.wire import vllm
 
 __all__ = ["GroupShape", "ModelCache", "MultiNodeSpec", "SecretKeyRef", "SpecError", "TracingSpec"]
 
@@ -281,6 +282,7 @@ class PDDeploymentSpec:
 @dataclass(frozen=True)
 class PDDeployment:
     name: str
+    #: "" renders objects without a namespace, for ``kubectl apply -n`` (``pdserve render``).
     namespace: str
     uid: str  # "" for a file that never went through an API server
     generation: int
@@ -381,9 +383,7 @@ def parse_spec(spec: Mapping[str, Any] | object) -> PDDeploymentSpec:
     image = _string(doc, "image", path, default="")
     engine = _choice(doc, "engine", path, ENGINES, DEFAULT_ENGINE)
     if engine == "vllm" and not image:
-        raise SpecError(
-            f"{path}.image", "required when engine is vllm (for example vllm/vllm-openai:v0.11.0)"
-        )
+        raise SpecError(f"{path}.image", f"required when engine is vllm (for example {vllm.IMAGE})")
     gpu_resource = _string(doc, "gpuResource", path, default=DEFAULT_GPU_RESOURCE)
     if not _RESOURCE_NAME.match(gpu_resource):
         raise SpecError(

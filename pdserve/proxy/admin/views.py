@@ -50,6 +50,9 @@ def debug_view(router: RouterState) -> dict[str, Any]:
         "revisions": state.slots.revisions() if state else {},
         "unpaired": [u.describe() for u in state.slots.unpaired] if state else [],
         "unreachable": router.dispatcher.unreachable.snapshot(),
+        # Client requests answered, by outcome: a request retried on another slot counts once
+        # here and once per slot tried below.
+        "requests": router.dispatcher.metrics.request_outcomes(),
         "slots": {},
     }
     for role in Role:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import aiohttp
 
 from pdserve.proxy.engine import h1
+from pdserve.wire.openai import normalize_error_body
 
 # Idle pooled connections are kept this long; a connection the
 # engine closed meanwhile is seen closed when taken from the pool and not used.
@@ -172,7 +173,8 @@ def _checked(answer: Answer) -> Answer:
     if answer.status >= 500:
         raise LegError("http_5xx", f"HTTP {answer.status}: {_snippet(answer.body)}", status=answer.status)
     if answer.status >= 400:
-        raise BackendRefusal(answer.status, answer.body, answer.content_type)
+        # vLLM's refusal, passed back to the client in the router's vocabulary (one error type per status).
+        raise BackendRefusal(answer.status, normalize_error_body(answer.body), answer.content_type)
     return answer
 
 

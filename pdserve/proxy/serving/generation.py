@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import json
 import logging
 import random
 from collections.abc import Awaitable, Callable, Mapping, MutableMapping
@@ -28,11 +27,11 @@ from pdserve.proxy.settings import RequestSettings
 from pdserve.tracing.context import TRACEPARENT, TRACESTATE
 from pdserve.wire.headers import ERROR_REASON
 from pdserve.wire.openai import (
-    VALIDATION_ERROR_TYPE,
     Endpoint,
     RequestError,
     check_generation_request,
     error_body,
+    invalid_json,
 )
 
 if TYPE_CHECKING:  # loaded only when the router traces
@@ -118,7 +117,7 @@ class GenerationApp:
             )
         problem = self._refusal(scope, headers)
         if problem is not None:
-            _refused(request_id, scope["path"], problem, headers, spans)
+            self._refused(request_id, scope["path"], problem, headers, spans)
             await self._drain(receive)
             await _send_reply(send, _error_reply(problem), request_id)
             return
@@ -128,7 +127,7 @@ class GenerationApp:
                 spans.end(499, "cancelled", {})
             return
         if isinstance(body, RequestError):
-            _refused(request_id, scope["path"], body, headers, spans)
+            self._refused(request_id, scope["path"], body, headers, spans)
             await _send_reply(send, _error_reply(body), request_id)
             return
         # Serve in this task and watch for the client's disconnect in one other: a disconnect
@@ -164,6 +163,22 @@ class GenerationApp:
             finished = True
             watching.remove_done_callback(hang_up)
             watching.cancel()  # not awaited: it ends in its next step, and this task need not wait
+
+    def _refused(
+        self,
+        request_id: str,
+        path: str,
+        exc: RequestError,
+        headers: Mapping[str, str],
+        spans: RequestSpans | None,
+    ) -> None:
+        """A request refused before routing: logged (its span ended), and counted with the client
+        requests (``pdserve_proxy_requests_total``; the dispatcher counts every other one)."""
+        _log_refusal(request_id, path, exc, headers, spans)
+        metrics = self.dispatcher.metrics
+        endpoint = "chat" if path.endswith("chat/completions") else "completions"
+        outcome = "client_error" if exc.status < 500 else "upstream_error"
+        metrics.child(metrics.requests, endpoint, outcome).inc()
 
     def _refusal(self, scope: Scope, headers: dict[str, str]) -> RequestError | None:
         if scope["method"] != "POST":
@@ -215,7 +230,7 @@ class GenerationApp:
             checked = parse_request(raw, endpoint)
             split = plan_split(checked, endpoint, self.max_sequences)
         except RequestError as exc:
-            _refused(request_id, path, exc, headers, spans)
+            self._refused(request_id, path, exc, headers, spans)
             await _send_reply(send, _error_reply(exc), request_id)
             return
         if spans is not None and spans.recording and isinstance(checked.get("model"), str):
@@ -239,15 +254,11 @@ class GenerationApp:
 
 
 def parse_request(raw: bytes, endpoint: Endpoint) -> Mapping[str, Any]:
-    """The body of a generation request, or the refusal vLLM would answer (its status, type, param)."""
+    """The body of a generation request, or the refusal vLLM would answer (its status and param)."""
     try:
         body = codec.loads(raw)
-    except json.JSONDecodeError as exc:
-        message = f"request body is not valid JSON: {exc}"
-        raise RequestError(400, message, f"body.{exc.pos}", "invalid_json", VALIDATION_ERROR_TYPE) from None
-    except ValueError as exc:  # UnicodeDecodeError
-        message = f"request body is not valid JSON: {exc}"
-        raise RequestError(400, message, "body", "invalid_json", VALIDATION_ERROR_TYPE) from None
+    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError
+        raise invalid_json(exc) from None
     return check_generation_request(body, endpoint)
 
 
@@ -268,7 +279,7 @@ def _error_reply(exc: RequestError) -> Reply:
     return Reply(exc.status, codec.dumps(exc.body()), reason=exc.reason)
 
 
-def _refused(
+def _log_refusal(
     request_id: str, path: str, exc: RequestError, headers: Mapping[str, str], spans: RequestSpans | None
 ) -> None:
     """The one log line (and the span) of a request refused before routing (the dispatcher logs
