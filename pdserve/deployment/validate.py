@@ -15,6 +15,7 @@ from pdserve.deployment.render.decode_sidecar import template_problems
 from pdserve.deployment.render.groupflags import GROUP_FLAGS
 from pdserve.deployment.render.objects import OWNED_ENV
 from pdserve.deployment.render.security import engine_reserved_env, router_reserved
+from pdserve.deployment.render.tracing import ENGINE_FLAGS as TRACING_ENGINE_FLAGS
 from pdserve.deployment.spec.multinode import group_shape, uniform_gpus_per_node
 from pdserve.deployment.spec.owned import ENGINE_CONTAINER, ROUTER_CONTAINER, Reserved, owned_problems
 from pdserve.deployment.spec.pddeployment import ENGINE_PORT, PDDeployment, PDDeploymentSpec, SpecError
@@ -85,6 +86,8 @@ def problems(pdd: PDDeployment, node_gpu_allocatable: Sequence[int] | None) -> l
 
 def _owned_args(spec: PDDeploymentSpec, role: Role, path: str) -> list[str]:
     owned = SIM_OWNED_FLAGS if spec.engine == "sim" else VLLM_OWNED_FLAGS
+    if spec.tracing is not None:  # a second copy would win in vLLM's parser, unseen by the router
+        owned = {**owned, **dict.fromkeys(TRACING_ENGINE_FLAGS, "set spec.tracing")}
     out = []
     for i, arg in enumerate(spec.role(role).args):
         flag = arg.split("=", 1)[0]
@@ -187,6 +190,15 @@ def _fits_nodes(spec: PDDeploymentSpec, role: Role, path: str, allocatable: Sequ
         f"{path}: a pod of an instance needs {shape.gpus_per_pod} {spec.gpu_resource}, "
         f"but the largest node has {counts[-1]}; set gpusPerNode to {counts[-1]} or less"
     ]
+
+
+def with_pdserve_image(pdd: PDDeployment, image: str) -> PDDeployment:
+    """The deployment as the operator renders it: routers (and ``engine: sim`` pods) run ``image``,
+    the operator's own (`pdserve operator --pdserve-image`, which the chart sets to the image it
+    runs the operator from), unless ``spec.router.image`` names one."""
+    if pdd.spec.router.image or not image:
+        return pdd
+    return replace(pdd, spec=replace(pdd.spec, router=replace(pdd.spec.router, image=image)))
 
 
 def with_node_default(pdd: PDDeployment, allocatable: Sequence[int] | None) -> PDDeployment:

@@ -12,13 +12,24 @@ over them in turn, as the decode pods' Service would; the X-PDServe-Sidecar head
 answer names the decode instance whose sidecar served it.
 
 A manifest the operator would refuse is refused here too, with the field and the reason,
-before anything starts (exit code 2); so is a missing or too old vLLM with --engine vllm.
+before anything starts (exit code 2); so is a missing or too old vLLM with --engine vllm, or a
+--port already in use. Ctrl-C (or SIGTERM) stops every process it started and says what it
+stopped; an engine that exits on its own is restarted, and the message says how it ended
+(an exit code, or the signal that stopped it).
 
 With --engine vllm on a machine without GPUs (--device auto), the engines run on vLLM's CPU
 backend: each engine gets a share of the cores (decode ranks apart from the prefill's, and from
 what its KV connector runs there, such as NIXL's progress thread), --enforce-eager and a KV cache
 size unless the manifest sets them, and the connector's environment for loopback; the first
 lines of output say what was applied.
+
+Environment: every engine and router gets this process's environment (PATH finds `vllm`;
+HF_HOME, HF_TOKEN, HF_HUB_OFFLINE reach vLLM), plus the manifest's env and what local mode
+sets (the first lines of output name it). pdserve up reads none of its own.
+
+With --otlp-traces-endpoint URL (or spec.tracing in the manifest) the router and every engine
+send their spans there, so one request is one trace across the router, the prefill and the
+decode (docs/operations.md#tracing).
 
 Example:
   pdserve up examples/nixl/2p-dp8ep-3d-dp8ep.yaml
@@ -30,6 +41,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import dataclasses
 import os
 import random
 import shutil
@@ -39,6 +52,7 @@ import tempfile
 from pathlib import Path
 
 from pdserve.deployment.spec.pddeployment import SpecError, load_manifest_file
+from pdserve.deployment.spec.tracing import with_endpoint
 from pdserve.deployment.validate import problems
 from pdserve.local.plan import (
     ENGINES,
@@ -74,7 +88,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
         choices=ENGINES,
         default="sim",
         help="sim: simulated engines, no GPU or model (default); vllm: real `vllm serve` processes "
-        "with the arguments the operator renders (needs vLLM installed and the GPUs)",
+        "with the arguments the operator renders (needs the `vllm` command: vLLM on GPUs, or its CPU "
+        "build on a machine without, see --device)",
     )
     parser.add_argument(
         "--device",
@@ -89,15 +104,38 @@ def configure(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="no live view: print events as lines (the default when not a TTY)",
     )
-    parser.add_argument("--sim-ttft-ms", type=float, default=None, help="simulated time to first token, ms")
-    parser.add_argument("--sim-itl-ms", type=float, default=None, help="simulated inter-token latency, ms")
-    parser.add_argument("--sim-tokens", type=int, default=None, help="simulated tokens per request")
+    parser.add_argument(
+        "--sim-ttft-ms",
+        type=float,
+        default=None,
+        help="simulated time to first token, ms (default: pdserve sim's --ttft-ms)",
+    )
+    parser.add_argument(
+        "--sim-itl-ms",
+        type=float,
+        default=None,
+        help="simulated inter-token latency, ms (default: pdserve sim's --itl-ms)",
+    )
+    parser.add_argument(
+        "--sim-tokens",
+        type=int,
+        default=None,
+        help="simulated tokens per request (default: pdserve sim's --tokens)",
+    )
     parser.add_argument(
         "--sim-profile",
         default=None,
         metavar="FILE|NAME",
         help="simulated engines time their answers with a step engine and this performance profile "
         "(`pdserve sim --profile`, docs/simulator.md)",
+    )
+    parser.add_argument(
+        "--otlp-traces-endpoint",
+        default=None,
+        metavar="URL",
+        help="trace every request: the router and every engine send their spans to this OTLP receiver "
+        "(http://HOST:4318/v1/traces or grpc://HOST:4317), as spec.tracing.endpoint would, which it "
+        "replaces; the manifest's samplingRatio and collectDetailedTraces still apply",
     )
     parser.add_argument(
         "--log-dir",
@@ -114,6 +152,12 @@ def run(args: argparse.Namespace) -> int:
         pdd = load_manifest_file(args.file)
     except SpecError as exc:
         return _refuse(f"{args.file}: invalid PDDeployment: {exc}" if exc.path != args.file else str(exc))
+    if args.otlp_traces_endpoint is not None:
+        try:
+            tracing = with_endpoint(pdd.spec.tracing, args.otlp_traces_endpoint)
+        except SpecError as exc:
+            return _refuse(str(exc))
+        pdd = dataclasses.replace(pdd, spec=dataclasses.replace(pdd.spec, tracing=tracing))
     found = problems(pdd, None)
     if found:
         return _refuse(f"{args.file}: invalid PDDeployment: " + "; ".join(found))
@@ -208,6 +252,9 @@ async def _run_with_view(runner: LocalRunner, reporter: Reporter) -> int:
         if view_task is not None:
             runner.stopping.set()
             await view_task
+        if runner.stop_report:
+            with contextlib.suppress(OSError):  # stdout may be gone (a closed pipe)
+                reporter.final(runner.stop_report)
 
 
 def _refuse(message: str) -> int:

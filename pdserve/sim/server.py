@@ -15,11 +15,12 @@ import json
 import random
 import socket
 import struct
+import sys
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
 from aiohttp import web
@@ -51,8 +52,12 @@ from pdserve.sim.group import (
 from pdserve.sim.payloads import Identity, Leg
 from pdserve.sim.stats import SimStats
 from pdserve.sim.tokenizer import Endpoint, count_prompt_tokens, prompt_token_ids
+from pdserve.tracing.context import TRACEPARENT, TRACESTATE
 from pdserve.wire.headers import AUTHORIZATION, DP_RANK, REQUEST_ID
 from pdserve.wire.openai import RequestError, error_body
+
+if TYPE_CHECKING:  # loaded only when the simulator traces
+    from pdserve.sim.spans import EngineTracer
 
 ROLES = ("prefill", "decode", "both")
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -102,6 +107,9 @@ class Job:
     created: int = field(default_factory=lambda: int(time.time()))
     engine_request: Request | None = None  # with --profile: the request in its rank's engine
     fault: FaultKind | None = None
+    arrival: float = field(default_factory=time.time)
+    first_token_at: float | None = None  # wall clock, without --profile
+    trace_headers: dict[str, str] | None = None  # the traceparent/tracestate it came with
 
     @property
     def cached_tokens(self) -> int:
@@ -110,8 +118,11 @@ class Job:
 
 
 class Simulator:
-    def __init__(self, config: SimConfig) -> None:
+    def __init__(self, config: SimConfig, tracer: EngineTracer | None = None) -> None:
+        """``tracer``: vLLM's request spans (``--otlp-traces-endpoint``); None: no tracing."""
         self.config = config
+        self.tracer = tracer
+        self._warned_untraced = False
         self.group_config = config.group or GroupConfig(dp_size=config.dp_size)
         self.group = GroupState(self.group_config)
         self.group.on_broken.append(self._on_broken)
@@ -495,6 +506,16 @@ class Simulator:
             "outcome": "running",
         }
         self.stats.recent.append(record)
+        trace_headers = None
+        if TRACEPARENT in request.headers or TRACESTATE in request.headers:
+            trace_headers = {k: request.headers[k] for k in (TRACEPARENT, TRACESTATE) if k in request.headers}
+            if self.tracer is None and not self._warned_untraced:  # vLLM warns once, too
+                self._warned_untraced = True
+                print(
+                    "pdserve sim: warning: Received a request with trace context but tracing is disabled",
+                    file=sys.stderr,
+                    flush=True,
+                )
         return Job(
             endpoint=endpoint,
             body=body,
@@ -504,10 +525,22 @@ class Simulator:
             base_id=base,
             engine_request_id=engine_request_id,
             prompt_tokens=count_prompt_tokens(body, endpoint),
-            num_tokens=payloads.num_output_tokens(body, self.config.tokens),
+            num_tokens=self._output_tokens(body, endpoint),
             record=record,
             connector=self._connector(params, leg),
+            trace_headers=trace_headers,
         )
+
+    def _output_tokens(self, body: Mapping[str, Any], endpoint: Endpoint) -> int:
+        """--tokens, capped by max_tokens; with an engine max_tokens is honoured as vLLM does (a
+        performance model must generate what a trace asks), within max_model_len."""
+        if self.engines is None:
+            return payloads.num_output_tokens(body, self.config.tokens)
+        cap = body.get("max_tokens") or body.get("max_completion_tokens")
+        if cap is None:
+            return self.config.tokens
+        room = self.config.identity.max_model_len - count_prompt_tokens(body, endpoint)
+        return max(1, min(int(cap), room))
 
     def _submit(self, job: Job) -> None:
         """--profile: the request joins its rank's engine, which will time its tokens."""
@@ -607,6 +640,7 @@ class Simulator:
     ) -> web.StreamResponse:
         c = self.config
         if job.engine_request is None:
+            job.first_token_at = time.time() + c.ttft_ms / 1000
             await asyncio.sleep((c.ttft_ms + c.itl_ms * (job.num_tokens - 1)) / 1000)
         else:
             await self._until(job, job.num_tokens)
@@ -675,6 +709,8 @@ class Simulator:
             if last and kv_answer is not None:
                 chunk["kv_transfer_params"] = kv_answer
             await response.write(payloads.sse(chunk))
+            if i == 0:
+                job.first_token_at = time.time()
         if stop_after is not None:  # a one-token answer: break it before [DONE]
             return await self._abort(request, job)
         if payloads.wants_usage_in_stream(job.body):
@@ -704,6 +740,23 @@ class Simulator:
         if job.leg == "decode":
             s.external_hits[job.index] += job.prompt_tokens
         job.record["outcome"] = "ok"
+        if self.tracer is not None:
+            self._span(job, self.tracer)
+
+    def _span(self, job: Job, tracer: EngineTracer) -> None:
+        """vLLM's llm_request span of a finished request (pdserve.sim.spans)."""
+        from pdserve.sim.spans import Finished
+
+        now = time.time()
+        scheduled, first = job.arrival, job.first_token_at or now
+        r = job.engine_request
+        if r is not None:  # the engine's own marks, on the loop's clock
+            offset = now - asyncio.get_running_loop().time()
+            scheduled = r.first_scheduled + offset if r.first_scheduled is not None else job.arrival
+            first = r.first_token + offset if r.first_token is not None else now
+        times = Finished(job.arrival, scheduled, first, now, job.prompt_tokens, job.num_tokens)
+        external_id = job.engine_request_id.rsplit("-", 1)[0]  # vLLM's id before its salt
+        tracer.finished(job.trace_headers, external_id, times, job.body)
 
     async def _abort(self, request: web.Request, job: Job) -> web.StreamResponse:
         """Break the TCP connection with a reset (SO_LINGER 0), so the client sees a broken

@@ -16,13 +16,15 @@ kv_consumer: decode, kv_both: both); ``--data-parallel-size``/``--tensor-paralle
 ``--[no-]enable-prefix-caching``, ``--enable-prompt-tokens-details`` and
 ``kv_connector_extra_config.kv_lease_duration`` go to the simulator's flags of the same names, which
 time answers with a step engine when ``$PDSERVE_SIM_PROFILE`` names a profile (vLLM has no flag for
-it: the pod runner or local mode sets it), and change nothing without one. The listen
-address is ``--host``, else ``$POD_IP`` (vLLM's default is every address; here pods share one
-network namespace), else 127.0.0.1. The instance name is the ``engine_id`` of
-``--kv-transfer-config``, else ``$HOSTNAME`` (the pod name). ``kv_connector`` → ``--kv-connector``
-(the simulator plays that connector), and its side channel is advertised where the connector's
-vLLM reads it (pdserve.kv: NIXL at ``$VLLM_NIXL_SIDE_CHANNEL_HOST``, else ``$VLLM_HOST_IP``, else
-the listen address, and ``$VLLM_NIXL_SIDE_CHANNEL_PORT``, else 5600); without a connector, NIXL's.
+it: the pod runner or local mode sets it), and change nothing without one; ``--otlp-traces-endpoint``
+and ``--collect-detailed-traces`` go to the simulator's, which traces as vLLM does
+(pdserve.sim.spans). The listen address is ``--host``, else ``$POD_IP`` (vLLM's default is every
+address; here pods share one network namespace), else 127.0.0.1. The instance name is the
+``engine_id`` of ``--kv-transfer-config``, else ``$HOSTNAME`` (the pod name). ``kv_connector`` →
+``--kv-connector`` (the simulator plays that connector), and its side channel is advertised where
+the connector's vLLM reads it (pdserve.kv: NIXL at ``$VLLM_NIXL_SIDE_CHANNEL_HOST``, else
+``$VLLM_HOST_IP``, else the listen address, and ``$VLLM_NIXL_SIDE_CHANNEL_PORT``, else 5600);
+without a connector, NIXL's.
 """
 
 from __future__ import annotations
@@ -37,8 +39,9 @@ from typing import Any
 
 from pdserve import kv
 from pdserve.sim import cli as sim_cli
+from pdserve.wire import vllm
 
-VERSION = "0.32.0+pdserve.sim"
+VERSION = f"{vllm.VERSION}+pdserve.sim"
 CONNECTORS = kv.crd_names()
 ROLES = {"kv_producer": "prefill", "kv_consumer": "decode", "kv_both": "both"}
 #: vLLM 0.32's KVTransferConfig fields (vllm/config/kv_transfer.py).
@@ -77,6 +80,8 @@ MAPPED: list[tuple[tuple[str, ...], dict[str, Any]]] = [
     (("--enable-prefix-caching",), {"action": "store_true", "default": None}),
     (("--no-enable-prefix-caching",), {"action": "store_true"}),
     (("--enable-prompt-tokens-details",), {"action": "store_true"}),
+    (("--otlp-traces-endpoint",), {}),
+    (("--collect-detailed-traces",), {"nargs": "+", "choices": ("all", "model", "worker")}),
 ]
 #: The environment variable naming the simulator's performance profile (``pdserve sim --profile``).
 PROFILE_ENV = "PDSERVE_SIM_PROFILE"
@@ -177,6 +182,8 @@ class Serve:
     engine_id: str | None = None
     #: The step engine's flags, as ``pdserve sim`` arguments (vLLM's names).
     engine_args: tuple[str, ...] = ()
+    #: ``--otlp-traces-endpoint`` and ``--collect-detailed-traces``, as ``pdserve sim`` arguments.
+    tracing_args: tuple[str, ...] = ()
 
 
 def parse(args: Sequence[str]) -> Serve:
@@ -240,6 +247,13 @@ def parse(args: Sequence[str]) -> Serve:
         engine_args.append("--no-enable-prefix-caching")
     if ns.enable_prompt_tokens_details:
         engine_args.append("--enable-prompt-tokens-details")
+    if ns.collect_detailed_traces and not ns.otlp_traces_endpoint:
+        raise Refused("collect_detailed_traces requires `--otlp-traces-endpoint` to be set.")  # vLLM's words
+    tracing_args: list[str] = []
+    if ns.otlp_traces_endpoint:
+        tracing_args += ["--otlp-traces-endpoint", ns.otlp_traces_endpoint]
+    if ns.collect_detailed_traces:
+        tracing_args += ["--collect-detailed-traces", *ns.collect_detailed_traces]
     return Serve(
         model=(ns.served_model_name or [model])[0],
         role=role,
@@ -252,6 +266,7 @@ def parse(args: Sequence[str]) -> Serve:
         connector=connector,
         engine_id=engine_id,
         engine_args=tuple(engine_args),
+        tracing_args=tuple(tracing_args),
     )
 
 
@@ -278,6 +293,7 @@ def sim_argv(serve: Serve, env: dict[str, str]) -> list[str]:
     if serve.max_model_len is not None:
         argv += ["--max-model-len", str(serve.max_model_len)]
     argv += serve.engine_args
+    argv += serve.tracing_args
     if env.get(PROFILE_ENV):
         argv += ["--profile", env[PROFILE_ENV]]
     return argv

@@ -34,7 +34,7 @@ CRD_NAME = "pddeployments.pdserve.io"
 def crd(kube_cluster: KubeCluster) -> KubeCluster:
     """The CRD applied (idempotent: server-side apply of the same file) and served."""
     kube_cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", CRD_PATH)
-    kube_cluster.kubectl("wait", "--for=condition=Established", f"crd/{CRD_NAME}", "--timeout=60s")
+    kube_cluster.wait_established(CRD_NAME, timeout=60)
     eventually(
         lambda: kube_cluster.kubectl("get", "pdd", "-A", check=False).returncode == 0,
         timeout=60,
@@ -181,6 +181,11 @@ REFUSED = [
     pytest.param({"image": ""}, "image is required when engine is vllm", id="cel-image"),
     pytest.param({"engine": "trtllm"}, 'Unsupported value: "trtllm"', id="enum-engine"),
     pytest.param({"router": {"policy": "random"}}, 'Unsupported value: "random"', id="enum-policy"),
+    pytest.param(
+        {"router": {"prefillPolicy": "cache_aware"}},
+        'Unsupported value: "cache_aware"',
+        id="enum-prefill-policy",
+    ),
     pytest.param(
         {"kvTransfer": {"connector": "LMCache"}}, 'Unsupported value: "LMCache"', id="enum-connector"
     ),

@@ -278,3 +278,25 @@ def test_a_profile_with_a_missing_or_negative_figure_is_refused(tmp_path: Path) 
         [sys.executable, "-m", "pdserve.cli", "sim", *small], capture_output=True, text=True, timeout=30
     )
     assert done.returncode == 2 and "--num-gpu-blocks-override" in done.stderr
+
+
+async def test_moriio_prefill_leg_frees_at_the_end_and_still_names_blocks(procs: ProcessGroup) -> None:
+    prefill = procs.start("prefill", ["sim", *CPU, "--role", "prefill", "--kv-port", str(free_port())])
+    params = {"do_remote_decode": True, "transfer_id": "t-1"}
+    status, answer = await post(
+        prefill.url + "/v1/completions", {"prompt": words(200), "max_tokens": 1, "kv_transfer_params": params}
+    )
+    assert status == 200, answer
+    assert answer["kv_transfer_params"]["transfer_id"] == "t-1"
+    assert answer["kv_transfer_params"]["remote_block_ids"] == [[1, 2]]
+    assert (await metrics(prefill.url))["vllm:kv_cache_usage_perc"] == {"0": 0.0}
+
+
+async def test_with_a_profile_max_tokens_is_generated_in_full(procs: ProcessGroup) -> None:
+    sim = procs.start("sim", ["sim", *CPU, "--kv-port", str(free_port())])
+    _, answer = await post(sim.url + "/v1/completions", {"prompt": words(10), "max_tokens": 40})
+    assert answer["usage"]["completion_tokens"] == 40  # beyond --tokens (16)
+    _, answer = await post(sim.url + "/v1/completions", {"prompt": words(500), "max_tokens": 40})
+    assert answer["usage"]["completion_tokens"] == 12  # up to --max-model-len 512
+    _, answer = await post(sim.url + "/v1/completions", {"prompt": words(10)})
+    assert answer["usage"]["completion_tokens"] == 16

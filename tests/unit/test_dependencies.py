@@ -1,6 +1,6 @@
 """Dependencies point one way: contract and wire formats depend on nothing of ours; the proxy,
 simulator and local mode never load each other's internals, and the proxy never loads kopf or
-the Kubernetes client (it must start fast and stay small).
+the Kubernetes client (it must start fast and stay small), nor OpenTelemetry unless it traces.
 
 Two kinds of check: what importing a module loads in a fresh interpreter (RULES: what a process
 really pays at start-up), and the import statements of every module read from its source (the
@@ -44,12 +44,22 @@ RULES = {
     "pdserve.proxy.cli": (
         "kopf",
         "kubernetes",
+        "opentelemetry",
         "pdserve.sim",
         "pdserve.deployment",
         "pdserve.operator",
         "pdserve.local",
     ),
-    "pdserve.proxy.app": ("kopf", "kubernetes", "pdserve.sim", "pdserve.deployment", "pdserve.operator"),
+    "pdserve.proxy.app": (
+        "kopf",
+        "kubernetes",
+        "opentelemetry",
+        "pdserve.sim",
+        "pdserve.deployment",
+        "pdserve.operator",
+    ),
+    # the SDK is loaded by start_tracing, not by importing the module
+    "pdserve.tracing.sdk": ("opentelemetry", "pdserve.proxy", "pdserve.sim", "pdserve.deployment"),
     # the ConfigMap watch speaks to the API server with aiohttp alone
     "pdserve.proxy.table.configmap": (
         "kopf",
@@ -66,8 +76,15 @@ RULES = {
         "pdserve.deployment",
         "pdserve.operator",
     ),
-    "pdserve.sim.cli": ("kopf", "kubernetes", "pdserve.proxy", "pdserve.routing", "pdserve.deployment"),
-    "pdserve.sim.server": ("kopf", "kubernetes", "pdserve.proxy", "pdserve.deployment"),
+    "pdserve.sim.cli": (
+        "kopf",
+        "kubernetes",
+        "opentelemetry",
+        "pdserve.proxy",
+        "pdserve.routing",
+        "pdserve.deployment",
+    ),
+    "pdserve.sim.server": ("kopf", "kubernetes", "opentelemetry", "pdserve.proxy", "pdserve.deployment"),
     "pdserve.sim.process": ("kopf", "kubernetes", "pdserve.proxy", "pdserve.routing", "pdserve.deployment"),
     "pdserve.deployment.render.objects": (
         "kopf",
@@ -86,6 +103,9 @@ RULES = {
         "pdserve.deployment",
         "pdserve.sim",
     ),
+    # the operator loads OpenTelemetry only with --otlp-traces-endpoint (pdserve.operator.tracing)
+    "pdserve.operator.reconcile": ("opentelemetry",),
+    "pdserve.operator.handlers": ("opentelemetry",),
     "pdserve.local.runner": ("kopf", "kubernetes", "pdserve.operator", "pdserve.proxy.", "pdserve.sim."),
 }
 
@@ -110,9 +130,10 @@ def test_module_does_not_load_what_it_must_not_depend_on(module: str) -> None:
 PACKAGE = Path(__file__).resolve().parents[2] / "pdserve"
 
 #: Lowest first. A package imports its own modules, packages of lower floors, and its peers only
-#: on the ground floor (the contract, the wire formats and the connectors know no service).
+#: on the ground floor (the contract, the wire formats and the connectors know no service; nor
+#: does ``listen``, the commands' check of the ports they are given).
 FLOORS: tuple[frozenset[str], ...] = (
-    frozenset({"routing", "wire", "kv"}),
+    frozenset({"routing", "wire", "kv", "listen", "tracing"}),
     frozenset({"deployment"}),
     frozenset({"proxy", "sim"}),
     frozenset({"operator", "local", "loadgen"}),  # loadgen: a client (pdserve bench), above what it loads
@@ -146,7 +167,7 @@ INNER_FLOORS: dict[str, tuple[frozenset[str], ...]] = {
 
 #: The router and the simulator start fast and stay small: neither imports kopf nor the
 #: Kubernetes client, nor does anything they are built on.
-NO_KUBERNETES_CLIENT = ("routing", "wire", "kv", "proxy", "sim")
+NO_KUBERNETES_CLIENT = ("routing", "wire", "kv", "tracing", "proxy", "sim")
 
 
 def module_name(path: Path) -> str:

@@ -23,6 +23,8 @@ VERSION = CRD["spec"]["versions"][0]
 ROOT = VERSION["schema"]["openAPIV3Schema"]
 SPEC_SCHEMA = ROOT["properties"]["spec"]
 BASE: dict[str, Any] = {"model": "m", "image": "vllm/vllm-openai:v0.11.0"}
+#: Optional sections with a required field: absent unless given, their defaults apply once given.
+GIVEN_SECTIONS: dict[str, dict[str, Any]] = {"tracing": {"endpoint": "http://collector:4318/v1/traces"}}
 
 
 def walk(
@@ -49,6 +51,8 @@ def attribute(spec: object, path: tuple[str, ...]) -> Any:
 def with_value(path: tuple[str, ...], value: Any) -> dict[str, Any]:
     """BASE with ``spec.<path> = value``, plus what the rest of the spec needs for that field to be legal."""
     doc = copy.deepcopy(BASE)
+    if path[0] in GIVEN_SECTIONS and path[-1] not in GIVEN_SECTIONS[path[0]]:
+        doc[path[0]] = copy.deepcopy(GIVEN_SECTIONS[path[0]])
     if path[0] == "kvTransfer" and path[-1] == "transferMode":
         doc["kvTransfer"] = {"connector": "MoRIIOConnector"}
     node = doc
@@ -81,6 +85,8 @@ def test_parser_applies_the_crd_default(path: tuple[str, ...], schema: dict[str,
     doc = copy.deepcopy(BASE)
     if doc.pop(path[0], None) is not None and path[0] == "image":
         doc["engine"] = "sim"  # an empty image is legal only there
+    if path[0] in GIVEN_SECTIONS:
+        doc[path[0]] = copy.deepcopy(GIVEN_SECTIONS[path[0]])
     value = attribute(parse_spec(doc), path)
     default = schema["default"]
     if isinstance(default, list):
@@ -91,9 +97,10 @@ def test_parser_applies_the_crd_default(path: tuple[str, ...], schema: dict[str,
 
 
 def test_every_section_defaults_to_an_object_so_its_defaults_apply() -> None:
-    """Optional sections without defaults below them (modelCache, Secret references) stay absent."""
+    """Optional sections without defaults below them (modelCache, Secret references) stay absent,
+    and so do those with a required field (tracing)."""
     for name, sub in SPEC_SCHEMA["properties"].items():
-        if "properties" in sub and any("default" in s for _, s in walk(sub)):
+        if "properties" in sub and any("default" in s for _, s in walk(sub)) and name not in GIVEN_SECTIONS:
             assert sub.get("default") == {}, name
 
 

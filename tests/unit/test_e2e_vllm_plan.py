@@ -24,6 +24,8 @@ def test_every_example_renders_a_command_per_pod_and_per_local_process() -> None
         if not pdd.spec.kv_transfer.kv.render.local.refused and not multi:
             local = 4  # each role's first process, on GPUs and on CPU
         assert names[f"{where} prefill"] + names[f"{where} decode"] == pods + local, where
+    traced = [c for c in commands if c["name"].startswith("spec.tracing ")]
+    assert len(traced) == 4 and all("--otlp-traces-endpoint" in c["argv"] for c in traced)
     for command in commands:
         assert command["argv"][:2] == ["vllm", "serve"], command["name"]
         assert not any("$(" in arg for arg in command["argv"]), command["name"]

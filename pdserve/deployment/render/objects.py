@@ -61,6 +61,7 @@ from pdserve.deployment.render.security import (
     router_admin_port,
     router_key_env,
 )
+from pdserve.deployment.render.tracing import engine_tracing_args, engine_tracing_env, router_tracing_env
 from pdserve.deployment.spec.multinode import GroupShape
 from pdserve.deployment.spec.owned import ENGINE_ENV_OWNED
 from pdserve.deployment.spec.pddeployment import (
@@ -179,8 +180,14 @@ def owner_reference(pdd: PDDeployment) -> dict[str, Any]:
     }
 
 
+def namespaced(namespace: str) -> dict[str, str]:
+    """``{"namespace": ...}``, or nothing for "" (the namespace ``kubectl apply -n`` gives). A
+    ServiceAccount subject of a RoleBinding without one is the binding's own (RBAC's rule)."""
+    return {"namespace": namespace} if namespace else {}
+
+
 def object_metadata(pdd: PDDeployment, name: str, component: str) -> dict[str, Any]:
-    meta: dict[str, Any] = {"name": name, "namespace": pdd.namespace, "labels": labels(pdd, component)}
+    meta: dict[str, Any] = {"name": name, **namespaced(pdd.namespace), "labels": labels(pdd, component)}
     if pdd.uid:
         meta["ownerReferences"] = [owner_reference(pdd)]
     return meta
@@ -306,9 +313,10 @@ def pod_spec(
         "image": spec.engine_image,
         "command": ["pdserve", "sim"] if sim else ["vllm", "serve"],
         "args": (_sim_args(pdd, role, pod_name, flags) if sim else _vllm_args(pdd, role, pod_name, flags))
+        + engine_tracing_args(spec)
         + list(rs.args),
         "ports": [{"name": "http", "containerPort": ENGINE_PORT, "protocol": "TCP"}],
-        "env": _engine_env(pdd) + [_plain(v) for v in rs.env],
+        "env": _engine_env(pdd) + engine_tracing_env(pdd, role) + [_plain(v) for v in rs.env],
         "resources": _engine_resources(spec.gpu_resource, rs, gpus if not sim else None),
         "volumeMounts": [{"name": "dshm", "mountPath": SHM_MOUNT}],
         "startupProbe": {
@@ -520,9 +528,12 @@ def _router_deployment(pdd: PDDeployment) -> dict[str, Any]:
         "name": "router",
         "image": router.image or DEFAULT_IMAGE,
         "command": ["pdserve"],
-        "args": router_args(router, routing_configmap_name(pdd), router.port),
+        "args": router_args(pdd.spec, routing_configmap_name(pdd), router.port),
         "ports": [{"name": "http", "containerPort": router.port, "protocol": "TCP"}],
-        "env": [{"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}}],
+        "env": [
+            {"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
+            *router_tracing_env(pdd, define_pod_name=True),
+        ],
         # Ready only with a table that has a routable slot per role; 503 at once on SIGTERM.
         "readinessProbe": {
             "httpGet": {"path": "/ready", "port": "http"},
@@ -595,7 +606,7 @@ def router_role_binding(pdd: PDDeployment) -> dict[str, Any]:
         "kind": "RoleBinding",
         "metadata": object_metadata(pdd, name, "router"),
         "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
-        "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": pdd.namespace}],
+        "subjects": [{"kind": "ServiceAccount", "name": name, **namespaced(pdd.namespace)}],
     }
 
 

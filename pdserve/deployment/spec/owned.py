@@ -74,7 +74,10 @@ ROUTER_OWNED = _owned_container(
     {
         "image": "set by pdserve from spec.router.image",
         "command": "set by pdserve (pdserve proxy)",
-        "args": "set by pdserve from spec.router (port, admin port, policy, backlog, routing table)",
+        "args": (
+            "set by pdserve from spec.router (port, admin port, policy, prefill policy, backlog, "
+            "routing table)"
+        ),
         "ports": "set by pdserve from spec.router.port and spec.router.adminPort",
         "startupProbe": "set by pdserve: the router's readiness decides what the Service sends it",
         "readinessProbe": "set by pdserve: the router's readiness decides what the Service sends it",

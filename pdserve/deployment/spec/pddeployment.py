@@ -51,10 +51,12 @@ from pdserve.deployment.spec.readers import read_string_list as _string_list
 from pdserve.deployment.spec.readers import read_string_map as _string_map
 from pdserve.deployment.spec.readers import show as _show
 from pdserve.deployment.spec.storage import ModelCache, parse_model, parse_model_cache
+from pdserve.deployment.spec.tracing import TracingSpec, parse_tracing
 from pdserve.kv import DEFAULT, KVConnector, by_crd, crd_names, with_modes
 from pdserve.routing import Connector, Role
+from pdserve.wire import vllm
 
-__all__ = ["GroupShape", "ModelCache", "MultiNodeSpec", "SecretKeyRef", "SpecError"]
+__all__ = ["GroupShape", "ModelCache", "MultiNodeSpec", "SecretKeyRef", "SpecError", "TracingSpec"]
 
 GROUP = "pdserve.io"
 VERSION = "v1alpha1"
@@ -65,6 +67,9 @@ PLURAL = "pddeployments"
 ENGINES = ("vllm", "sim")
 CONNECTORS = crd_names()
 POLICIES = ("flat-interleaved", "least-outstanding")
+#: What spec.router.prefillPolicy may name (absent: the prefill slots follow ``policy``).
+PREFILL_POLICIES = ("flat-interleaved", "prefix-affinity")
+PREFIX_AFFINITY = "prefix-affinity"
 SERVICE_TYPES = ("ClusterIP", "NodePort", "LoadBalancer")
 #: Where the router runs: its own Deployment in front of the engines, or a container in every
 #: decode pod (pdserve.routing.sidecar).
@@ -197,6 +202,8 @@ class RouterSpec:
     replicas: int = DEFAULT_ROUTER_REPLICAS
     image: str = ""  # "" means the pdserve image of this version
     policy: str = DEFAULT_POLICY
+    #: The prefill slots' policy; None: ``policy``'s (the decode keeps ``policy``'s either way).
+    prefill_policy: str | None = None
     backlog: int = DEFAULT_BACKLOG
     workers: int = DEFAULT_ROUTER_WORKERS
     port: int = DEFAULT_ROUTER_PORT
@@ -211,6 +218,18 @@ class RouterSpec:
     def decode_sidecar(self) -> bool:
         """The router runs in every decode pod: no router Deployment, the Service selects decodes."""
         return self.placement == PLACEMENT_DECODE_SIDECAR
+
+    def policy_args(self) -> list[str]:
+        """The router's policy flags. Several routers (replicas, or a sidecar per decode pod) with
+        prefix-affinity send prompts that match nothing by rendezvous hashing, so that they agree on
+        where a new prefix goes without talking (pdserve.proxy.policies.prefix_affinity); one
+        router keeps the flat interleave's exact shares for them."""
+        args = ["--policy", self.policy]
+        if self.prefill_policy is not None:
+            args += ["--prefill-policy", self.prefill_policy]
+            if self.prefill_policy == PREFIX_AFFINITY and (self.decode_sidecar or self.replicas > 1):
+                args += ["--prefix-unmatched", "rendezvous"]
+        return args
 
 
 @dataclass(frozen=True)
@@ -241,6 +260,8 @@ class PDDeploymentSpec:
     #: GPUs of one node; None: unknown here (the operator reads the nodes; render: one pod per instance).
     gpus_per_node: int | None = None
     multi_node: MultiNodeSpec = field(default_factory=MultiNodeSpec)
+    #: OpenTelemetry traces of the router and the engines (spec/tracing.py); None: off.
+    tracing: TracingSpec | None = None
 
     @property
     def engine_image(self) -> str:
@@ -265,6 +286,7 @@ class PDDeploymentSpec:
 @dataclass(frozen=True)
 class PDDeployment:
     name: str
+    #: "" renders objects without a namespace, for ``kubectl apply -n`` (``pdserve render``).
     namespace: str
     uid: str  # "" for a file that never went through an API server
     generation: int
@@ -357,6 +379,7 @@ def parse_spec(spec: Mapping[str, Any] | object) -> PDDeploymentSpec:
             "engineApiKeySecretRef",
             "gpusPerNode",
             "multiNode",
+            "tracing",
         ),
     )
     model = parse_model(_string(doc, "model", path, required=True), f"{path}.model")
@@ -364,9 +387,7 @@ def parse_spec(spec: Mapping[str, Any] | object) -> PDDeploymentSpec:
     image = _string(doc, "image", path, default="")
     engine = _choice(doc, "engine", path, ENGINES, DEFAULT_ENGINE)
     if engine == "vllm" and not image:
-        raise SpecError(
-            f"{path}.image", "required when engine is vllm (for example vllm/vllm-openai:v0.11.0)"
-        )
+        raise SpecError(f"{path}.image", f"required when engine is vllm (for example {vllm.IMAGE})")
     gpu_resource = _string(doc, "gpuResource", path, default=DEFAULT_GPU_RESOURCE)
     if not _RESOURCE_NAME.match(gpu_resource):
         raise SpecError(
@@ -398,6 +419,7 @@ def parse_spec(spec: Mapping[str, Any] | object) -> PDDeploymentSpec:
         ),
         gpus_per_node=gpus_per_node,
         multi_node=multi_node,
+        tracing=parse_tracing(doc.get("tracing"), f"{path}.tracing"),
     )
     for role in (Role.PREFILL, Role.DECODE):  # shapes that cannot be split over nodes of gpusPerNode
         parsed.group_shape(role)
@@ -544,7 +566,7 @@ def _quantity(doc: Mapping[str, Any], key: str, path: str, default: str) -> str:
 def _parse_router(value: object, path: str) -> RouterSpec:
     doc = _object(value, path)
     known = ("replicas", "image", "policy", "backlog", "workers", "port", "serviceType", "template")
-    _no_unknown(doc, path, (*known, "adminPort", "apiKeySecretRef", "placement"))
+    _no_unknown(doc, path, (*known, "adminPort", "apiKeySecretRef", "placement", "prefillPolicy"))
     port = _integer(doc, "port", path, DEFAULT_ROUTER_PORT, 1, 65535)
     admin_port = _integer(doc, "adminPort", path, DEFAULT_ADMIN_PORT, 1, 65535)
     if admin_port == port:
@@ -553,6 +575,9 @@ def _parse_router(value: object, path: str) -> RouterSpec:
         replicas=_integer(doc, "replicas", path, DEFAULT_ROUTER_REPLICAS, 0, MAX_ROUTER_REPLICAS),
         image=_string(doc, "image", path, default=""),
         policy=_choice(doc, "policy", path, POLICIES, DEFAULT_POLICY),
+        prefill_policy=(
+            _choice(doc, "prefillPolicy", path, PREFILL_POLICIES, None) if "prefillPolicy" in doc else None
+        ),
         backlog=_integer(doc, "backlog", path, DEFAULT_BACKLOG, 1, MAX_BACKLOG),
         workers=_integer(doc, "workers", path, DEFAULT_ROUTER_WORKERS, 0, MAX_ROUTER_WORKERS),
         port=port,

@@ -75,6 +75,8 @@ class ServedTable:
         self.rejected: str | None = None
         self.problem: str | None = None
         self._clock = clock
+        #: Called with every state newly served (the prefill policy's index follows the table).
+        self.listeners: list[Callable[[RoutingState], None]] = []
         metrics.source_up.set(1)
 
     @property
@@ -116,6 +118,8 @@ class ServedTable:
         )
         for unpaired in state.slots.unpaired:
             log.warning("routing table generation %d: %s", table.generation, unpaired.describe())
+        for listener in self.listeners:
+            listener(state)
         return True
 
     def reject(self, origin: str, reason: str) -> None:

@@ -74,7 +74,8 @@ class Engines:
         self.ranks[rank].abort(request)
 
     def block_ids(self, rank: int, request: Request) -> list[int]:
-        return self.ranks[rank].scheduler.kv.block_ids(request)
+        """The blocks the request holds, or held when it finished (a freed MoRIIO leg's)."""
+        return self.ranks[rank].scheduler.kv.block_ids(request) or list(request.blocks_at_finish)
 
     def metrics_text(self, model: str) -> str:
         return metrics_text(model, list(self.ranks.values()))
