@@ -11,8 +11,9 @@ ENV PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PIP_NO_CACHE_DIR=1
 COPY pyproject.toml README.md ./
 COPY pdserve ./pdserve
-# The operator extra (kopf, kubernetes client) is included: one image serves every subcommand.
-RUN pip wheel --no-cache-dir --wheel-dir /wheels ".[operator]"
+# The operator extra (kopf, kubernetes client) and the tracing extra (OpenTelemetry SDK and OTLP
+# exporters, loaded only with --otlp-traces-endpoint) are included: one image serves every subcommand.
+RUN pip wheel --no-cache-dir --wheel-dir /wheels ".[operator,tracing]"
 
 FROM ${PYTHON_IMAGE}
 # Must equal the version in pyproject.toml (tests/unit/test_dockerfile.py checks it).
@@ -30,7 +31,7 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     PIP_NO_CACHE_DIR=1
 # Install from the build stage's wheels through a bind mount, so no wheel file stays in a layer.
 RUN --mount=type=bind,from=build,source=/wheels,target=/wheels \
-    pip install --no-cache-dir --no-index --find-links /wheels "pdserve[operator]==${VERSION}" \
+    pip install --no-cache-dir --no-index --find-links /wheels "pdserve[operator,tracing]==${VERSION}" \
     && useradd --system --uid 10001 --gid 0 --no-create-home --shell /usr/sbin/nologin pdserve
 USER 10001
 WORKDIR /tmp

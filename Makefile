@@ -5,8 +5,8 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: install test test-workers unit lint fmt bench bench-autoscaling bench-operator bench-replay bench-routing cluster-build cluster-up cluster-down kind-e2e demo clean \
-	e2e-vllm record-vllm-fixtures
+.PHONY: install test test-workers unit lint fmt bench bench-autoscaling bench-operator bench-prefix bench-replay bench-routing cluster-build cluster-up cluster-down kind-e2e demo clean \
+	e2e-vllm record-vllm-fixtures otelcol-build
 
 install: $(VENV)/.installed
 
@@ -26,7 +26,8 @@ PROXY_WORKER_TESTS := tests/integration/test_proxy_routing.py tests/integration/
 	tests/integration/test_proxy_faults.py tests/integration/test_proxy_retries.py \
 	tests/integration/test_proxy_backpressure.py tests/integration/test_proxy_admin.py \
 	tests/integration/test_proxy_load.py tests/integration/test_proxy_workers.py \
-	tests/integration/test_proxy_multinode.py tests/integration/test_proxy_engine_loss.py
+	tests/integration/test_proxy_multinode.py tests/integration/test_proxy_engine_loss.py \
+	tests/integration/test_proxy_prefix_affinity.py
 test-workers: install
 	PDSERVE_TEST_PROXY_WORKERS=2 $(VENV)/bin/pytest $(PROXY_WORKER_TESTS) $(PYTEST_ARGS)
 
@@ -61,11 +62,21 @@ bench-replay: install
 bench-autoscaling: install
 	$(PY) -m bench.autoscaling_bench
 
+## Cache-aware prefill routing on the Mooncake trace: flat, prefix-affinity (1 and 2 workers, 2 routers)
+## and vllm-router cache_aware on fresh profiled sims (about 40 minutes); bench/results/prefix-latest.md.
+bench-prefix: install
+	$(PY) -m bench.prefix_bench
+
 bench-routing: install cluster-up
 	$(PY) -m bench.routing_lag_bench
 
 cluster-build:
 	hack/cluster/build
+
+## The OpenTelemetry Collector of the tracing tests (OTLP receiver + file exporter), cached under
+## ~/.cache/pdserve/otelcol; the tests build it on demand when it is missing (hack/otelcol/README.md).
+otelcol-build:
+	hack/otelcol/build
 
 ## The pod runner (hack/cluster/podrunner.py) runs on the repo's venv.
 cluster-up: install cluster-build
@@ -77,15 +88,25 @@ cluster-down:
 kind-e2e: install
 	hack/kind-e2e
 
-## Both router placements: one router, then a sidecar router per decode instance.
-demo: install
+## Both router placements: one router, then a sidecar router per decode instance. Needs only the
+## package and its plot extra (matplotlib), wheels on Linux x86_64/arm64 and macOS: not the dev
+## and bench extras (vllm-router has a Linux x86_64 wheel only).
+demo: $(VENV)/.demo-installed
 	$(PY) -m pdserve.local.demo
 	$(PY) -m pdserve.local.demo --placement decode-sidecar
 
+$(VENV)/.demo-installed: pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e '.[plot]'
+	@touch $@
+
 ## Opt-in (not in `make test`): real vLLM for CPU behind `pdserve up` (cached venv of several GB
 ## under ~/.cache/pdserve; see docs/testing.md). One e2e at a time: it needs about 8 GB.
+## Then the simulator's cpu-tiny-llama profile against one real vLLM (docs/simulator.md).
 e2e-vllm: install
 	$(PY) -m tests.e2e_vllm run
+	$(PY) -m tests.e2e_vllm check-profile
 
 ## Re-record tests/fixtures/vllm-<version>/ from real vLLM (the same setup as e2e-vllm).
 record-vllm-fixtures: install

@@ -66,7 +66,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from tests.support.specs import NIXL, manifest
+from tests.support.specs import vllm_manifest
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results"
@@ -301,13 +301,10 @@ def pdd_manifest(name: str, shape: Shape, drain_seconds: int, namespace: str = N
             spec["expertParallel"] = True
         return spec
 
-    return manifest(
+    return vllm_manifest(
         name,
         metadata={"namespace": namespace},
         model="deepseek-ai/DeepSeek-R1",
-        image="vllm/vllm-openai:v0.11.0",
-        engine="vllm",
-        kvTransfer=NIXL,
         prefill=role(shape.prefill_instances, shape.prefill_dp, shape.prefill_tp, "prefill"),
         decode=role(shape.decode_instances, shape.decode_dp, shape.decode_tp, "decode"),
         router={

@@ -5,10 +5,16 @@ one system after the other on those same backends:
 
   * ``pdserve``: `pdserve proxy` in its default configuration (uvicorn, ``--workers`` = the
     CPUs available, back-pressure on), which is what the image and the chart run, with a routing
-    file naming the two simulators; ``pdserve-1w`` (``--workers 1``) and ``pdserve-hypercorn`` on
+    file naming the two simulators; ``pdserve-1w`` (``--workers 1``), ``pdserve-hypercorn`` and
+    ``pdserve-prefix`` (``--prefill-policy prefix-affinity``) on
     request (``--systems``);
   * ``vllm-router``: the PyPI router in P/D mode (--vllm-pd-disaggregation --kv-connector nixl);
   * ``direct``: the client talking to the decode simulator itself, the floor no proxy can beat;
+  * ``pdserve-traced`` and ``pdserve-1w-traced`` on request: the same routers tracing every
+    request (``--otlp-traces-endpoint``, ``--trace-sampling-ratio 1``) to a minimal OTLP/HTTP
+    sink of the bench's own (bench/otlp_sink.py, a process apart), ``pdserve-1w-sampled`` one
+    request in a hundred (``--trace-sampling-ratio 0.01``); ratios against the untraced system
+    are printed, and the notes say how many spans each run exported;
   * with ``--baseline DIR`` (another checkout, e.g. ``git worktree add ../baseline main``), each
     pdserve system also as ``<system>@baseline``: that checkout's router, same flags, same
     backends and rounds, so a change's cost on the hot path shows as a ratio of one run
@@ -52,11 +58,21 @@ from pdserve.routing.table import Connector, Instance, RoutingTable
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results"
 #: pdserve systems and the flags that make them (none: the default configuration).
+#: Where the traced systems send their spans: the bench's OTLP sink (bench/otlp_sink.py).
+OTLP_SINK = "{otlp}"
+TRACED_FLAGS = ("--otlp-traces-endpoint", OTLP_SINK, "--trace-sampling-ratio", "1")
+SAMPLED_FLAGS = ("--otlp-traces-endpoint", OTLP_SINK, "--trace-sampling-ratio", "0.01")
 PDSERVE_SYSTEMS: dict[str, tuple[str, ...]] = {
     "pdserve": (),
     "pdserve-1w": ("--workers", "1"),
     "pdserve-hypercorn": ("--http-server", "hypercorn"),
+    "pdserve-prefix": ("--prefill-policy", "prefix-affinity"),
+    "pdserve-traced": TRACED_FLAGS,
+    "pdserve-1w-traced": ("--workers", "1", *TRACED_FLAGS),
+    "pdserve-1w-sampled": ("--workers", "1", *SAMPLED_FLAGS),
 }
+#: A traced system and the same system without tracing: their ratio is what tracing costs.
+TRACED = {"pdserve-traced": "pdserve", "pdserve-1w-traced": "pdserve-1w", "pdserve-1w-sampled": "pdserve-1w"}
 SYSTEMS = ("direct", *PDSERVE_SYSTEMS, "vllm-router")
 DEFAULT_SYSTEMS = ("direct", "pdserve", "pdserve-1w", "vllm-router")
 #: ``<pdserve system>@baseline``: the same system run from the ``--baseline`` checkout.
@@ -117,9 +133,10 @@ def start_system(
     logs: Path,
     limit: CpuLimit | None = None,
     baseline: Path | None = None,
+    otlp: str | None = None,
 ) -> Server | None:
     """The proxy under test (inside ``limit`` if given), or None for ``direct``; ``baseline``:
-    the checkout the ``@baseline`` systems run."""
+    the checkout the ``@baseline`` systems run; ``otlp``: the sink the traced systems send to."""
     if system == "direct":
         return None
     port = free_port()
@@ -127,7 +144,8 @@ def start_system(
     if config is not None:
         table = routing_file(prefill, decode, dp_size, logs / "routing.json")
         argv = [sys.executable, "-m", "pdserve.cli", "proxy", "--routing-file", str(table)]
-        argv += [*PDSERVE_SYSTEMS[config], "--log-level", LOG_LEVEL]
+        argv += [otlp or "" if flag == OTLP_SINK else flag for flag in PDSERVE_SYSTEMS[config]]
+        argv += ["--log-level", LOG_LEVEL]
         argv += ["--host", "127.0.0.1", "--port", str(port)]
         tree = baseline if system.endswith(BASELINE) and baseline is not None else REPO
         return start(system, argv, port, "/ready", logs, limit=limit, tree=tree)
@@ -168,8 +186,10 @@ def bench_system(
         limit = cpulimit.create(args.router_cpus, f"pdserve-bench-{os.getpid()}-{system}")
     proxy: Server | None = None
     measured = []
+    exported: dict[str, int] | None = None
     try:
-        proxy = start_system(system, prefill, decode, args.dp_size, logs, limit, args.baseline)
+        proxy = start_system(system, prefill, decode, args.dp_size, logs, limit, args.baseline, args.otlp)
+        exported = http_json(args.otlp_stats) if system in TRACED else None
         url = proxy.url if proxy is not None else decode.url
         warm = run_load(url, "stream", 200, 16, args.tokens, 60)
         if warm["failures"]:
@@ -225,9 +245,17 @@ def bench_system(
             )
     finally:
         if proxy is not None:
-            proxy.stop()
+            proxy.stop()  # the router exports what it buffered before it exits
         if limit is not None:
             limit.remove()
+    if exported is not None:
+        now = http_json(args.otlp_stats)
+        spans = now["spans"] - exported["spans"]
+        requests = sum(m.result["requests"] for m in measured) + 200  # with the warm-up's
+        notes.append(
+            f"{system} round {round_}: {spans} spans exported for {requests} requests "
+            f"({spans / requests:.2f} per request, in {now['requests'] - exported['requests']} batches)"
+        )
     return measured, notes
 
 
@@ -315,6 +343,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--no-write", action="store_true", help="print only; write nothing to bench/results")
     parser.add_argument(
+        "--label",
+        default="",
+        metavar="NAME",
+        help="write the results as bench/results/NAME-latest.md and NAME-<timestamp>.json/.png (e.g. "
+        "tracing: the traced systems against the untraced ones and the --baseline checkout)",
+    )
+    parser.add_argument(
         "--no-profile",
         dest="profile",
         action="store_false",
@@ -341,7 +376,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.baseline = args.baseline.resolve()
         if not pdserve_proxy_available(args.baseline):
             parser.error(f"--baseline {args.baseline}: no pdserve checkout whose router imports there")
-        with_baseline = [[s, s + BASELINE] if pdserve_system(s) else [s] for s in systems]
+        with_baseline = [[s, s + BASELINE] if pdserve_system(s) and s not in TRACED else [s] for s in systems]
         systems = [s for pair in with_baseline for s in pair]
         notes.append(f"baseline: {describe_tree(args.baseline)}; this tree: {describe_tree(REPO)}")
     if any(pdserve_system(s) for s in systems) and not pdserve_proxy_available():
@@ -378,6 +413,17 @@ def main(argv: Sequence[str] | None = None) -> int:
             dport, "/health", logs,
         )  # fmt: skip
         measured: list[Measured] = []
+        sink = None
+        args.otlp = args.otlp_stats = None
+        if any(s in TRACED for s in systems):
+            sport = free_port()
+            sink_argv = [sys.executable, "-m", "bench.otlp_sink", "--port", str(sport)]
+            sink = start("otlp-sink", sink_argv, sport, "/health", logs)
+            args.otlp, args.otlp_stats = (
+                f"http://127.0.0.1:{sport}/v1/traces",
+                f"http://127.0.0.1:{sport}/stats",
+            )
+            log(f"OTLP sink of the traced systems: {args.otlp}")
         try:
             for round_, order in enumerate(round_orders(systems, args.rounds), start=1):
                 log(f"round {round_}: {' '.join(order)}")
@@ -393,6 +439,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         finally:
             prefill.stop()
             decode.stop()
+            if sink is not None:
+                sink.stop()
     load_names = [load.name for load in loads(args)]
     for system in systems:
         for load in load_names:
@@ -420,6 +468,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         (system, system + BASELINE): ratios(summaries, system, system + BASELINE)
         for system in PDSERVE_SYSTEMS
         if system in systems and system + BASELINE in systems
+    }
+    ratio_pairs |= {
+        (traced, plain): ratios(summaries, traced, plain)
+        for traced, plain in TRACED.items()
+        if traced in systems and plain in systems
     }
     for (num, den), per_load in ratio_pairs.items():
         for load, r in per_load.items():
@@ -459,6 +512,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 )
                 + (f", the decode holding its first byte {load.hold_ms} ms" if load.hold_ms else "")
                 for load in loads(args)
+                if not args.loads or load.name in args.loads
             )
             + f"; {args.rounds} round(s), alternating order, pooled; both proxies at --log-level {LOG_LEVEL}"
         ),
@@ -470,7 +524,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.baseline is not None:
         prefix = "baseline-" + prefix
         meta["baseline"] = describe_tree(args.baseline)
-    written = write_results(RESULTS, prefix, summaries, meta, vars(args))
+    if args.label:
+        prefix = f"{args.label}-" + prefix.removeprefix("baseline-")
+    # The checkout by its commit, never by a path of this machine; the sink's URLs left out.
+    recorded = {**vars(args), "baseline": meta.get("baseline")}
+    recorded = {k: v for k, v in recorded.items() if k not in ("otlp", "otlp_stats")}
+    written = write_results(RESULTS, prefix, summaries, meta, recorded)
     log(f"wrote {', '.join(f'bench/results/{name}' for name in written)}")
     return 0
 

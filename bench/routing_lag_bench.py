@@ -47,7 +47,7 @@ from bench.proxy_start_bench import table_json
 from tests.support.kube import grant_router_access, kubectl_for, router_kubeconfig
 from tests.support.load import Load
 from tests.support.procs import free_port
-from tests.support.specs import NIXL, manifest, sim_manifest
+from tests.support.specs import sim_manifest, vllm_manifest
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results"
@@ -214,13 +214,10 @@ def measure_writes(api: Any, routers: list[Router], writes: int) -> dict[str, li
 
 def pdd_manifest() -> dict[str, Any]:
     # engine vllm asks for GPUs: its pods run on kwok's nodes, whose Ready condition the bench sets.
-    return manifest(
+    return vllm_manifest(
         PDD,
         metadata={"namespace": NS_FLIP},
         model="Qwen/Qwen3-0.6B",
-        engine="vllm",
-        image="vllm/vllm-openai:v0.11.0",
-        kvTransfer=NIXL,
         prefill={"instances": 2, "dataParallel": 2, "tensorParallel": 1},
         decode={"instances": 2, "dataParallel": 1, "tensorParallel": 1},
     )

@@ -3,6 +3,6 @@
 The functional core shared by the operator (pdserve.operator) and the local mode (pdserve.local):
 ``spec/`` (the resource and its parser), ``plan/`` (rollout, drain, groups, revisions, status),
 ``render/`` (manifests as dicts, the routing table from observed instances), ``validate``
-(the rules that need the rendered pods), ``kvconfig``/``kvpod`` (the KV connectors' flags and
-pod settings), and ``pdserve render`` (``cli``) and the reference generator (``docgen``) on top.
+(the rules that need the rendered pods), and ``pdserve render`` (``cli``) and the reference
+generator (``docgen``) on top. What a KV connector needs of a pod is its module's (pdserve.kv).
 """

@@ -4,7 +4,9 @@ The output is what the operator would create right after the PDDeployment is app
 engine and router Services, the router Deployment, the routing ConfigMap (no instances yet) and
 one Pod per instance; a role larger than the file's gpusPerNode gets a group of Pods per instance
 (their workers find the leader by its DNS name), or with spec.multiNode.backend lws one
-LeaderWorkerSet per instance. Objects carry no ownerReference unless the file has metadata.uid.
+LeaderWorkerSet per instance. Objects carry no ownerReference unless the file has metadata.uid,
+and no namespace unless the file has metadata.namespace or --namespace NS is given, so
+`pdserve render FILE | kubectl apply -n NS -f -` puts them where you say.
 Exit status 2 when the file is not a valid PDDeployment; the message names the field.
 
 `pdserve render sidecar FILE` prints instead what an application pod needs to run the router
@@ -16,6 +18,7 @@ with `kubectl apply -f` (`--part pod` / `--part rbac` print one of them).
 
 Examples:
   pdserve render examples/sim/quickstart.yaml
+  pdserve render examples/sim/quickstart.yaml --namespace serving
   pdserve render sidecar examples/sim/quickstart.yaml --service-account my-app --part rbac \\
     | kubectl apply -f -
 """
@@ -24,7 +27,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
+from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import yaml
@@ -45,17 +51,21 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="print what a client application's pod needs to run the router next to itself",
     )
     parser.add_argument("file", metavar="FILE", help="YAML file holding one PDDeployment")
+    parser.add_argument(
+        "-n",
+        "--namespace",
+        default=None,
+        metavar="NS",
+        help="the PDDeployment's namespace, written into every object (default: the file's "
+        "metadata.namespace, else none: `kubectl apply -n NS` chooses); with `sidecar`: the "
+        "application's namespace (default: the PDDeployment's; the Role and RoleBinding are always "
+        "in the PDDeployment's)",
+    )
     sidecar = parser.add_argument_group("with `sidecar`")
     sidecar.add_argument(
         "--service-account",
         default=None,
         help="the application's ServiceAccount, granted read access to NAME-routing (default: NAME-client)",
-    )
-    sidecar.add_argument(
-        "--namespace",
-        default=None,
-        help="the application's namespace (default: the PDDeployment's; the Role and RoleBinding are "
-        "always in the PDDeployment's)",
     )
     sidecar.add_argument(
         "--port", type=int, default=SIDECAR_PORT, help="the router's port on 127.0.0.1 (default: %(default)s)"
@@ -93,17 +103,22 @@ def run(args: argparse.Namespace) -> int:
         for problem in found:
             print(f"pdserve render: {problem}", file=sys.stderr)
         return 2
-    if getattr(args, "what", None) == "sidecar":  # callers may build the Namespace themselves
+    sidecar = getattr(args, "what", None) == "sidecar"  # callers may build the Namespace themselves
+    namespace = getattr(args, "namespace", None)
+    try:
+        pdd = replace(pdd, namespace=_namespace(args.file, namespace, sidecar))
+    except ValueError as exc:
+        print(f"pdserve render: {exc}", file=sys.stderr)
+        return 2
+    if sidecar:
         if args.port == args.admin_port or (
             args.admin_port is None and args.port == pdd.spec.router.admin_port
         ):
             print("pdserve render: --port must differ from the admin port", file=sys.stderr)
             return 2
-        patch = client_pod_patch(pdd, args.service_account, args.namespace, args.port, args.admin_port)
+        patch = client_pod_patch(pdd, args.service_account, namespace, args.port, args.admin_port)
         objects = [patch] if args.part in ("all", "pod") else []
-        objects += (
-            client_rbac(pdd, args.service_account, args.namespace) if args.part in ("all", "rbac") else []
-        )
+        objects += client_rbac(pdd, args.service_account, namespace) if args.part in ("all", "rbac") else []
     else:
         objects = render_all(pdd)
     if args.output == "json":
@@ -124,6 +139,37 @@ def _str_representer(dumper: yaml.SafeDumper, value: str) -> yaml.ScalarNode:
 
 
 _Dumper.add_representer(str, _str_representer)
+
+
+#: A Kubernetes namespace name (DNS-1123 label).
+_NAMESPACE = re.compile(r"^(?=.{1,63}$)[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+
+
+def _namespace(path: str, flag: str | None, sidecar: bool) -> str:
+    """The PDDeployment's namespace for rendering: --namespace, else the file's, else "" (none:
+    ``kubectl apply -n`` chooses). With ``sidecar`` the flag is the application's namespace and
+    the PDDeployment's is the file's. ValueError says what to change."""
+    given = _file_namespace(path)
+    if flag is not None and not _NAMESPACE.match(flag):
+        raise ValueError(f"--namespace: expected a namespace name, got {flag!r}")
+    if sidecar:
+        if flag and not given:
+            raise ValueError(
+                f"with `sidecar`, --namespace is the application's: set metadata.namespace in {path} "
+                "to the PDDeployment's (its Role and RoleBinding go there)"
+            )
+        return given
+    if flag and given and flag != given:
+        raise ValueError(f"{path} is in namespace {given!r}, --namespace says {flag!r}: drop one of them")
+    return flag or given
+
+
+def _file_namespace(path: str) -> str:
+    """The file's own ``metadata.namespace`` ("" when it has none); the file already parsed."""
+    docs = [d for d in yaml.safe_load_all(Path(path).read_text(encoding="utf-8")) if d is not None]
+    meta = docs[0].get("metadata") if docs and isinstance(docs[0], dict) else None
+    namespace = meta.get("namespace") if isinstance(meta, dict) else None
+    return namespace if isinstance(namespace, str) else ""
 
 
 def to_yaml(objects: list[dict[str, Any]]) -> str:

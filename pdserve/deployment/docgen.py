@@ -275,6 +275,7 @@ def _shape_rules() -> list[str]:
 
 def _vllm_rules() -> list[str]:
     """The prefill/decode constraints read from vLLM, with where each comes from (spec/vllm_compat.py)."""
+    from pdserve import kv
     from pdserve.deployment.spec.vllm_compat import RULES
 
     out = [
@@ -291,15 +292,8 @@ def _vllm_rules() -> list[str]:
         out.append(
             f"| `{r.id}` | {_cell(r.where)} | {_cell(r.rule)} | {_cell(r.enforced_by)} | {_cell(r.source)} |"
         )
-    out += [
-        "",
-        "Not checked (the model decides, not the spec): MoRIIO with different prefill and decode "
-        "tensorParallel needs replicated KV heads (`min(TP) >= num_kv_heads`) or an MLA model "
-        "(`moriio_connector.py validate_moriio_heterogeneous_tp_kv_heads`); NIXL with hybrid SSM "
-        "(Mamba) models needs equal TP and equal block sizes "
-        "(docs/features/nixl_connector_compatibility.md).",
-        "",
-    ]
+    unchecked = "; ".join(c.render.unchecked for c in kv.CONNECTORS if c.render.unchecked)
+    out += ["", f"Not checked (the model decides, not the spec): {unchecked}.", ""]
     return out
 
 

@@ -11,17 +11,17 @@ from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
-from pdserve.deployment.kvconfig import moriio_ports
-from pdserve.deployment.kvpod import NIXL_SIDE_CHANNEL_PORT
 from pdserve.deployment.render.decode_sidecar import template_problems
 from pdserve.deployment.render.groupflags import GROUP_FLAGS
 from pdserve.deployment.render.objects import OWNED_ENV
 from pdserve.deployment.render.security import engine_reserved_env, router_reserved
+from pdserve.deployment.render.tracing import ENGINE_FLAGS as TRACING_ENGINE_FLAGS
 from pdserve.deployment.spec.multinode import group_shape, uniform_gpus_per_node
 from pdserve.deployment.spec.owned import ENGINE_CONTAINER, ROUTER_CONTAINER, Reserved, owned_problems
 from pdserve.deployment.spec.pddeployment import ENGINE_PORT, PDDeployment, PDDeploymentSpec, SpecError
 from pdserve.deployment.spec.storage import reserved as storage_reserved
 from pdserve.deployment.spec.vllm_compat import problems as vllm_problems
+from pdserve.kv import owned_env
 from pdserve.routing import Role
 
 #: Flags of ``vllm serve`` that pdserve sets itself; a second copy in ``args`` would silently
@@ -86,6 +86,8 @@ def problems(pdd: PDDeployment, node_gpu_allocatable: Sequence[int] | None) -> l
 
 def _owned_args(spec: PDDeploymentSpec, role: Role, path: str) -> list[str]:
     owned = SIM_OWNED_FLAGS if spec.engine == "sim" else VLLM_OWNED_FLAGS
+    if spec.tracing is not None:  # a second copy would win in vLLM's parser, unseen by the router
+        owned = {**owned, **dict.fromkeys(TRACING_ENGINE_FLAGS, "set spec.tracing")}
     out = []
     for i, arg in enumerate(spec.role(role).args):
         flag = arg.split("=", 1)[0]
@@ -96,9 +98,7 @@ def _owned_args(spec: PDDeploymentSpec, role: Role, path: str) -> list[str]:
 
 def _owned_env(spec: PDDeploymentSpec, role: Role, path: str) -> list[str]:
     reserved = {name: "is set by pdserve to the pod IP" for name in OWNED_ENV}
-    reserved["VLLM_NIXL_SIDE_CHANNEL_PORT"] = (
-        f"is set by pdserve to {NIXL_SIDE_CHANNEL_PORT} (the engines listen from there, one port per DP rank)"
-    )
+    reserved |= owned_env()  # every connector's, whichever this spec uses (as the CRD's CEL does)
     reserved |= engine_reserved(spec).env
     out = []
     for i, var in enumerate(spec.role(role).env):
@@ -145,19 +145,13 @@ def engine_reserved(spec: PDDeploymentSpec) -> Reserved:
 
 
 def _kv_port_range(spec: PDDeploymentSpec, role: Role, path: str) -> list[str]:
-    """MoRIIO's per-rank ports (base + rank) must stay ports."""
-    if spec.engine == "sim" or spec.kv_transfer.connector != "MoRIIOConnector":
+    """The connector's ports for an instance of this role (a port per rank for some) must stay ports."""
+    if spec.engine == "sim":
         return []
     rs = spec.role(role)
-    ranks = rs.data_parallel * rs.tensor_parallel
-    out = []
-    for key, base in zip(("handshake_port", "notify_port"), moriio_ports(spec.kv_transfer), strict=True):
-        if base + ranks - 1 > 65535:
-            out.append(
-                f"spec.kvTransfer.extraConfig.{key}: {path} needs {ranks} ports from {base} (one per rank), "
-                f"past 65535; lower {key}"
-            )
-    return out
+    kv = spec.kv_transfer
+    found = kv.kv.render.shape_problems(kv.extra_config, rs.data_parallel * rs.tensor_parallel)
+    return [f"spec.kvTransfer.extraConfig.{key}: {path} {reason}" for key, reason in found]
 
 
 def _template(spec: PDDeploymentSpec, role: Role, path: str) -> list[str]:
@@ -196,6 +190,15 @@ def _fits_nodes(spec: PDDeploymentSpec, role: Role, path: str, allocatable: Sequ
         f"{path}: a pod of an instance needs {shape.gpus_per_pod} {spec.gpu_resource}, "
         f"but the largest node has {counts[-1]}; set gpusPerNode to {counts[-1]} or less"
     ]
+
+
+def with_pdserve_image(pdd: PDDeployment, image: str) -> PDDeployment:
+    """The deployment as the operator renders it: routers (and ``engine: sim`` pods) run ``image``,
+    the operator's own (`pdserve operator --pdserve-image`, which the chart sets to the image it
+    runs the operator from), unless ``spec.router.image`` names one."""
+    if pdd.spec.router.image or not image:
+        return pdd
+    return replace(pdd, spec=replace(pdd.spec, router=replace(pdd.spec.router, image=image)))
 
 
 def with_node_default(pdd: PDDeployment, allocatable: Sequence[int] | None) -> PDDeployment:

@@ -102,7 +102,12 @@ async def send_one(
     record.sent_s = clock()
     finished = False
     try:
-        headers = {**config.headers, REQUEST_ID: f"{config.run_id}-{record.index}"}
+        # A JSON body says so: routers that check the media type (vllm-router) answer 415 otherwise.
+        headers = {
+            **config.headers,
+            "Content-Type": "application/json",
+            REQUEST_ID: f"{config.run_id}-{record.index}",
+        }
         async with session.post(config.generate_url, data=body, headers=headers) as resp:
             if resp.status != 200:
                 record.error = f"http-{resp.status}: {_error_message(await resp.read())}"

@@ -12,12 +12,24 @@ over them in turn, as the decode pods' Service would; the X-PDServe-Sidecar head
 answer names the decode instance whose sidecar served it.
 
 A manifest the operator would refuse is refused here too, with the field and the reason,
-before anything starts (exit code 2); so is a missing or too old vLLM with --engine vllm.
+before anything starts (exit code 2); so is a missing or too old vLLM with --engine vllm, or a
+--port already in use. Ctrl-C (or SIGTERM) stops every process it started and says what it
+stopped; an engine that exits on its own is restarted, and the message says how it ended
+(an exit code, or the signal that stopped it).
 
 With --engine vllm on a machine without GPUs (--device auto), the engines run on vLLM's CPU
-backend: each engine gets a share of the cores (decode ranks apart from the prefill's NIXL
-progress thread), --enforce-eager and a KV cache size unless the manifest sets them, and the
-NIXL environment for loopback; the first lines of output say what was applied.
+backend: each engine gets a share of the cores (decode ranks apart from the prefill's, and from
+what its KV connector runs there, such as NIXL's progress thread), --enforce-eager and a KV cache
+size unless the manifest sets them, and the connector's environment for loopback; the first
+lines of output say what was applied.
+
+Environment: every engine and router gets this process's environment (PATH finds `vllm`;
+HF_HOME, HF_TOKEN, HF_HUB_OFFLINE reach vLLM), plus the manifest's env and what local mode
+sets (the first lines of output name it). pdserve up reads none of its own.
+
+With --otlp-traces-endpoint URL (or spec.tracing in the manifest) the router and every engine
+send their spans there, so one request is one trace across the router, the prefill and the
+decode (docs/operations.md#tracing).
 
 Example:
   pdserve up examples/nixl/2p-dp8ep-3d-dp8ep.yaml
@@ -29,6 +41,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import dataclasses
 import os
 import random
 import shutil
@@ -41,11 +55,12 @@ from pathlib import Path
 from pdserve.deployment.plan.autoscale import ROLES
 from pdserve.deployment.plan.scaling import with_counts
 from pdserve.deployment.spec.pddeployment import PDDeployment, SpecError, load_manifest_file
+from pdserve.deployment.spec.tracing import with_endpoint
 from pdserve.deployment.validate import problems
 from pdserve.local.plan import (
     ENGINES,
+    KV_PORTS_PER_INSTANCE,
     LOOPBACK,
-    NIXL_PORTS_PER_INSTANCE,
     PlanError,
     SimTimings,
     engine_process_count,
@@ -58,7 +73,7 @@ from pdserve.local.scaler import LocalScaler
 from pdserve.local.view import LiveView, SummaryLines
 from pdserve.local.vllm_env import find_vllm, gpus_present
 from pdserve.local.vllm_env import problems as vllm_problems
-from pdserve.routing import RoutingTable
+from pdserve.routing import Role, RoutingTable
 
 EXIT_REFUSED = 2
 
@@ -77,7 +92,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
         choices=ENGINES,
         default="sim",
         help="sim: simulated engines, no GPU or model (default); vllm: real `vllm serve` processes "
-        "with the arguments the operator renders (needs vLLM installed and the GPUs)",
+        "with the arguments the operator renders (needs the `vllm` command: vLLM on GPUs, or its CPU "
+        "build on a machine without, see --device)",
     )
     parser.add_argument(
         "--device",
@@ -92,15 +108,38 @@ def configure(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="no live view: print events as lines (the default when not a TTY)",
     )
-    parser.add_argument("--sim-ttft-ms", type=float, default=None, help="simulated time to first token, ms")
-    parser.add_argument("--sim-itl-ms", type=float, default=None, help="simulated inter-token latency, ms")
-    parser.add_argument("--sim-tokens", type=int, default=None, help="simulated tokens per request")
+    parser.add_argument(
+        "--sim-ttft-ms",
+        type=float,
+        default=None,
+        help="simulated time to first token, ms (default: pdserve sim's --ttft-ms)",
+    )
+    parser.add_argument(
+        "--sim-itl-ms",
+        type=float,
+        default=None,
+        help="simulated inter-token latency, ms (default: pdserve sim's --itl-ms)",
+    )
+    parser.add_argument(
+        "--sim-tokens",
+        type=int,
+        default=None,
+        help="simulated tokens per request (default: pdserve sim's --tokens)",
+    )
     parser.add_argument(
         "--sim-profile",
         default=None,
         metavar="FILE|NAME",
         help="simulated engines time their answers with a step engine and this performance profile "
         "(`pdserve sim --profile`, docs/simulator.md)",
+    )
+    parser.add_argument(
+        "--otlp-traces-endpoint",
+        default=None,
+        metavar="URL",
+        help="trace every request: the router and every engine send their spans to this OTLP receiver "
+        "(http://HOST:4318/v1/traces or grpc://HOST:4317), as spec.tracing.endpoint would, which it "
+        "replaces; the manifest's samplingRatio and collectDetailedTraces still apply",
     )
     parser.add_argument(
         "--log-dir",
@@ -121,6 +160,12 @@ def run(
         pdd = load_manifest_file(args.file)
     except SpecError as exc:
         return _refuse(f"{args.file}: invalid PDDeployment: {exc}" if exc.path != args.file else str(exc))
+    if args.otlp_traces_endpoint is not None:
+        try:
+            tracing = with_endpoint(pdd.spec.tracing, args.otlp_traces_endpoint)
+        except SpecError as exc:
+            return _refuse(str(exc))
+        pdd = dataclasses.replace(pdd, spec=dataclasses.replace(pdd.spec, tracing=tracing))
     found = problems(pdd, None)
     if found:
         return _refuse(f"{args.file}: invalid PDDeployment: " + "; ".join(found))
@@ -136,7 +181,7 @@ def run(
     device = "gpu"
     if args.engine == "vllm":
         install = find_vllm()
-        found = vllm_problems(install, pdd.spec.kv_transfer.connector)
+        found = vllm_problems(install, pdd.spec.kv_transfer.kv)
         if found:
             return _refuse("; ".join(found))
         assert install is not None
@@ -156,11 +201,18 @@ def run(
     groups = group_count(pdd)
     sidecars = pdd.spec.decode.instances if pdd.spec.router.decode_sidecar else 0
     try:
-        side_channels = None
+        kv_ports = None
         if args.engine == "vllm" or args.sim_profile:
-            sizes = [pdd.spec.prefill.data_parallel] * pdd.spec.prefill.instances
-            sizes += [pdd.spec.decode.data_parallel] * pdd.spec.decode.instances
-            side_channels = _free_port_ranges(sizes)
+            render = pdd.spec.kv_transfer.kv.render
+            sizes = [  # the connector's ports, and one per node for a simulated group's listeners
+                max(
+                    len(render.local_ports(role, rs.data_parallel, rs.tensor_parallel, 0)),
+                    pdd.spec.group_shape(role).nodes,
+                )
+                for role in (Role.PREFILL, Role.DECODE)
+                for rs in [pdd.spec.role(role)] * pdd.spec.role(role).instances
+            ]
+            kv_ports = _free_port_ranges(sizes)
         ports = _free_ports(processes + sidecars + groups, exclude={args.port})
         plan = plan_local_run(
             pdd,
@@ -171,7 +223,7 @@ def run(
             SimTimings(args.sim_ttft_ms, args.sim_itl_ms, args.sim_tokens, args.sim_profile),
             device=device,
             cores=sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else [0],
-            side_channel_ports=side_channels,
+            kv_ports=kv_ports,
             sidecar_ports=ports[processes : processes + sidecars],
             rpc_ports=ports[processes + sidecars :],
         )
@@ -217,6 +269,9 @@ async def _run_with_view(runner: LocalRunner, reporter: Reporter) -> int:
         if view_task is not None:
             runner.stopping.set()
             await view_task
+        if runner.stop_report:
+            with contextlib.suppress(OSError):  # stdout may be gone (a closed pipe)
+                reporter.final(runner.stop_report)
 
 
 def _refuse(message: str) -> int:
@@ -233,22 +288,22 @@ def _port(text: str) -> int:
 
 
 def _free_port_ranges(sizes: list[int], first: int | None = None) -> list[int]:
-    """For each size, the first port of a range of that many free ports (NIXL's side channel
-    listens on its port + DP rank), ranges disjoint, searched upwards from ``first``.
+    """For each size, the first port of a range of that many free ports (a KV connector's side
+    channel may listen on its port + DP rank), ranges disjoint, searched upwards from ``first``.
 
     By default the search starts at a random multiple of 64 between 10000 and 30000 (below the
-    kernel's ephemeral ports), not at vLLM's 5600: a real vLLM binds its side channel a minute
-    after the plan found the range free, and another run on the machine (two `pdserve up`, or
-    a test's) must not be handed the same range meanwhile."""
+    kernel's ephemeral ports), not at vLLM's default ports: a real vLLM binds its side channel a
+    minute after the plan found the range free, and another run on the machine (two `pdserve up`,
+    or a test's) must not be handed the same range meanwhile."""
     starts: list[int] = []
-    port = first if first is not None else random.randrange(10000, 30000, NIXL_PORTS_PER_INSTANCE)
+    port = first if first is not None else random.randrange(10000, 30000, KV_PORTS_PER_INSTANCE)
     for size in sizes:
         while not all(port_free(p, LOOPBACK) for p in range(port, port + size)):
             port += size
             if port + size > 65535:
-                raise PlanError("no free range of ports for NIXL's side channel")
+                raise PlanError("no free range of ports for the KV connector's side channel")
         starts.append(port)
-        port += max(size, NIXL_PORTS_PER_INSTANCE)
+        port += max(size, KV_PORTS_PER_INSTANCE)
     return starts
 
 

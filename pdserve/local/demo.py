@@ -197,7 +197,16 @@ async def _demo(
             )
             for c in slot_counters(after)
         ]
-        return results, failures, elapsed, by_sidecar
+        return in_slot_order(results, after["table"]), failures, elapsed, by_sidecar
+
+
+def in_slot_order(results: list[SlotResult], table: dict[str, Any]) -> list[SlotResult]:
+    """Slots as the table lists them, instance by instance, rank by rank: one order for both
+    placements (a router lists its slots in its walk's order, merged sidecars each their own)."""
+    position = {(role, inst["name"]): i for role in Role for i, inst in enumerate(table.get(role.value, []))}
+    return sorted(
+        results, key=lambda r: (r.role is Role.DECODE, position.get((r.role, r.instance), 0), r.rank)
+    )
 
 
 async def _wait_all_slots(
@@ -275,7 +284,7 @@ def _report(
     (placement decode-sidecar; the slots' counts are then every sidecar's summed)."""
     by_sidecar = by_sidecar or {}
     whose = "the sidecars' summed" if by_sidecar else "the router's"
-    print(f"\nRequests per slot, in the flat interleaved order ({whose} count, engine's count):")
+    print(f"\nRequests per slot, instance by instance ({whose} count, engine's count):")
     print(f"{'role':<8} {'instance':<34} {'rank':>4} {'router':>7} {'engine':>7} {'errors':>6}")
     for r in results:
         print(
@@ -318,30 +327,60 @@ def _report(
             file=sys.stderr,
         )
     ok = ok and not mismatched
-    _chart(results, output, "decode-sidecar" if by_sidecar else "deployment")
+    _chart(results, output, "decode-sidecar" if by_sidecar else "deployment", count, len(failures))
     print(f"   chart: {output.resolve()}")
     verdict = "OK: every slot got its share, no request failed" if ok else "FAILED (see above)"
     print(f"==> {verdict}")
     return ok
 
 
-def _chart(results: list[SlotResult], output: Path, placement: str) -> None:
+def _chart(results: list[SlotResult], output: Path, placement: str, count: int, failed: int) -> None:
+    """Requests per slot, one panel per role, in the table's order (instance by instance, rank by
+    rank; one color per instance); the expected share (the burst over the role's slots) as a line,
+    so an exact run shows every bar on it; errors stacked in red; totals in the titles."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.lines import Line2D
+    from matplotlib.patches import Patch
+    from matplotlib.ticker import MaxNLocator
 
-    fig, axes = plt.subplots(2, 1, figsize=(12, 6.5), constrained_layout=True)
+    fig, axes = plt.subplots(2, 1, figsize=(12, 7), constrained_layout=True)
     for ax, role in zip(axes, Role, strict=True):
         mine = [r for r in results if r.role is role]
         instances = list(dict.fromkeys(r.instance for r in mine))
-        colors = [f"C{instances.index(r.instance)}" for r in mine]
-        ax.bar(range(len(mine)), [r.router_requests for r in mine], color=colors)
-        ax.set_xticks(range(len(mine)), [f"{instances.index(r.instance)}/{r.rank}" for r in mine], fontsize=7)
+        colors = [f"C{instances.index(r.instance) % 10}" for r in mine]
+        ok = [r.router_requests - r.router_errors for r in mine]
+        errors = [r.router_errors for r in mine]
+        xs = range(len(mine))
+        ax.bar(xs, ok, color=colors)
+        ax.bar(xs, errors, bottom=ok, color="#d62728", hatch="//")
+        expected = count / len(mine) if mine else 0.0
+        ax.axhline(expected, color="black", linestyle="--", linewidth=1)
+        ax.set_xticks(list(xs), [f"{instances.index(r.instance)}/{r.rank}" for r in mine], fontsize=7)
+        ax.set_xlabel(f"{role.value} slot (instance/rank)")
         ax.set_ylabel("requests")
-        ax.set_title(f"{role.value}: requests per slot (instance/rank), one color per instance")
+        ax.yaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.set_ylim(0, max([*(r.router_requests for r in mine), expected]) * 1.15 + 1)
+        sent = sum(r.router_requests for r in mine)
+        exact = all(r.router_requests == expected for r in mine)
+        ax.set_title(
+            f"{role.value}: {sent} requests over {len(mine)} slots, {sum(errors)} failed"
+            + (f"; every slot got exactly {expected:g}" if exact else f"; min {min(ok)} / max {max(ok)}")
+        )
+        handles: list[Patch | Line2D] = [
+            Patch(color=f"C{i % 10}", label=f"instance {i}: {name}") for i, name in enumerate(instances)
+        ]
+        handles.append(Line2D([], [], color="black", linestyle="--", label=f"expected share: {expected:g}"))
+        if any(errors):
+            handles.append(Patch(facecolor="#d62728", hatch="//", label="errors"))
+        ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=7, frameon=False)
     routers = "a sidecar router per decode instance" if placement == "decode-sidecar" else "one router"
-    fig.suptitle(f"pdserve: flat interleaved routing over every (instance, DP rank) slot — {routers}")
+    fig.suptitle(
+        f"pdserve: flat interleaved routing over every (instance, DP rank) slot, {routers}: "
+        f"{count} requests, {failed} failed"
+    )
     output.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(output, dpi=110)
     plt.close(fig)

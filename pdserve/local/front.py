@@ -171,7 +171,10 @@ def merge_debug(
     prefill: dict[str, dict[str, Any]] = {}
     decode: list[dict[str, Any]] = []
     sidecars: list[dict[str, Any]] = []
+    requests: dict[str, int] = {}  # client requests by outcome: every request went to one sidecar
     for sidecar, doc in docs:
+        for outcome, n in ((doc or {}).get("requests") or {}).items():
+            requests[outcome] = requests.get(outcome, 0) + int(n)
         slots = (doc or {}).get("slots") or {}
         for row in slots.get("prefill", []):
             merged = prefill.setdefault(str(row["slot"]), {**row, **{k: 0 for k in SUMMED if k in row}})
@@ -195,11 +198,13 @@ def merge_debug(
         "placement": "decode-sidecar",
         "source": first.get("source"),
         "policy": first.get("policy"),
+        "prefill_policy": first.get("prefill_policy"),
         "last_reload_error": next(
             (d["last_reload_error"] for d in answered if d.get("last_reload_error")), None
         ),
         "generation": generation,
         "table": first.get("table"),
+        "requests": requests,
         "slots": {"prefill": list(prefill.values()), "decode": decode},
         "sidecars": sidecars,
     }

@@ -26,7 +26,15 @@ def observed_instances(
             groups.setdefault(engine.group, []).append((engine, ok))
         else:
             out.append(
-                ObservedInstance(engine.role, engine.index, engine.name, LOOPBACK, ok, port=engine.port)
+                ObservedInstance(
+                    engine.role,
+                    engine.index,
+                    engine.name,
+                    LOOPBACK,
+                    ok,
+                    port=engine.port,
+                    kv_port=engine.kv_port,
+                )
             )
     for name, members in groups.items():
         members.sort(key=lambda m: m[0].node)
@@ -46,6 +54,7 @@ def observed_instances(
                 all(ok for _, ok in members),
                 port=leader.port,
                 endpoints=endpoints if len(endpoints) > 1 else (),
+                kv_port=leader.kv_port,
             )
         )
     return out

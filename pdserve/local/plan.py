@@ -17,7 +17,8 @@ Real vLLM (``--engine vllm``) also needs, on one machine: disjoint GPUs per inst
 (``CUDA_VISIBLE_DEVICES``), or on a machine without GPUs (``device="cpu"``) what vLLM's CPU
 backend needs (:data:`CPU_ENV`, :data:`CPU_KV_CACHE_BYTES`, :data:`CPU_DTYPE`,
 ``--enforce-eager``) and a share of the cores per engine and rank (:mod:`pdserve.local.cpus`);
-a NIXL side-channel port range per instance; and ``VLLM_HOST_IP`` on loopback. Whatever the
+a range of side-channel ports per instance for its KV connector (pdserve.kv: ``LocalRun``); and
+``VLLM_HOST_IP`` on loopback. Whatever the
 manifest's role ``env`` or ``args`` set is kept: these are defaults, and ``notes`` says which
 were applied.
 """
@@ -31,8 +32,6 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from pdserve.deployment.kvconfig import MORIIO, NIXL
-from pdserve.deployment.kvpod import UCX_DEFAULTS
 from pdserve.deployment.render.groups import group_pods
 from pdserve.deployment.render.objects import router_deployment
 from pdserve.deployment.spec.owned import ROUTER_CONTAINER
@@ -43,14 +42,13 @@ from pdserve.routing import Role
 LOOPBACK = "127.0.0.1"
 ENGINES = ("sim", "vllm")
 DEVICES = ("gpu", "cpu")
-#: NIXL's side channel listens on VLLM_NIXL_SIDE_CHANNEL_PORT + rank; space instances apart.
-NIXL_SIDE_CHANNEL_BASE = 5600
-NIXL_PORTS_PER_INSTANCE = 64
+#: Where the search for each instance's side-channel ports starts (a KV connector may listen on
+#: its port plus a rank, as NIXL does): instances are spaced this far apart.
+KV_PORT_BASE = 5600
+KV_PORTS_PER_INSTANCE = 64
 
 #: vLLM on CPU: environment every engine gets unless the manifest sets the variable.
 CPU_ENV = {"VLLM_TARGET_DEVICE": "cpu"}
-#: NIXL between processes of one machine without RDMA: shared memory and TCP over loopback.
-CPU_NIXL_ENV = {"UCX_TLS": "sm,self,tcp", "UCX_NET_DEVICES": "lo"}
 #: KV cache per engine rank on CPU when neither ``--kv-cache-memory-bytes`` nor
 #: ``VLLM_CPU_KVCACHE_SPACE`` is set: vLLM's own default takes most of the machine's memory,
 #: once per rank.
@@ -97,6 +95,8 @@ class EngineProcess:
     env: Mapping[str, str]
     ports: tuple[int, ...] = ()  # every port it listens on (HTTP first); must be free to start it
     cpus: tuple[int, ...] | None = None  # its CPU affinity (and of all it starts); None: any
+    #: Its KV connector's side-channel port on this machine (None: the rendered one, as in a pod).
+    kv_port: int | None = None
     #: A multi-node instance: the group's name (its leader's), this process's node in it, and
     #: whether it runs an API server (a ``--headless`` one answers no HTTP, so has no /health).
     group: str = ""
@@ -168,7 +168,7 @@ def plan_local_run(
     python: str = sys.executable,
     device: str = "gpu",
     cores: Sequence[int] = (),
-    side_channel_ports: Sequence[int] | None = None,
+    kv_ports: Sequence[int] | None = None,
     sidecar_ports: Sequence[int] = (),
     rpc_ports: Sequence[int] = (),
 ) -> LocalPlan:
@@ -182,7 +182,7 @@ def plan_local_run(
     ``router_port`` is the user's: the router's, or with placement decode-sidecar the front's;
     then ``sidecar_ports`` gives one port per decode instance for its router.
     For ``engine="vllm"``: ``device`` says whether vLLM runs on GPUs or on this machine's
-    ``cores``; ``side_channel_ports`` gives each instance the first of its DP-size NIXL ports
+    ``cores``; ``kv_ports`` gives each instance the first of its KV connector's side-channel ports
     (default: 5600 + 64 per instance).
     """
     if engine not in ENGINES:
@@ -218,11 +218,10 @@ def plan_local_run(
             f"instance), got {len(sidecar_ports)}"
         )
     notes: list[str] = []
-    if engine == "vllm" and spec.kv_transfer.connector == MORIIO:
-        raise PlanError(
-            "MoRIIOConnector uses fixed handshake/notify ports, so two vLLM instances cannot share one "
-            "machine; run MoRIIO manifests locally with --engine sim, or on a cluster"
-        )
+    kv = spec.kv_transfer.kv
+    local = kv.render.local
+    if engine == "vllm" and local.refused:
+        raise PlanError(local.refused)
     run_spec = dataclasses.replace(spec, engine=engine)
     if engine == "sim" and spec.engine != "sim":
         # The role's args are vLLM flags the simulator does not take.
@@ -236,8 +235,8 @@ def plan_local_run(
             notes.append(f"simulated engines: ignoring the vLLM args of {', '.join(dropped)}")
     run_pdd = dataclasses.replace(pdd, spec=run_spec)
 
-    if side_channel_ports is not None and len(side_channel_ports) != len(roles):
-        raise PlanError(f"need {len(roles)} NIXL side-channel ports, got {len(side_channel_ports)}")
+    if kv_ports is not None and len(kv_ports) != len(roles):
+        raise PlanError(f"need {len(roles)} KV side-channel ports, got {len(kv_ports)}")
     shares: list[Cores | None] = [None] * len(roles)
     if engine == "vllm" and device == "cpu":
         if not cores:
@@ -265,21 +264,19 @@ def plan_local_run(
                 flag = "--master-port" if shape.spans_rank else "--data-parallel-rpc-port"
                 args = _with_flag(args, flag, rpc)
             ports: tuple[int, ...] = (port,)
+            kv_port: int | None = None
             if engine == "sim":
                 argv = [python, "-m", "pdserve.cli", "sim", *_expand(args, env), *sim.args()]
-                if side_channel_ports is not None:  # where a prefill's engine hears pull notices
-                    argv += ["--kv-port", str(side_channel_ports[i] + node)]
+                if kv_ports is not None:  # where a prefill's engine hears pull notices
+                    kv_port = kv_ports[i] + node
+                    argv += ["--kv-port", str(kv_port)]
             else:
                 rs = run_spec.role(role)
-                side = (
-                    side_channel_ports[i]
-                    if side_channel_ports is not None
-                    else NIXL_SIDE_CHANNEL_BASE + NIXL_PORTS_PER_INSTANCE * i
-                )
-                env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(side)
+                kv_port = kv_ports[i] if kv_ports is not None else KV_PORT_BASE + KV_PORTS_PER_INSTANCE * i
+                if local.port_env is not None:
+                    env[local.port_env] = str(kv_port)
                 env.setdefault("VLLM_HOST_IP", LOOPBACK)
-                if spec.kv_transfer.connector == NIXL:
-                    ports += tuple(range(side, side + rs.data_parallel))
+                ports += kv.render.local_ports(role, rs.data_parallel, rs.tensor_parallel, kv_port)
                 share = shares[i]
                 if share is None:
                     env["CUDA_VISIBLE_DEVICES"] = ",".join(
@@ -287,10 +284,9 @@ def plan_local_run(
                     )
                     next_gpu += rs.gpus_per_instance
                 else:
-                    nixl = spec.kv_transfer.connector == NIXL
-                    for name in _rendered_defaults(rs) if nixl else ():
+                    for name in _rendered_defaults(rs, local.cpu_env):
                         env.pop(name, None)  # the cluster's transport defaults; CPU needs loopback's
-                    args = _cpu_defaults(env, args, share, nixl, cpu_defaults)
+                    args = _cpu_defaults(env, args, share, local.cpu_env, cpu_defaults)
                 argv = [*container["command"], *_expand(args, env)]
             share = shares[i]
             engines.append(
@@ -303,20 +299,30 @@ def plan_local_run(
                     env,
                     ports,
                     share.affinity if share is not None else None,
+                    kv_port,
                     group=str(group[0]["metadata"]["name"]) if shape.multi_node else "",
                     node=node,
                     serves_http=shape.serves_api(node),
                 )
             )
+    if spec.tracing is not None:
+        notes.append(
+            f"tracing: the router and every engine send their spans to {spec.tracing.endpoint} "
+            f"(services {pdd.name}-router, {pdd.name}-prefill, {pdd.name}-decode; sampling ratio "
+            f"{spec.tracing.sampling_ratio:g})"
+        )
     if engine == "vllm" and device == "cpu":
         notes.append(_cpu_note(cpu_defaults))
-        notes.append(_cores_note(engines, shares, spec.kv_transfer.connector == NIXL, len(set(cores))))
+        notes.append(_cores_note(engines, shares, local.prefill_thread, len(set(cores))))
 
     routers: list[RouterProcess] = []
     if not spec.router.decode_sidecar:
         router_container = router_deployment(run_pdd)["spec"]["template"]["spec"]["containers"][0]
         router_args = _local_router_args(router_container["args"], routing_file, router_port)
-        routers.append(RouterProcess("router", router_port, (python, "-m", "pdserve.cli", *router_args)))
+        router_pod = {"metadata": {"name": "router", "namespace": pdd.namespace}}
+        env = _local_env(router_container.get("env", []), router_pod, notes)
+        command = (python, "-m", "pdserve.cli", *_expand(router_args, env))
+        routers.append(RouterProcess("router", router_port, command, env))
     else:
         decodes = [(e, pod) for e, pod in zip(engines, pods, strict=True) if e.role is Role.DECODE]
         for (engine_process, pod), port in zip(decodes, sidecar_ports, strict=True):
@@ -360,20 +366,21 @@ def _without_flag(args: list[str], flag: str) -> list[str]:
     return out
 
 
-def _rendered_defaults(rs: RoleSpec) -> list[str]:
-    """The UCX variables the renderer set for a cluster that the manifest does not set itself
-    (in the role's ``env`` or its template's ``engine`` container)."""
+def _rendered_defaults(rs: RoleSpec, cpu_env: Mapping[str, str]) -> list[str]:
+    """The connector's transport variables (those its CPU defaults set) that the renderer set for a
+    cluster and the manifest does not set itself (in the role's ``env`` or its template's ``engine``
+    container)."""
     containers = rs.template.spec.get("containers", [])
     engine_env = [e for c in containers if c.get("name") == "engine" for e in c.get("env", [])]
     own = {e.get("name") for e in [*rs.env, *engine_env]}
-    return [name for name, _ in UCX_DEFAULTS if name not in own]
+    return [name for name in cpu_env if name not in own]
 
 
 def _cpu_defaults(
-    env: dict[str, str], args: list[str], share: Cores, nixl: bool, applied: set[str]
+    env: dict[str, str], args: list[str], share: Cores, kv_env: Mapping[str, str], applied: set[str]
 ) -> list[str]:
     """vLLM's CPU needs, where the manifest left them out; ``applied`` collects what was added."""
-    defaults = {**CPU_ENV, **(CPU_NIXL_ENV if nixl else {}), "VLLM_CPU_OMP_THREADS_BIND": share.omp_bind}
+    defaults = {**CPU_ENV, **kv_env, "VLLM_CPU_OMP_THREADS_BIND": share.omp_bind}
     for name, value in defaults.items():
         if name not in env:
             env[name] = value
@@ -403,7 +410,7 @@ def _cpu_note(applied: set[str]) -> str:
 
 
 def _cores_note(
-    engines: Sequence[EngineProcess], shares: Sequence[Cores | None], nixl: bool, total: int
+    engines: Sequence[EngineProcess], shares: Sequence[Cores | None], prefill_thread: str, total: int
 ) -> str:
     parts = []
     for engine, share in zip(engines, shares, strict=True):
@@ -415,7 +422,7 @@ def _cores_note(
             if len(share.affinity) > 1
             else f"core {share.affinity[0]}"
         )
-        extra = " with its NIXL progress thread" if nixl and engine.role is Role.PREFILL else ""
+        extra = f" with {prefill_thread}" if prefill_thread and engine.role is Role.PREFILL else ""
         parts.append(f"{engine.name} on {where}{extra} (VLLM_CPU_OMP_THREADS_BIND={bind})")
     return f"CPU cores ({total}): " + "; ".join(parts)
 
@@ -435,12 +442,15 @@ def _with_flag(args: list[str], flag: str, value: str) -> list[str]:
 
 def _local_env(env: Sequence[Mapping[str, Any]], pod: Mapping[str, Any], notes: list[str]) -> dict[str, str]:
     """The container's environment on this machine: the downward API read from the rendered
-    ``pod`` (its name, namespace, labels and annotations), and the pod IP is loopback."""
+    ``pod`` (its name, namespace, labels and annotations), and the pod IP is loopback; a value's
+    ``$(VAR)`` names a variable set before it, as Kubernetes expands it."""
     out: dict[str, str] = {}
     for var in env:
         name = str(var["name"])
         value = var.get("value")
-        if value is None:
+        if value is not None:
+            value = _VAR_REF.sub(lambda m: out.get(m.group(1), m.group(0)), str(value))
+        else:
             value = _field_ref(pod, str(var.get("valueFrom", {}).get("fieldRef", {}).get("fieldPath", "")))
         if value is not None:
             out[name] = str(value)

@@ -29,7 +29,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -39,13 +39,11 @@ from pdserve.deployment.plan.autoscale import ROLES, RoleState
 from pdserve.deployment.plan.drain import read_served
 from pdserve.deployment.plan.signals import read_signals
 from pdserve.deployment.render.routing_table import ObservedInstance, build_routing_table
+from pdserve.local.child import Child, describe_exit
 from pdserve.local.front import Front, SidecarEndpoint
 from pdserve.local.observe import observed_instances
 from pdserve.local.plan import LOOPBACK, EngineProcess, LocalPlan, RouterProcess
 from pdserve.local.proctree import (
-    ProcessTree,
-    ProcStat,
-    kill_all,
     listening_inodes,
     port_free,
     port_holders,
@@ -81,86 +79,9 @@ class Reporter:
     def scaling(self, lines: Sequence[str]) -> None:
         """The autoscaler's state after a decision (the live view shows it above the slots)."""
 
-
-@dataclass
-class Child:
-    """One supervised process (an engine or the proxy), the processes it started, and its restart
-    bookkeeping."""
-
-    name: str
-    argv: Sequence[str]
-    env: Mapping[str, str]
-    log_path: Path
-    ports: tuple[int, ...] = ()  # must be free before a (re)start
-    cpus: tuple[int, ...] | None = None  # CPU affinity of the process and all it starts
-    popen: subprocess.Popen[bytes] | None = None
-    tree: ProcessTree | None = None
-    healthy_once: bool = False
-    owner_checked: bool = False  # the listener on its port was seen to be one of its processes
-    failed_starts: int = 0
-    exited_at: float | None = None  # when the exit of the main process was noticed
-    restart_at: float = 0.0
-    restarts: int = 0
-    port_warned: bool = False
-    trees: list[ProcessTree] = field(default_factory=list)  # of every start, for the final stop
-
-    def start(self) -> None:
-        log = self.log_path.open("ab")
-        try:
-            self.popen = subprocess.Popen(
-                list(self.argv),
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env={**os.environ, "PYTHONUNBUFFERED": "1", **self.env},
-                start_new_session=True,
-                preexec_fn=_child_setup(self.cpus) if sys.platform == "linux" else None,
-            )
-        finally:
-            log.close()
-        self.tree = ProcessTree.of(self.popen.pid)
-        table = scan()
-        self.trees = [t for t in self.trees if t.refresh(table)] + [self.tree]
-        self.healthy_once = False
-        self.owner_checked = False
-        self.exited_at = None
-        self.port_warned = False
-
-    @property
-    def running(self) -> bool:
-        return self.popen is not None and self.popen.poll() is None
-
-    def signal_tree(self, sig: int) -> list[int]:
-        """``sig`` to every process of every start of this child still alive."""
-        return kill_all(self.trees, sig)
-
-    def tree_alive(self, table: Mapping[int, ProcStat] | None = None) -> bool:
-        """Whether a process of any start of this child still runs (``table``: a /proc scan to use)."""
-        table = scan() if table is None else table
-        return any(t.refresh(table) for t in self.trees)
-
-    def log_tail(self, lines: int = 12) -> str:
-        try:
-            text = self.log_path.read_text(errors="replace")
-        except OSError:
-            return ""
-        return "\n".join(text.rstrip().splitlines()[-lines:])
-
-
-def _child_setup(cpus: tuple[int, ...] | None) -> Callable[[], None]:
-    """Runs in the child before exec: its CPU affinity (inherited by all it starts), and
-    PR_SET_PDEATHSIG, so the kernel sends it SIGTERM when `pdserve up` dies."""
-
-    def setup() -> None:
-        import ctypes
-
-        if cpus:
-            with contextlib.suppress(OSError):
-                os.sched_setaffinity(0, cpus)
-        with contextlib.suppress(OSError, AttributeError):
-            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)
-
-    return setup
+    def final(self, text: str) -> None:
+        """The last word, once nothing is drawn any more (the live view prints it under its frame)."""
+        self.event(text)
 
 
 @dataclass
@@ -189,6 +110,8 @@ class LocalRunner:
         self.table: RoutingTable | None = None
         self.stopping = asyncio.Event()
         self.failure: str | None = None
+        self.stop_cause: str | None = None  # the signal that stopped the run, said in the stop report
+        self.stop_report = ""  # what was stopped, and how: set once every process is gone
         self._announced = False
         self._tree_refreshed = 0.0
         self._pending: set[str] = set()  # children to start once their ports are free
@@ -235,7 +158,7 @@ class LocalRunner:
         finally:
             for sig in (signal.SIGINT, signal.SIGTERM):
                 loop.remove_signal_handler(sig)
-            await self.stop_all()
+            self.stop_report = await self.stop_all()
         if self.failure:
             self.reporter.event(f"error: {self.failure}")
             return 1
@@ -245,14 +168,16 @@ class LocalRunner:
         if self.stopping.is_set():
             return
         self.stopping.set()  # first: saying so may fail (stdout gone: a closed pipe)
+        name = signal.Signals(sig).name
+        self.stop_cause = f"{name} (Ctrl-C)" if sig == signal.SIGINT else name
         with contextlib.suppress(OSError):
-            self.reporter.event(f"{signal.Signals(sig).name}: stopping every process")
+            self.reporter.event(f"{name}: stopping every process")
 
     async def _tick(self, session: aiohttp.ClientSession) -> None:
         for router in self.routers.values():
             if not router.running and self._router_runs(router) and router.name not in self._pending:
                 code = router.popen.returncode if router.popen else None
-                self._fail(f"{router.name} exited with code {code}:\n{router.log_tail()}")
+                self._fail(f"{router.name} {describe_exit(code)}:\n{router.log_tail()}")
                 return
         self._start_pending()
         self._restart_exited_engines()
@@ -309,7 +234,7 @@ class LocalRunner:
                 child.failed_starts = 0 if child.healthy_once else child.failed_starts + 1
                 if child.failed_starts >= MAX_FAILED_STARTS:
                     self._fail(
-                        f"{child.name} exited with code {code} {child.failed_starts} times without becoming "
+                        f"{child.name} {describe_exit(code)}, {child.failed_starts} times without becoming "
                         f"healthy; last lines of {child.log_path}:\n{child.log_tail()}"
                     )
                     return
@@ -317,7 +242,7 @@ class LocalRunner:
                 child.restart_at = now + delay
                 leftovers = f"; stopping the {len(left)} process(es) it left running" if left else ""
                 self.reporter.event(
-                    f"{child.name} exited with code {code}{leftovers}; restarting in {delay:.0f}s "
+                    f"{child.name} {describe_exit(code)}{leftovers}; restarting in {delay:.0f}s "
                     f"(log: {child.log_path})"
                 )
                 continue
@@ -504,25 +429,35 @@ class LocalRunner:
 
     # --- stopping --------------------------------------------------------------------------------
 
-    async def stop_all(self) -> None:
+    async def stop_all(self) -> str:
         """SIGTERM to every process of every child (the front and the routers first, so they stop
-        taking requests), SIGKILL to what is left after the grace period; returns once none is left."""
+        taking requests), SIGKILL to what is left after the grace period; returns once none is left,
+        with what it stopped, in a sentence."""
         if self.front is not None:
             await self.front.stop()
         children = [*self.routers.values(), *self.engines.values()]
-        for child in children:
-            child.signal_tree(signal.SIGTERM)
+        terminated = sum(len(child.signal_tree(signal.SIGTERM)) for child in children)
         deadline = time.monotonic() + self.stop_grace
         while time.monotonic() < deadline and _any_alive(children, running_too=True):
             await asyncio.sleep(0.05)
+        killed = 0
         for child in children:
-            child.signal_tree(signal.SIGKILL)
+            killed += len(child.signal_tree(signal.SIGKILL))
             if child.popen is not None:
                 with contextlib.suppress(subprocess.TimeoutExpired):
                     child.popen.wait(5)
         deadline = time.monotonic() + 5
         while time.monotonic() < deadline and _any_alive(children):
             await asyncio.sleep(0.05)
+        left = sum(1 for child in children if child.tree_alive())
+        why = " after the error above" if self.failure else ""
+        why = f" on {self.stop_cause}" if self.stop_cause else why
+        routers = f"{len(self.routers)} sidecar router(s)" if self.plan.sidecars else "the router"
+        how = f"{terminated} process(es) got SIGTERM"
+        if killed:
+            how += f", {killed} still running after {self.stop_grace:g}s got SIGKILL"
+        gone = "every process exited" if not left else f"{left} process tree(s) could not be stopped"
+        return f"stopped{why}: {len(self.engines)} engine(s) and {routers}; {how}; {gone}"
 
 
 def _any_alive(children: Sequence[Child], running_too: bool = False) -> bool:

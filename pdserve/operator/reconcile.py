@@ -32,7 +32,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pdserve.deployment.plan.revision import pairing_revision
 from pdserve.deployment.plan.rollout import (
@@ -56,14 +56,15 @@ from pdserve.deployment.render.objects import (
     template_hash,
 )
 from pdserve.deployment.spec.multinode import BACKEND_LWS
-from pdserve.deployment.spec.pddeployment import PDDeployment, SpecError, parse_pddeployment
+from pdserve.deployment.spec.pddeployment import DEFAULT_IMAGE, PDDeployment, SpecError, parse_pddeployment
 from pdserve.deployment.validate import problems as spec_problems
-from pdserve.deployment.validate import with_node_default
+from pdserve.deployment.validate import with_node_default, with_pdserve_image
 from pdserve.operator import metrics
 from pdserve.operator.autoscaler import Autoscaler
 from pdserve.operator.cache import Body, ClusterCache, version_number
 from pdserve.operator.kube import Kube, KubeError, NotLeader
 from pdserve.operator.nodes import NodeCache
+from pdserve.operator.passlog import PassRecord
 from pdserve.operator.routers import POLL_SECONDS, Draining, Routers
 from pdserve.operator.steps import (
     APPLIED_HASH_ANNOTATION,
@@ -89,6 +90,9 @@ from pdserve.operator.views import (
 from pdserve.routing import build_slot_table
 from pdserve.routing.table import Role, RoutingTableError
 
+if TYPE_CHECKING:  # loaded only when the operator traces
+    from pdserve.operator.tracing import PassTracer
+
 log = logging.getLogger("pdserve.operator")
 
 ROLES = (Role.PREFILL, Role.DECODE)
@@ -112,8 +116,13 @@ class Reconciler:
         clock: Callable[[], float] = time.time,
         routers: Routers | None = None,
         autoscaler: Autoscaler | None = None,
+        pdserve_image: str = DEFAULT_IMAGE,
+        tracer: PassTracer | None = None,
     ) -> None:
+        """``tracer``: the passes' spans when the operator traces (pdserve.operator.tracing)."""
         self._kube = kube
+        self._pdserve_image = pdserve_image
+        self._tracer = tracer
         self._routers = routers or Routers(kube)
         self._cache = cache or ClusterCache()
         self._nodes = nodes or NodeCache()
@@ -143,11 +152,17 @@ class Reconciler:
 
     def reconcile(self, namespace: str, name: str, full: bool = True) -> Outcome:
         """One pass; ``full=False`` (pod and router events) plans from memory when it can."""
+        record = PassRecord(namespace, name, full) if self._tracer is not None else None
         with metrics.RECONCILE_SECONDS.time():
-            outcome = self._reconcile(namespace, name, full)
+            outcome = self._reconcile(namespace, name, full, record)
         metrics.RECONCILES.labels(outcome.result).inc()
         if outcome.body is not None and outcome.events:
             self._events.submit(self._post_events, outcome.body, merged(outcome.events))
+        if self._tracer is not None and record is not None:
+            try:
+                self._tracer.finished(record, outcome)
+            except Exception:  # a span is a courtesy: never fail a pass for one
+                log.exception("cannot record the spans of the reconcile of %s/%s", namespace, name)
         return outcome
 
     def _post_events(self, body: Mapping[str, Any], events: Sequence[Event]) -> None:
@@ -165,26 +180,29 @@ class Reconciler:
             except KubeError as exc:  # an Event is a courtesy; never fail a reconcile for one
                 log.warning("cannot post an Event: %s", exc)
 
-    def _reconcile(self, namespace: str, name: str, full: bool) -> Outcome:
+    def _reconcile(self, namespace: str, name: str, full: bool, record: PassRecord | None) -> Outcome:
         key = (namespace, name)
         if self._cache.deleted(key):
             self.forget(namespace, name)
-            return Outcome("gone")  # owner references let the garbage collector remove the rest
+            return Outcome(
+                "gone", record=record
+            )  # owner references let the garbage collector remove the rest
         body = self._cache.deployment(key)
         pods = self._cache.pods(key)
         if not full and body is not None and pods is not None and key in self._verified:
-            return self._run(dict(body), pods, self._verified[key], fresh=False)
+            return self._run(dict(body), pods, self._verified[key], fresh=False, record=record)
         try:
-            read = self._read(namespace, name, body)
+            with record.step("read") if record is not None else contextlib.nullcontext():
+                read = self._read(namespace, name, body)
         except KubeError as exc:
             metrics.RECONCILE_ERRORS.inc()
             log.warning("cannot read PDDeployment %s/%s or its pods: %s", namespace, name, exc)
-            return Outcome("error")
+            return Outcome("error", record=record)
         if read is None:
             self.forget(namespace, name)
-            return Outcome("gone")
+            return Outcome("gone", record=record)
         verified = self._verified[key] = Verified()
-        return self._run(read.body, read.pods, verified, True, read.prefetched)
+        return self._run(read.body, read.pods, verified, True, read.prefetched, record)
 
     def _read(self, namespace: str, name: str, cached: Body | None) -> _Read | None:
         """The PDDeployment and its instance pods, read together; None when it is gone or going.
@@ -224,8 +242,12 @@ class Reconciler:
         verified: Verified,
         fresh: bool,
         prefetched: Mapping[tuple[str, str], Body | None] | None = None,
+        record: PassRecord | None = None,
     ) -> Outcome:
-        outcome = Outcome("ok", body=body)
+        outcome = Outcome("ok", body=body, record=record)
+        if record is not None:
+            record.uid = str(body["metadata"].get("uid") or "")
+            record.generation = int(body["metadata"].get("generation") or 0)
         try:
             self._reconcile_object(body, pods, verified, fresh, prefetched or {}, outcome)
         except NotLeader as exc:  # leadership lapsed mid-pass: nothing more is written, no traceback
@@ -256,7 +278,7 @@ class Reconciler:
         meta = body["metadata"]
         generation = int(meta.get("generation") or 0)
         try:
-            pdd = parse_pddeployment(body)
+            pdd = with_pdserve_image(parse_pddeployment(body), self._pdserve_image)
         except SpecError as exc:
             outcome.result = "invalid"
             self._write_status(body, Observation(generation, None, (), 0, 0, problems=[str(exc)]), outcome)
@@ -288,7 +310,8 @@ class Reconciler:
             return
 
         # With spec.autoscaling the counts are the autoscaler's (it decides every syncPeriodSeconds).
-        pdd, scaling = self._autoscaler.scale(pdd, body, pods, raw_pods, now)
+        with outcome.step("autoscale"):
+            pdd, scaling = self._autoscaler.scale(pdd, body, pods, raw_pods, now)
         outcome.events += scaling.events
         # Draining pods whose routers all let go of them (or have none) go before drainSeconds.
         draining = [
@@ -334,9 +357,11 @@ class Reconciler:
             }
             gangs = replace(gangs, forming=[])
         live = self._read_unverified(pdd, verified, prefetched)
-        pods = self._steps.drain(pdd, pods, plans, now, outcome)
+        with outcome.step("drain"):
+            pods = self._steps.drain(pdd, pods, plans, now, outcome)
         # The routing table first: it is what users wait for; then everything else at once.
-        table = self._steps.write_routing_table(pdd, pods, verified, live, outcome)
+        with outcome.step("routing_table"):
+            table = self._steps.write_routing_table(pdd, pods, verified, live, outcome)
         poll = self._routers.table_written(
             pdd,
             table,
@@ -347,12 +372,17 @@ class Reconciler:
         placements = pod_placements(pdd, raw_pods, each_pod)  # largest first (deployment/plan/)
         # Deletes are answered before creates go out, so no more than instances + maxSurge pods
         # of a role ever exist undeleted, even for an instant (a pass may replace one pod by another).
+        applying = time.time_ns()
         statics = self._steps.apply_static(pdd, verified, live, outcome)
         self._steps.retire_router(pdd, outcome)
-        pods = self._steps.delete(pdd, pods, plans, gangs.broken, outcome)()
-        pods += self._steps.create(pdd, plans, outcome, placements)()
-        self._steps.create_workers(pdd, gangs.forming, outcome)
+        with outcome.step("delete_pods"):
+            pods = self._steps.delete(pdd, pods, plans, gangs.broken, outcome)()
+        with outcome.step("create_pods"):
+            pods += self._steps.create(pdd, plans, outcome, placements)()
+            self._steps.create_workers(pdd, gangs.forming, outcome)
         statics()
+        if outcome.record is not None:
+            outcome.record.add("apply_objects", applying)
         self._steps.ungate(pdd, raw_pods, placements, outcome)
 
         rechecks = [p.recheck_after for p in plans.values() if p.recheck_after is not None]
@@ -380,7 +410,8 @@ class Reconciler:
             autoscaling=scaling.status,
             scaling_limited=scaling.limited,
         )
-        self._write_status(body, obs, outcome)
+        with outcome.step("status"):
+            self._write_status(body, obs, outcome)
 
     def _going(self, pdd: PDDeployment) -> bool:
         """Whether a GET shows the PDDeployment deleted, being deleted or replaced by another."""
@@ -446,6 +477,11 @@ class Reconciler:
     def _write_status(self, body: dict[str, Any], obs: Observation, outcome: Outcome) -> None:
         previous = body.get("status") or {}
         status = compute_status(obs, previous, rfc3339(self._clock()))
+        if outcome.record is not None:
+            progressing = _condition(status, "Progressing")
+            outcome.record.progressing = progressing.get("status") == "True"
+            outcome.record.progress_reason = str(progressing.get("reason") or "")
+            outcome.record.progressing_since = str(progressing.get("lastTransitionTime") or "")
         if all(previous.get(k) == v for k, v in status.items()):
             return
         meta = body["metadata"]

@@ -6,6 +6,7 @@ What to do was decided by the pure planners of :mod:`pdserve.deployment`; this o
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -35,6 +36,7 @@ from pdserve.deployment.spec.pddeployment import PDDeployment
 from pdserve.operator import metrics
 from pdserve.operator.cache import Body, ClusterCache
 from pdserve.operator.kube import Kube
+from pdserve.operator.passlog import PassRecord
 from pdserve.operator.views import DRAINING_ANNOTATION, PodView, rfc3339
 from pdserve.routing.table import CONFIGMAP_KEY, Role, RoutingTable, RoutingTableError, load_routing_table
 
@@ -61,6 +63,12 @@ class Outcome:
     events: list[Event] = field(default_factory=list)
     recheck_after: float | None = None
     routing_written: bool = False
+    #: The pass's steps and times when the operator traces (pdserve.operator.tracing), else None.
+    record: PassRecord | None = None
+
+    def step(self, name: str) -> contextlib.AbstractContextManager[None]:
+        """Times ``name`` into the record (nothing when not tracing)."""
+        return self.record.step(name) if self.record is not None else contextlib.nullcontext()
 
 
 @dataclass

@@ -11,12 +11,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from quart import Quart
 
+from pdserve.proxy.admin.kv_capacity import watch_kv_capacity
 from pdserve.proxy.admin.routes import admin_app
 from pdserve.proxy.admin.views import RouterState, local_views
 from pdserve.proxy.engine.upstream import Upstream
@@ -24,7 +25,7 @@ from pdserve.proxy.flow.admission import ADMISSION_POLL_S, AdmissionGate
 from pdserve.proxy.flow.dispatcher import Dispatcher, Slots
 from pdserve.proxy.flow.legs import Engines
 from pdserve.proxy.metrics import ProxyMetrics
-from pdserve.proxy.policies import make_policy
+from pdserve.proxy.policies import ByRole, Policy, PrefixAffinity, make_policies
 from pdserve.proxy.serving.generation import GenerationApp
 from pdserve.proxy.serving.server import Lifecycle
 from pdserve.proxy.serving.worker_views import Views, WorkerInfo, serve_views
@@ -34,6 +35,9 @@ from pdserve.proxy.table.file import RoutingWatcher
 from pdserve.proxy.table.served import ServedTable, SlotBuilder
 from pdserve.routing import build_slot_table
 from pdserve.routing.sidecar import LocalDecode, build_sidecar_slot_table
+
+if TYPE_CHECKING:
+    from pdserve.proxy.flow.spans import RequestTracer
 
 
 def create_app(
@@ -54,7 +58,15 @@ def create_app(
     )
     served = ServedTable(metrics, settings.table.source, build=slot_builder(settings.sidecar.local))
     upstream = Upstream(settings.deadlines.connect)
-    policy = make_policy(settings.policy, shared.counters if shared is not None else None)
+    policy = make_policies(
+        settings.policy,
+        settings.prefill_policy,
+        shared.counters if shared is not None else None,
+        settings.prefix.options,
+        shared.prefix_log if shared is not None else None,
+        metrics.enable_prefix() if settings.prefill_policy == PrefixAffinity.name else None,
+    )
+    served.listeners.append(lambda state: policy.table_changed(state.slots))  # the index follows
     admission = AdmissionGate(
         settings.admission.max_per_slot,  # router-wide: with workers the legs in flight are shared
         settings.admission.queue,
@@ -75,11 +87,23 @@ def create_app(
     def stopping() -> bool:
         return lifecycle.stopping or (shared is not None and shared.stopping())
 
-    router = RouterState(served, book, dispatcher, settings.policy)
+    router = RouterState(served, book, dispatcher, settings.policy, policy.describe)
     admin = admin_app(settings, router, upstream, metrics, stopping, worker)
     source = table_source(settings.table, served, metrics)
-    run_in_background(admin, upstream, source, local_views(router, worker), worker)
-    return GenerationApp(dispatcher, admin, settings.requests, settings.listen.admin_port)
+    also = kv_capacity_watch(settings, policy, served, upstream)
+    tracer = request_tracer(settings)
+    run_in_background(admin, upstream, source, local_views(router, worker), worker, also, tracer)
+    return GenerationApp(dispatcher, admin, settings.requests, settings.listen.admin_port, tracer)
+
+
+def request_tracer(settings: ProxySettings) -> RequestTracer | None:
+    """The spans' source when the router traces; without an endpoint OpenTelemetry is not loaded.
+    Made in each process (a worker after its fork: the exporter's thread does not survive one)."""
+    if settings.tracing.endpoint is None:
+        return None
+    from pdserve.proxy.flow.spans import RequestTracer
+
+    return RequestTracer.start(settings.tracing, settings.policy, settings.prefill_policy)
 
 
 def slot_builder(local: LocalDecode | None) -> SlotBuilder:
@@ -87,6 +111,18 @@ def slot_builder(local: LocalDecode | None) -> SlotBuilder:
     if local is None:
         return build_slot_table
     return functools.partial(build_sidecar_slot_table, local=local)
+
+
+def kv_capacity_watch(
+    settings: ProxySettings, policy: Policy, served: ServedTable, upstream: Upstream
+) -> list[Callable[[], Coroutine[Any, Any, None]]]:
+    """With prefix-affinity and no index size given: size each slot's index from its engine."""
+    prefix = policy.prefill if isinstance(policy, ByRole) else policy
+    if not isinstance(prefix, PrefixAffinity) or settings.prefix.index_chunks:
+        return []
+    key = settings.requests.backend_api_key
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    return [lambda: watch_kv_capacity(served, prefix, lambda: upstream.session, headers)]
 
 
 @dataclass(frozen=True)
@@ -109,10 +145,18 @@ def table_source(table: TableSettings, served: ServedTable, metrics: ProxyMetric
 
 
 def run_in_background(
-    app: Quart, upstream: Upstream, source: TableSource, views: Views, worker: WorkerInfo | None
+    app: Quart,
+    upstream: Upstream,
+    source: TableSource,
+    views: Views,
+    worker: WorkerInfo | None,
+    also: Sequence[Callable[[], Coroutine[Any, Any, None]]] = (),
+    tracer: RequestTracer | None = None,
 ) -> None:
-    """For as long as ``app`` serves: the engine client's session, the table's watch and, with
-    several workers, this worker's views for the others (pdserve.proxy.serving.worker_views)."""
+    """For as long as ``app`` serves: the engine client's session, the table's watch, ``also``
+    (the engines' KV capacity, for prefix-affinity) and, with several workers, this worker's views
+    for the others (pdserve.proxy.serving.worker_views); at the end the spans still buffered are
+    exported."""
     tasks: list[asyncio.Task[None]] = []
     views_server: list[asyncio.AbstractServer] = []
 
@@ -122,6 +166,7 @@ def run_in_background(
         if source.load_now is not None:
             source.load_now()
         tasks.append(asyncio.create_task(source.run()))
+        tasks.extend(asyncio.create_task(run()) for run in also)
         if worker is not None and worker.count > 1:
             views_server.append(await serve_views(worker, views))
 
@@ -134,3 +179,5 @@ def run_in_background(
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         await upstream.close()
+        if tracer is not None:
+            await asyncio.to_thread(tracer.shutdown)

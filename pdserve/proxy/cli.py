@@ -24,6 +24,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from pdserve.listen import unavailable
 from pdserve.proxy.serving.cpus import available_cpus
 from pdserve.proxy.settings import (
     GROUPS,
@@ -228,7 +229,19 @@ def settings_from_args(args: argparse.Namespace) -> ProxySettings:
     if settings.server.workers == 0:
         server = dataclasses.replace(settings.server, workers=available_cpus())
         settings = dataclasses.replace(settings, server=server)
+    if settings.tracing.endpoint is not None:
+        _check_tracing_available()
     return settings
+
+
+def _check_tracing_available() -> None:
+    """Tracing asked for without the SDK: say which extra to install before anything starts."""
+    from pdserve.tracing.sdk import TracingUnavailable, check_available
+
+    try:
+        check_available("--otlp-traces-endpoint")
+    except TracingUnavailable as exc:
+        raise UsageError(str(exc)) from None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -236,6 +249,14 @@ def run(args: argparse.Namespace) -> int:
         settings = settings_from_args(args)
     except UsageError as exc:
         print(f"pdserve proxy: {exc}", file=sys.stderr)
+        return 2
+    listen = settings.listen
+    ports = [(listen.host, listen.port, "--port")]
+    if listen.admin_port is not None:
+        ports.append((listen.admin_host or listen.host, listen.admin_port, "--admin-port"))
+    taken = unavailable(ports)
+    if taken:
+        print(f"pdserve proxy: {taken}", file=sys.stderr)
         return 2
     logging.basicConfig(
         level=settings.server.log_level.upper(),

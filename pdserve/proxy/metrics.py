@@ -30,6 +30,50 @@ class _Silent:
         pass
 
 
+class PrefixMetrics:
+    """The prefix-affinity policy's metrics (registered only when it routes the prefills)."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        r = registry
+        self.routed = Counter(
+            "pdserve_proxy_prefix_routed",
+            "Prefill legs by slot and how prefix-affinity chose the slot: affinity (its longest "
+            "prompt-prefix match within the load bound), flat (no match of the minimum length: the flat "
+            "interleave's next slot), spread (a match, but only on slots over the bound: the next slot "
+            "within it), rendezvous (no match: the slot the first chunk hashes to, within the bound), "
+            "unchunkable (no prompt text to match: flat)",
+            ["slot", "how"],
+            registry=r,
+        )
+        self.matched_chars = Counter(
+            "pdserve_proxy_prefix_matched_chars",
+            "Prompt characters that matched the slot's index when a prefill was sent to it",
+            ["slot"],
+            registry=r,
+        )
+        self.prompt_chars = Counter(
+            "pdserve_proxy_prefix_prompt_chars",
+            "Prompt characters of the prefills sent to the slot (matched / prompt: the router's expected "
+            "prefix hit ratio)",
+            ["slot"],
+            registry=r,
+        )
+        self.unchunkable = Counter(
+            "pdserve_proxy_prefix_unchunkable",
+            "Prefills whose prompt could not be cut into chunks (empty, non_text content parts, "
+            "unreadable): routed by the flat interleave",
+            ["reason"],
+            registry=r,
+        )
+        self.index_chunks = Gauge(
+            "pdserve_proxy_prefix_index_chunks",
+            "Chunk hashes in the slot's prefix index (each worker holds the whole index)",
+            ["slot"],
+            registry=r,
+            multiprocess_mode="livemax",
+        )
+
+
 class ProxyMetrics:
     def __init__(self, primary: bool = True) -> None:
         """``primary``: this process counts the table source's events (loads, rejections, watch
@@ -203,9 +247,17 @@ class ProxyMetrics:
             registry=r,
         )
 
+        self.prefix: PrefixMetrics | None = None  # enable_prefix()
+
         if not primary:
             silent = cast(Counter, _Silent())
             self.reloads = self.reload_errors = self.watch_restarts = self.watch_errors = silent
+
+    def enable_prefix(self) -> PrefixMetrics:
+        """Register the prefix-affinity metrics (once)."""
+        if self.prefix is None:
+            self.prefix = PrefixMetrics(self.registry)
+        return self.prefix
 
     def set_unpaired(self, unpaired: Iterable[tuple[str, str, int]]) -> None:
         """(role, revision, slots) of the table now served; revisions no longer unpaired drop out."""
@@ -215,6 +267,16 @@ class ProxyMetrics:
         for labels, slots in now.items():
             self.unpaired.labels(*labels).set(slots)
         self._unpaired_labels = set(now)
+
+    def request_outcomes(self) -> dict[str, int]:
+        """Client requests this process answered, by outcome (its share of ``requests_total``)."""
+        counts: dict[str, int] = {}
+        for family in self.requests.collect():
+            for sample in family.samples:
+                if sample.name.endswith("_total"):
+                    outcome = sample.labels["outcome"]
+                    counts[outcome] = counts.get(outcome, 0) + int(sample.value)
+        return counts
 
     def child(self, metric: M, *labels: str) -> M:
         """``metric.labels(*labels)``, cached: the hot path touches a few children per request."""

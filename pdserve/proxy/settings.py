@@ -14,8 +14,10 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pdserve.proxy.policies import DEFAULT_POLICY, POLICIES
+from pdserve.proxy.policies import DEFAULT_POLICY, POLICIES, PREFILL_POLICIES, PrefixOptions
+from pdserve.proxy.policies.prefix_affinity import DEFAULT_INDEX_CHUNKS, UNMATCHED_MODES
 from pdserve.routing.sidecar import LocalDecode
+from pdserve.tracing.endpoint import EndpointError, OtlpEndpoint, parse_endpoint
 
 if TYPE_CHECKING:  # the ConfigMap source's types; the file source never imports them
     from pdserve.proxy.table.kubeconfig import ApiCredentials, ConfigMapRef
@@ -403,6 +405,121 @@ class RequestSettings(Checked):
 
 
 @dataclass(frozen=True)
+class PrefixSettings(Checked):
+    """The prefix-affinity prefill policy (pdserve.proxy.policies.prefix_affinity; docs/proxy.md)."""
+
+    balance: float = setting(
+        PrefixOptions.balance,
+        "--prefix-balance",
+        minimum=0,
+        metavar="EPSILON",
+        help="the load bound: a slot takes a request for its prefix only while its prefill legs in flight "
+        "stay within ceil((1 + EPSILON) x the mean over the live slots), this request counted",
+    )
+    min_match_chars: int = setting(
+        PrefixOptions.min_match_chars,
+        "--prefix-min-match",
+        minimum=0,
+        metavar="CHARS",
+        help="the shortest prompt prefix (characters, rounded up to whole chunks) worth leaving the flat "
+        "interleave for",
+    )
+    chunk_chars: int = setting(
+        PrefixOptions.chunk_chars,
+        "--prefix-chunk-chars",
+        minimum=1,
+        metavar="CHARS",
+        help="prompts are indexed in chunks of this many characters, each chunk's hash chained to the one "
+        "before",
+    )
+    index_chunks: int = setting(
+        PrefixOptions.index_chunks,
+        "--prefix-index-chunks",
+        minimum=0,
+        metavar="N",
+        help="chunks each prefill slot's index holds (LRU); 0 sizes it from the engine's KV capacity "
+        "(vllm:cache_config_info: num_gpu_blocks x block_size tokens x --prefix-chars-per-token), "
+        f"{DEFAULT_INDEX_CHUNKS} until that is read",
+    )
+    chars_per_token: float = setting(
+        PrefixOptions.chars_per_token,
+        "--prefix-chars-per-token",
+        minimum=0.01,
+        help="characters per engine token, to size the index from the engine's KV capacity",
+    )
+    unmatched: str = setting(
+        PrefixOptions.unmatched,
+        "--prefix-unmatched",
+        env="PDSERVE_PROXY_PREFIX_UNMATCHED",
+        choices=UNMATCHED_MODES,
+        help="where a prompt that matches no slot goes: flat (the flat interleave's next slot: unique "
+        "prompts keep exact shares; one router) or rendezvous (the slot its head hashes to, within the "
+        "load bound: several routers agree without talking)",
+    )
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        try:
+            self.options  # noqa: B018  (PrefixOptions checks what a flag's minimum cannot say)
+        except ValueError as exc:
+            raise SettingsError(str(exc)) from None
+
+    @property
+    def options(self) -> PrefixOptions:
+        return PrefixOptions(
+            chunk_chars=self.chunk_chars,
+            min_match_chars=self.min_match_chars,
+            balance=self.balance,
+            index_chunks=self.index_chunks,
+            chars_per_token=self.chars_per_token,
+            unmatched=self.unmatched,
+        )
+
+
+@dataclass(frozen=True)
+class TracingSettings(Checked):
+    """OpenTelemetry traces of the generation requests (docs/operations.md#tracing): off without
+    an endpoint, and then nothing of OpenTelemetry is loaded."""
+
+    endpoint: str | None = setting(
+        None,
+        "--otlp-traces-endpoint",
+        env="PDSERVE_PROXY_OTLP_TRACES_ENDPOINT",
+        type=str,
+        metavar="URL",
+        help="send a trace of every sampled request here: http(s)://HOST:PORT/v1/traces for OTLP over "
+        "HTTP, grpc://HOST:PORT for OTLP over gRPC (grpcs:// with TLS); the SDK's OTEL_* variables "
+        "(service name, headers, timeouts, batching) apply. Needs the tracing extra (pdserve[tracing])",
+    )
+    sampling_ratio: float = setting(
+        1.0,
+        "--trace-sampling-ratio",
+        env="PDSERVE_PROXY_TRACE_SAMPLING_RATIO",
+        minimum=0,
+        metavar="RATIO",
+        help="with --otlp-traces-endpoint: the share of requests traced, 0 to 1, decided when a request "
+        "starts a trace; a request whose client sent a traceparent follows that parent's decision",
+    )
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.sampling_ratio > 1:
+            raise SettingsError(
+                f"--trace-sampling-ratio: expected a value from 0 to 1, got {self.sampling_ratio}"
+            )
+        if self.endpoint is not None:
+            try:
+                parse_endpoint(self.endpoint)
+            except EndpointError as exc:
+                raise SettingsError(f"--otlp-traces-endpoint: {exc}") from None
+
+    @property
+    def otlp(self) -> OtlpEndpoint | None:
+        """Where spans go; None: the router does not trace."""
+        return parse_endpoint(self.endpoint) if self.endpoint else None
+
+
+@dataclass(frozen=True)
 class ProxySettings(Checked):
     """The router's whole configuration: built by the CLI, or by tests and benches directly."""
 
@@ -415,6 +532,17 @@ class ProxySettings(Checked):
         help="slot choice: flat-interleaved gives every slot exactly one request per cycle; "
         "least-outstanding picks the slot with the fewest in-flight requests",
     )
+    prefill_policy: str | None = setting(
+        None,
+        "--prefill-policy",
+        env="PDSERVE_PROXY_PREFILL_POLICY",
+        type=str,
+        choices=PREFILL_POLICIES,
+        help="the prefill slots' choice, when it differs from --policy's: prefix-affinity sends a prompt to "
+        "the slot that already holds its longest prefix, among the slots whose load stays within "
+        "--prefix-balance, and otherwise to the flat interleave's slot; the decode keeps --policy's; "
+        "unset: --policy's",
+    )
     listen: ListenSettings = field(default_factory=ListenSettings)
     server: ServerSettings = field(default_factory=ServerSettings)
     sidecar: SidecarSettings = field(default_factory=SidecarSettings)
@@ -422,6 +550,8 @@ class ProxySettings(Checked):
     deadlines: DeadlineSettings = field(default_factory=DeadlineSettings)
     admission: AdmissionSettings = field(default_factory=AdmissionSettings)
     requests: RequestSettings = field(default_factory=RequestSettings)
+    prefix: PrefixSettings = field(default_factory=PrefixSettings)
+    tracing: TracingSettings = field(default_factory=TracingSettings)
 
 
 #: The concerns in the order ``pdserve proxy --help`` lists them: (ProxySettings field, title, class).
@@ -434,4 +564,6 @@ GROUPS: tuple[tuple[str, str, type], ...] = (
     ("deadlines", "deadlines", DeadlineSettings),
     ("admission", "admission (back-pressure)", AdmissionSettings),
     ("requests", "requests and keys", RequestSettings),
+    ("prefix", "prefix affinity (--prefill-policy prefix-affinity)", PrefixSettings),
+    ("tracing", "tracing (OpenTelemetry)", TracingSettings),
 )

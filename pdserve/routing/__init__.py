@@ -1,6 +1,7 @@
 """The routing-table contract between the operator (writer) and the proxy (reader).
 
-Depends on nothing else in pdserve: the operator, the local mode and the proxy all import it.
+Depends on nothing else in pdserve but pdserve.kv (which connector types a table may name and
+what their instances carry): the operator, the local mode and the proxy all import it.
 """
 
 from pdserve.routing.slots import (

@@ -18,12 +18,11 @@ from enum import StrEnum
 from typing import Any
 from urllib.parse import urlsplit
 
+from pdserve import kv
+
 API_VERSION = "pdserve.io/v1alpha1"
 KIND = "RoutingTable"
 CONFIGMAP_KEY = "routing.json"
-
-CONNECTOR_TYPES = ("nixl", "moriio")
-TRANSFER_MODES = ("READ", "WRITE")
 
 
 class Role(StrEnum):
@@ -47,8 +46,8 @@ class RoutingTableError(FieldError):
 
 @dataclass(frozen=True)
 class Connector:
-    type: str  # "nixl" | "moriio"
-    transfer_mode: str | None = None  # "READ" | "WRITE", MoRIIO only
+    type: str  # a pdserve.kv connector's table type
+    transfer_mode: str | None = None  # one of its modes, for a connector that takes one
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"type": self.type}
@@ -201,20 +200,22 @@ def parse_routing_table(data: object) -> RoutingTable:
 def _parse_connector(value: object) -> Connector:
     doc = _object(value, "connector")
     ctype = _required(doc, "type", "connector", str)
-    if ctype not in CONNECTOR_TYPES:
+    if ctype not in kv.table_types():
         raise RoutingTableError(
-            "connector.type", f"expected one of {_choices(CONNECTOR_TYPES)}, got {_show(ctype)}"
+            "connector.type", f"expected one of {_choices(kv.table_types())}, got {_show(ctype)}"
         )
+    modes = kv.by_table(ctype).names.modes
     mode = doc.get("transferMode")
-    if ctype == "moriio":
+    if modes:
         if mode is None:
-            raise RoutingTableError("connector.transferMode", "required for moriio (READ or WRITE)")
-        if mode not in TRANSFER_MODES:
+            raise RoutingTableError("connector.transferMode", f"required for {ctype} ({' or '.join(modes)})")
+        if mode not in modes:
             raise RoutingTableError(
-                "connector.transferMode", f"expected one of {_choices(TRANSFER_MODES)}, got {_show(mode)}"
+                "connector.transferMode", f"expected one of {_choices(modes)}, got {_show(mode)}"
             )
     elif mode is not None:
-        raise RoutingTableError("connector.transferMode", f"only valid for moriio, not {ctype}")
+        takers = ", ".join(c.names.table for c in kv.with_modes())
+        raise RoutingTableError("connector.transferMode", f"only valid for {takers}, not {ctype}")
     return Connector(ctype, mode)
 
 
@@ -225,7 +226,7 @@ def _parse_role(value: object, role: Role, connector: Connector) -> tuple[Instan
     out = []
     for index, item in enumerate(value):
         path = f"{role.value}[{index}]"
-        inst = _parse_instance(item, path, connector)
+        inst = _parse_instance(item, path, role, connector)
         if inst.name in seen:
             raise RoutingTableError(f"{path}.name", f"duplicate instance name {_show(inst.name)}")
         seen.add(inst.name)
@@ -233,7 +234,7 @@ def _parse_role(value: object, role: Role, connector: Connector) -> tuple[Instan
     return tuple(out)
 
 
-def _parse_instance(value: object, path: str, connector: Connector) -> Instance:
+def _parse_instance(value: object, path: str, role: Role, connector: Connector) -> Instance:
     doc = _object(value, path)
     name = _required(doc, "name", path, str)
     if not name:
@@ -247,8 +248,8 @@ def _parse_instance(value: object, path: str, connector: Connector) -> Instance:
     kv_address = doc.get("kvAddress")
     if kv_address is not None and not isinstance(kv_address, str):
         raise RoutingTableError(f"{path}.kvAddress", f"expected a string, got {_show(kv_address)}")
-    if connector.type == "moriio" and not kv_address:
-        raise RoutingTableError(f"{path}.kvAddress", "required for the moriio connector")
+    if not kv_address and role in kv.by_table(connector.type).render.address_roles:
+        raise RoutingTableError(f"{path}.kvAddress", f"required for the {connector.type} connector")
     revision = doc.get("revision", "")
     if revision is None:
         revision = ""

@@ -5,9 +5,10 @@ that answers the way vLLM does in a P/D deployment, without a GPU or a model:
 
   * X-data-parallel-rank picks one of --dp-size engine ranks (400 when out of range,
     in vLLM's words); without it the simulator balances over its ranks itself.
-  * A prefill request (kv_transfer_params.do_remote_decode) answers with NIXL's
-    kv_transfer_params (remote_engine_id "<instance-name>-dp<rank>", block ids, host,
-    port, request id), or MoRIIO's when the request carries a transfer_id.
+  * A prefill request (kv_transfer_params.do_remote_decode) answers with the kv_transfer_params
+    its KV connector answers (--kv-connector; by default recognised from each request's
+    fields): NIXL's (remote_engine_id "<instance-name>-dp<rank>", block ids, host, port,
+    request id), MoRIIO's, and so on (pdserve.kv).
   * A decode request (do_remote_prefill) with missing or malformed handoff fields gets a
     400 naming them (real vLLM would hang) and is counted as malformed_handoff.
   * Output is deterministic: token i is " tok<i>"; --ttft-ms before the first token,
@@ -21,6 +22,14 @@ Fault specs (--fault, repeatable): KIND[:ARG][@RATE], RATE in [0, 1] (default 1)
 without an argument also take KIND:RATE. Kinds: malformed-kv-params, http-500, hang,
 slow-first-byte:MS, drop-mid-stream, reset, slow-end:MS. Examples: --fault http-500:0.5
 --fault slow-first-byte:2000@0.25. See docs/simulator.md for what a client sees.
+
+SIGTERM or SIGINT stops it cleanly, and it then dies of that signal (its exit status says so);
+a port already in use is one line naming the flag.
+
+Environment (vLLM's variables of the same names):
+  VLLM_API_KEY                      /v1/* needs 'Authorization: Bearer <key>' (above)
+  VLLM_KEEP_ALIVE_ON_ENGINE_DEATH   1: the API server stays up when a multi-node group breaks
+                                    (what is in flight still fails); unset: it exits
 """
 
 from __future__ import annotations
@@ -28,16 +37,21 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import signal
 import sys
 from collections.abc import Coroutine
 from typing import Any
 
+from pdserve import kv
+from pdserve.listen import unavailable
 from pdserve.sim.engine import flags as engine_flags
 from pdserve.sim.faults import FaultSpecError, parse_faults
 from pdserve.sim.group import GroupConfig, GroupConfigError
 from pdserve.sim.payloads import Identity
 from pdserve.sim.process import serve
 from pdserve.sim.server import ROLES, SimConfig, Simulator
+
+AUTO = "auto"
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -74,15 +88,24 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="instance name used in remote_engine_id '<name>-dp<rank>' (default: sim-<host>-<port>)",
     )
     parser.add_argument(
+        "--kv-connector",
+        choices=(AUTO, *kv.table_types()),
+        default=AUTO,
+        help="the KV connector this engine plays, as the routing table names it (vLLM's "
+        "--kv-transfer-config); auto recognises it from each request's kv_transfer_params (default: auto)",
+    )
+    parser.add_argument(
         "--kv-host",
         default=None,
-        help="NIXL side-channel host reported as remote_host (default: the --host address)",
+        help="side-channel host reported in a prefill's answer (NIXL: remote_host; default: the "
+        "--host address)",
     )
     parser.add_argument(
         "--kv-port",
         type=int,
-        default=5600,
-        help="NIXL side-channel port reported as remote_port (default: 5600)",
+        default=kv.DEFAULT.simulate.default_port,
+        help=f"side-channel port reported in a prefill's answer (NIXL: remote_port; default: "
+        f"{kv.DEFAULT.simulate.default_port})",
     )
     parser.add_argument(
         "--tp-size",
@@ -113,6 +136,22 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--backlog", type=_positive_int, default=4096, help="listen backlog of the socket (default: 4096)"
     )
+    tracing = parser.add_argument_group("tracing (vLLM's flags and behaviour, docs/operations.md#tracing)")
+    tracing.add_argument(
+        "--otlp-traces-endpoint",
+        default=None,
+        metavar="URL",
+        help="export vLLM's llm_request span of every finished request here, the child of the "
+        "traceparent it came with; OTEL_EXPORTER_OTLP_TRACES_PROTOCOL picks the exporter as in vLLM "
+        "(grpc by default, or http/protobuf). Needs the tracing extra (pdserve[tracing])",
+    )
+    tracing.add_argument(
+        "--collect-detailed-traces",
+        nargs="+",
+        choices=("all", "model", "worker"),
+        default=None,
+        help="accepted as vLLM 0.32 accepts it (needs --otlp-traces-endpoint); adds nothing to the span",
+    )
     group = parser.add_argument_group(
         "multi-node groups (one process per node, flags as vLLM's; docs/simulator.md)"
     )
@@ -123,7 +162,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="DP ranks of this node (default: --dp-size, a single-node server)",
     )
     group.add_argument(
-        "--data-parallel-start-rank", type=int, default=0, help="global rank of this node's first rank"
+        "--data-parallel-start-rank",
+        type=int,
+        default=0,
+        help="global rank of this node's first rank (default: 0)",
     )
     group.add_argument("--data-parallel-address", default=None, help="the leader's address")
     group.add_argument(
@@ -142,8 +184,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="no OpenAI API: engines only (the leader forwards their ranks; /sim/* stays on --port)",
     )
-    group.add_argument("--nnodes", type=_positive_int, default=1, help="nodes of a TP/PP-across-nodes group")
-    group.add_argument("--node-rank", type=int, default=0, help="this node's index in --nnodes")
+    group.add_argument(
+        "--nnodes", type=_positive_int, default=1, help="nodes of a TP/PP-across-nodes group (default: 1)"
+    )
+    group.add_argument("--node-rank", type=int, default=0, help="this node's index in --nnodes (default: 0)")
     group.add_argument("--master-addr", default=None, help="node 0's address (--nnodes > 1)")
     group.add_argument("--master-port", type=int, default=None, help="node 0's port (--nnodes > 1)")
     engine_flags.configure(parser)
@@ -173,6 +217,12 @@ def run(args: argparse.Namespace) -> int:
     except (FaultSpecError, GroupConfigError, engine_flags.ProfileError, engine_flags.EngineFlagError) as exc:
         print(f"pdserve sim: error: {exc}", file=sys.stderr)
         return 2
+    if args.collect_detailed_traces and not args.otlp_traces_endpoint:
+        print(
+            "pdserve sim: error: collect_detailed_traces requires `--otlp-traces-endpoint` to be set.",
+            file=sys.stderr,
+        )
+        return 2
     ignored = engine_flags.ignored_without_profile(args)
     if ignored:
         print(f"pdserve sim: note: {', '.join(ignored)} change nothing without --profile", file=sys.stderr)
@@ -198,26 +248,53 @@ def run(args: argparse.Namespace) -> int:
         keep_alive_on_engine_death=os.environ.get("VLLM_KEEP_ALIVE_ON_ENGINE_DEATH", "") not in ("", "0"),
         engine=engine,
         prompt_tokens_details=args.enable_prompt_tokens_details,
+        connector=None if args.kv_connector == AUTO else kv.by_table(args.kv_connector),
     )
-    simulator = Simulator(config)
+    ports = [(args.host, args.port, "--port")]
+    if engine is not None and config.role != "decode":  # the pull notices (sim/engine)
+        ports.append((identity.kv_host, args.kv_port, "--kv-port"))
+    if group.leader and group.rpc_port is not None:
+        flag = "--master-port" if args.nnodes > 1 else "--data-parallel-rpc-port"
+        ports.append((group.address or args.host, group.rpc_port, flag))
+    taken = unavailable(ports)
+    if taken:
+        print(f"pdserve sim: error: {taken}", file=sys.stderr)
+        return 1
+    tracer = None
+    if args.otlp_traces_endpoint:
+        from pdserve.sim.spans import EngineTracer
+        from pdserve.tracing.endpoint import EndpointError
+        from pdserve.tracing.sdk import TracingUnavailable
+
+        try:
+            tracer = EngineTracer.start(args.otlp_traces_endpoint)
+        except (TracingUnavailable, EndpointError) as exc:
+            print(f"pdserve sim: error: {exc}", file=sys.stderr)
+            return 2
+    simulator = Simulator(config, tracer)
     try:
-        _run_event_loop(serve(simulator, args.host, args.port, args.backlog))
+        stopped_by = _run_event_loop(serve(simulator, args.host, args.port, args.backlog))
     except OSError as exc:
         where = f"{args.host}:{args.port}"
         if engine is not None and config.role != "decode":
             where += f" or on --kv-host/--kv-port {identity.kv_host}:{args.kv_port} (the pull notices)"
         print(f"pdserve sim: error: cannot listen on {where}: {exc}", file=sys.stderr)
         return 1
+    if stopped_by is not None:
+        # Stopped cleanly, and said so the Unix way: dying of the signal once everything is closed,
+        # so whoever waits for it (pdserve up, the kubelet, a shell) sees a signal, not "exit 0".
+        print(f"pdserve sim: stopped by {signal.Signals(stopped_by).name}", flush=True)
+        signal.signal(stopped_by, signal.SIG_DFL)
+        os.kill(os.getpid(), stopped_by)
     return 0
 
 
-def _run_event_loop(main: Coroutine[Any, Any, None]) -> None:
+def _run_event_loop(main: Coroutine[Any, Any, int | None]) -> int | None:
     try:
         import uvloop
     except ImportError:  # pragma: no cover - uvloop is a dependency except on Windows
-        asyncio.run(main)
-    else:
-        uvloop.run(main)
+        return asyncio.run(main)
+    return uvloop.run(main)
 
 
 def _positive_int(text: str) -> int:

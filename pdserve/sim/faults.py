@@ -136,20 +136,6 @@ def choose_fault(faults: Sequence[Fault], rng: random.Random, leg: str, rank: in
     return None
 
 
-def malform_kv_params(params: Mapping[str, Any]) -> dict[str, Any]:
-    """A prefill answer without the fields the decode needs.
-
-    NIXL: no ``remote_host``, ``remote_port``, ``remote_request_id`` (the real incident, where real
-    vLLM's decode waited forever). MoRIIO (has ``transfer_id``): no engine id, no block ids.
-    """
-    dropped = (
-        ("remote_engine_id", "remote_block_ids")
-        if "transfer_id" in params
-        else ("remote_host", "remote_port", "remote_request_id")
-    )
-    return {k: v for k, v in params.items() if k not in dropped}
-
-
 def drop_after_chunks(num_tokens: int) -> int:
     """drop-mid-stream sends this many token chunks, then aborts: at least one, so the client
     has started streaming, and never the whole answer."""

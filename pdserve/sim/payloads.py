@@ -1,5 +1,6 @@
 """What the simulator answers, as pure functions: generated text, OpenAI/vLLM response bodies
-and stream chunks, vLLM's P/D ``kv_transfer_params``, request ids, rank choice and metrics.
+and stream chunks, request ids, KV block ids, rank choice and metrics (the ``kv_transfer_params``
+each connector answers are its module's, pdserve.kv).
 
 Shapes follow vLLM's OpenAI server (completion, chat.completion, their chunks) so a proxy
 tested against the simulator also works in front of real vLLM.
@@ -161,69 +162,20 @@ def response_id(endpoint: Endpoint, base: str) -> str:
 
 
 def engine_request_id(endpoint: Endpoint, base: str, salt: str) -> str:
-    """vLLM's internal request id (the one NIXL reports as remote_request_id):
+    """vLLM's internal request id (the one a NIXL prefill reports as remote_request_id):
     ``cmpl-<X-Request-Id or random>-0-<8 hex>`` for completions, ``chatcmpl-<...>-<8 hex>`` for chat."""
     if endpoint == "chat":
         return f"chatcmpl-{base}-{salt}"
     return f"cmpl-{base}-0-{salt}"
 
 
-def engine_id(identity: Identity, rank: int) -> str:
-    """remote_engine_id: names the instance and the DP rank that holds the KV."""
-    return f"{identity.instance_name}-dp{rank}"
-
-
-# --- kv_transfer_params -------------------------------------------------------------------------
+# --- KV blocks ----------------------------------------------------------------------------------
 
 
 def block_ids(prompt_tokens: int, first_block: int) -> list[list[int]]:
     """One KV-cache group, ceil(prompt/16) blocks: vLLM sends a list of lists."""
     count = max(1, math.ceil(prompt_tokens / BLOCK_SIZE))
     return [list(range(first_block, first_block + count))]
-
-
-def nixl_prefill_answer(
-    identity: Identity, rank: int, request_id: str, prompt_tokens: int, blocks: list[list[int]]
-) -> dict[str, Any]:
-    """What real vLLM's NixlConnector returns from a prefill with ``do_remote_decode``."""
-    return {
-        "do_remote_prefill": True,
-        "do_remote_decode": False,
-        "remote_block_ids": blocks,
-        "remote_engine_id": engine_id(identity, rank),
-        "remote_request_id": request_id,
-        "remote_host": identity.kv_host,
-        "remote_port": identity.kv_port,
-        "tp_size": identity.tp_size,
-        "dcp_size": 1,
-        "pp_size": 1,
-        "remote_num_tokens": prompt_tokens,
-        "remote_blocks_expiry_time": None,
-        "transfer_mode": "pull",
-        "remote_prefill_cached_tokens": 0,
-    }
-
-
-def moriio_prefill_answer(
-    identity: Identity, rank: int, transfer_id: str, blocks: list[list[int]]
-) -> dict[str, Any]:
-    """A MoRIIO prefill answer: the transfer id echoed, with the engine and block ids READ needs."""
-    return {
-        "do_remote_prefill": True,
-        "do_remote_decode": False,
-        "transfer_id": transfer_id,
-        "remote_engine_id": engine_id(identity, rank),
-        "remote_block_ids": blocks,
-        "remote_host": identity.kv_host,
-        "remote_port": identity.kv_port,
-        "remote_dp_rank": rank,
-        "tp_size": identity.tp_size,
-    }
-
-
-def moriio_mode(params: Mapping[str, Any]) -> str:
-    """WRITE-mode decode requests are sent before the prefill answered: no engine id yet."""
-    return "WRITE" if params.get("remote_engine_id") is None else "READ"
 
 
 # --- bodies and chunks --------------------------------------------------------------------------

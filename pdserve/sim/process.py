@@ -16,8 +16,9 @@ from pdserve.sim.group import describe
 from pdserve.sim.server import Simulator
 
 
-async def serve(sim: Simulator, host: str, port: int, backlog: int = 4096) -> None:
-    """Serve until SIGTERM or SIGINT; requests still hanging are cut after a short grace period."""
+async def serve(sim: Simulator, host: str, port: int, backlog: int = 4096) -> int | None:
+    """Serve until SIGTERM or SIGINT, or the group breaks; requests still hanging are cut after a
+    short grace period. The signal that stopped it, if one did."""
     runner = web.AppRunner(
         sim.app(),
         access_log=None,
@@ -41,8 +42,14 @@ async def serve(sim: Simulator, host: str, port: int, backlog: int = 4096) -> No
         engine_url = f"http://{host}:{port}" if group.headless and group.nnodes == 1 else None
         joining = asyncio.create_task(sim.group.keep_joined(engine_url, stop))
     loop = asyncio.get_running_loop()
+    received: list[int] = []
+
+    def on_signal(sig: int) -> None:
+        received.append(sig)
+        stop.set()
+
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, on_signal, sig)
     c = sim.config
     faults = ", ".join(f.spec() for f in sim.faults) or "none"
     where = f"group={describe(group)} " if group.multi_node else ""
@@ -68,3 +75,6 @@ async def serve(sim: Simulator, host: str, port: int, backlog: int = 4096) -> No
         await sim.close()
         for each in runners:
             await each.cleanup()
+        if sim.tracer is not None:  # what is still buffered goes out before the process ends
+            await asyncio.to_thread(sim.tracer.shutdown)
+    return received[0] if received else None

@@ -15,15 +15,18 @@ import json
 import random
 import socket
 import struct
+import sys
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
 from aiohttp import web
 
+from pdserve import kv
+from pdserve.kv.base import KVConnector, SimEngine
 from pdserve.sim import payloads, validation
 from pdserve.sim.engine.request import Kind, Request
 from pdserve.sim.engine.runtime import Engines, EngineSetup
@@ -35,7 +38,6 @@ from pdserve.sim.faults import (
     choose_fault,
     drop_after_chunks,
     faults_from_json,
-    malform_kv_params,
 )
 from pdserve.sim.group import (
     ENGINE_PREFIX,
@@ -50,9 +52,12 @@ from pdserve.sim.group import (
 from pdserve.sim.payloads import Identity, Leg
 from pdserve.sim.stats import SimStats
 from pdserve.sim.tokenizer import Endpoint, count_prompt_tokens, prompt_token_ids
+from pdserve.tracing.context import TRACEPARENT, TRACESTATE
 from pdserve.wire.headers import AUTHORIZATION, DP_RANK, REQUEST_ID
-from pdserve.wire.kv import moriio_handoff_problems, nixl_handoff_problems, parse_moriio_request_id
 from pdserve.wire.openai import RequestError, error_body
+
+if TYPE_CHECKING:  # loaded only when the simulator traces
+    from pdserve.sim.spans import EngineTracer
 
 ROLES = ("prefill", "decode", "both")
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -78,6 +83,9 @@ class SimConfig:
     engine: EngineSetup | None = None
     #: --enable-prompt-tokens-details: usage.prompt_tokens_details.cached_tokens, as vLLM.
     prompt_tokens_details: bool = False
+    #: The KV connector this engine plays (vLLM's --kv-transfer-config); None: recognised per
+    #: request from its kv_transfer_params (pdserve.kv.simulated).
+    connector: KVConnector | None = None
 
 
 @dataclass
@@ -94,10 +102,14 @@ class Job:
     prompt_tokens: int
     num_tokens: int
     record: dict[str, Any]
+    connector: KVConnector  # whose kv_transfer_params a P/D leg carries
     aborted: bool = False  # the simulator itself broke the connection (a fault, not a client cancel)
     created: int = field(default_factory=lambda: int(time.time()))
     engine_request: Request | None = None  # with --profile: the request in its rank's engine
     fault: FaultKind | None = None
+    arrival: float = field(default_factory=time.time)
+    first_token_at: float | None = None  # wall clock, without --profile
+    trace_headers: dict[str, str] | None = None  # the traceparent/tracestate it came with
 
     @property
     def cached_tokens(self) -> int:
@@ -106,8 +118,11 @@ class Job:
 
 
 class Simulator:
-    def __init__(self, config: SimConfig) -> None:
+    def __init__(self, config: SimConfig, tracer: EngineTracer | None = None) -> None:
+        """``tracer``: vLLM's request spans (``--otlp-traces-endpoint``); None: no tracing."""
         self.config = config
+        self.tracer = tracer
+        self._warned_untraced = False
         self.group_config = config.group or GroupConfig(dp_size=config.dp_size)
         self.group = GroupState(self.group_config)
         self.group.on_broken.append(self._on_broken)
@@ -127,8 +142,7 @@ class Simulator:
         self.engines: Engines | None = None
         if config.engine is not None:
             ranks = range(self.first_rank, self.first_rank + served)
-            prefix = payloads.engine_id(config.identity, 0)[:-1]  # "<instance>-dp"
-            self.engines = Engines(config.engine, ranks, prefix)
+            self.engines = Engines(config.engine, ranks, self._engine_rank)
 
     def app(self) -> web.Application:
         middlewares = [self._authenticate] if self.config.api_key else []
@@ -343,7 +357,7 @@ class Simulator:
             return await self._forward(request, remote, rank, raw, leg, header_rank is not None)
         job = self._admit(request, endpoint, body, leg, rank, header_rank is not None)
         if leg == "decode":
-            problems = self._handoff_problems(body["kv_transfer_params"])
+            problems = job.connector.simulate.handoff_problems(body["kv_transfer_params"])
             if problems:
                 self.stats.malformed_handoff += 1
                 job.record["outcome"] = "malformed_handoff"
@@ -423,7 +437,7 @@ class Simulator:
         return web.json_response(exc.body(), status=exc.status)
 
     def _wrong_role(self, leg: Leg) -> RequestError | None:
-        """A misrouted leg is made visible (real vLLM's NixlConnector ignores kv_role: it would serve it)."""
+        """A misrouted leg is made visible (real vLLM may serve it: NixlConnector ignores kv_role)."""
         role = self.config.role
         if role == "decode" and leg == "prefill":
             return RequestError(400, "this instance is a decode instance; it does not serve do_remote_decode")
@@ -433,11 +447,18 @@ class Simulator:
             )
         return None
 
-    @staticmethod
-    def _handoff_problems(params: Mapping[str, Any]) -> list[str]:
-        if "transfer_id" in params:
-            return moriio_handoff_problems(params, payloads.moriio_mode(params))
-        return nixl_handoff_problems(params)
+    def _engine_rank(self, engine_id: str) -> int | None:
+        """The rank a pull notice's engine id names, as the connector played names its engines."""
+        instance = self.config.identity.instance_name
+        connectors = (self.config.connector,) if self.config.connector is not None else kv.CONNECTORS
+        return next(
+            (r for c in connectors if (r := c.simulate.engine_rank(engine_id, instance)) is not None), None
+        )
+
+    def _connector(self, params: object, leg: Leg) -> KVConnector:
+        if self.config.connector is not None:
+            return self.config.connector
+        return kv.simulated(params, leg) if isinstance(params, Mapping) else kv.DEFAULT
 
     def _pick_rank(self) -> int:
         """A global rank among those this process answers for (a leader-mode leader: all)."""
@@ -458,7 +479,6 @@ class Simulator:
         base = client_id or uuid.uuid4().hex[:16]
         engine_request_id = payloads.engine_request_id(endpoint, base, uuid.uuid4().hex[:8])
         params = body.get("kv_transfer_params")
-        moriio = parse_moriio_request_id(client_id) if client_id else None
         record: dict[str, Any] = {
             "request_id": client_id,
             "engine_request_id": engine_request_id,
@@ -475,15 +495,7 @@ class Simulator:
             "n": body.get("n"),
             "seed": body.get("seed"),
             "transfer_id": params.get("transfer_id") if isinstance(params, Mapping) else None,
-            "moriio_request_id": (
-                None
-                if moriio is None
-                else {
-                    "prefill_kv_address": moriio.prefill_kv_address,
-                    "decode_kv_address": moriio.decode_kv_address,
-                    "uid": moriio.uid,
-                }
-            ),
+            **kv.sim_record(client_id),
             "kv_transfer_params": dict(params) if isinstance(params, Mapping) else None,
             # which prefill engine (instance and DP rank) a decode's handoff came from
             "handoff_from": params.get("remote_engine_id")
@@ -494,6 +506,16 @@ class Simulator:
             "outcome": "running",
         }
         self.stats.recent.append(record)
+        trace_headers = None
+        if TRACEPARENT in request.headers or TRACESTATE in request.headers:
+            trace_headers = {k: request.headers[k] for k in (TRACEPARENT, TRACESTATE) if k in request.headers}
+            if self.tracer is None and not self._warned_untraced:  # vLLM warns once, too
+                self._warned_untraced = True
+                print(
+                    "pdserve sim: warning: Received a request with trace context but tracing is disabled",
+                    file=sys.stderr,
+                    flush=True,
+                )
         return Job(
             endpoint=endpoint,
             body=body,
@@ -503,26 +525,41 @@ class Simulator:
             base_id=base,
             engine_request_id=engine_request_id,
             prompt_tokens=count_prompt_tokens(body, endpoint),
-            num_tokens=payloads.num_output_tokens(body, self.config.tokens),
+            num_tokens=self._output_tokens(body, endpoint),
             record=record,
+            connector=self._connector(params, leg),
+            trace_headers=trace_headers,
         )
+
+    def _output_tokens(self, body: Mapping[str, Any], endpoint: Endpoint) -> int:
+        """--tokens, capped by max_tokens; with an engine max_tokens is honoured as vLLM does (a
+        performance model must generate what a trace asks), within max_model_len."""
+        if self.engines is None:
+            return payloads.num_output_tokens(body, self.config.tokens)
+        cap = body.get("max_tokens") or body.get("max_completion_tokens")
+        if cap is None:
+            return self.config.tokens
+        room = self.config.identity.max_model_len - count_prompt_tokens(body, endpoint)
+        return max(1, min(int(cap), room))
 
     def _submit(self, job: Job) -> None:
         """--profile: the request joins its rank's engine, which will time its tokens."""
         assert self.engines is not None
-        params = job.body.get("kv_transfer_params")
-        nixl = isinstance(params, Mapping) and "transfer_id" not in params
-        kind = {"prefill": Kind.PREFILL if nixl else Kind.PLAIN, "decode": Kind.DECODE}.get(
-            job.leg, Kind.PLAIN
-        )
+        params = job.body.get("kv_transfer_params") or {}  # a P/D leg's is a mapping (classify_leg)
+        simulate = job.connector.simulate
+        kind, request_id, notice = Kind.PLAIN, job.engine_request_id, None
+        if job.leg == "prefill" and simulate.holds_kv:  # its blocks wait for the decode
+            kind, request_id = Kind.PREFILL, simulate.hold_key(params, job.engine_request_id)
+        elif job.leg == "decode":
+            kind, notice = Kind.DECODE, simulate.pull_notice(params)
         job.engine_request = self.engines.submit(
             job.rank,
-            job.engine_request_id,
+            request_id,
             prompt_token_ids(job.body, job.endpoint),
             job.num_tokens,
             kind,
             payloads.finish_reason(job.num_tokens, job.body),
-            handoff=params if job.leg == "decode" and nixl and isinstance(params, Mapping) else None,
+            handoff=notice,
         )
 
     async def _until(self, job: Job, tokens: int) -> None:
@@ -537,7 +574,7 @@ class Simulator:
         kv_answer = self._kv_answer(job, [self.engines.block_ids(job.rank, job.engine_request)])
         if kv_answer is not None:
             if job.fault is FaultKind.MALFORMED_KV_PARAMS:
-                kv_answer = malform_kv_params(kv_answer)
+                kv_answer = job.connector.simulate.malformed(kv_answer)
             job.record["kv_answer"] = kv_answer
         return kv_answer
 
@@ -547,13 +584,18 @@ class Simulator:
         if blocks is None:
             blocks = payloads.block_ids(job.prompt_tokens, self._next_block[job.index])
             self._next_block[job.index] += len(blocks[0])
-        params = job.body["kv_transfer_params"]
         identity = self.config.identity
-        if "transfer_id" in params:
-            return payloads.moriio_prefill_answer(identity, job.rank, str(params["transfer_id"]), blocks)
-        return payloads.nixl_prefill_answer(
-            identity, job.rank, job.engine_request_id, job.prompt_tokens, blocks
+        engine = SimEngine(
+            identity.instance_name,
+            job.rank,
+            self.config.dp_size,
+            identity.tp_size,
+            identity.kv_host,
+            identity.kv_port,
         )
+        params = job.body["kv_transfer_params"]
+        simulate = job.connector.simulate
+        return simulate.prefill_answer(engine, params, job.engine_request_id, job.prompt_tokens, blocks)
 
     async def _run(self, request: web.Request, job: Job, fault: Fault | None) -> web.StreamResponse:
         kind = fault.kind if fault is not None else None
@@ -579,7 +621,7 @@ class Simulator:
             kv_answer = self._kv_answer(job)
             if kv_answer is not None:
                 if kind is FaultKind.MALFORMED_KV_PARAMS:
-                    kv_answer = malform_kv_params(kv_answer)
+                    kv_answer = job.connector.simulate.malformed(kv_answer)
                 job.record["kv_answer"] = kv_answer
         else:
             self._submit(job)
@@ -598,6 +640,7 @@ class Simulator:
     ) -> web.StreamResponse:
         c = self.config
         if job.engine_request is None:
+            job.first_token_at = time.time() + c.ttft_ms / 1000
             await asyncio.sleep((c.ttft_ms + c.itl_ms * (job.num_tokens - 1)) / 1000)
         else:
             await self._until(job, job.num_tokens)
@@ -666,6 +709,8 @@ class Simulator:
             if last and kv_answer is not None:
                 chunk["kv_transfer_params"] = kv_answer
             await response.write(payloads.sse(chunk))
+            if i == 0:
+                job.first_token_at = time.time()
         if stop_after is not None:  # a one-token answer: break it before [DONE]
             return await self._abort(request, job)
         if payloads.wants_usage_in_stream(job.body):
@@ -695,6 +740,23 @@ class Simulator:
         if job.leg == "decode":
             s.external_hits[job.index] += job.prompt_tokens
         job.record["outcome"] = "ok"
+        if self.tracer is not None:
+            self._span(job, self.tracer)
+
+    def _span(self, job: Job, tracer: EngineTracer) -> None:
+        """vLLM's llm_request span of a finished request (pdserve.sim.spans)."""
+        from pdserve.sim.spans import Finished
+
+        now = time.time()
+        scheduled, first = job.arrival, job.first_token_at or now
+        r = job.engine_request
+        if r is not None:  # the engine's own marks, on the loop's clock
+            offset = now - asyncio.get_running_loop().time()
+            scheduled = r.first_scheduled + offset if r.first_scheduled is not None else job.arrival
+            first = r.first_token + offset if r.first_token is not None else now
+        times = Finished(job.arrival, scheduled, first, now, job.prompt_tokens, job.num_tokens)
+        external_id = job.engine_request_id.rsplit("-", 1)[0]  # vLLM's id before its salt
+        tracer.finished(job.trace_headers, external_id, times, job.body)
 
     async def _abort(self, request: web.Request, job: Job) -> web.StreamResponse:
         """Break the TCP connection with a reset (SO_LINGER 0), so the client sees a broken

@@ -34,7 +34,7 @@ class SimStats:
     success: list[Counter[str]] = field(default_factory=list)
     prompt_tokens: list[int] = field(default_factory=list)
     generation_tokens: list[int] = field(default_factory=list)
-    #: Prompt tokens of decode legs, as vLLM's NIXL decode counts the KV it pulled.
+    #: Prompt tokens of decode legs, as vLLM's decode counts the KV its connector brought.
     external_hits: list[int] = field(default_factory=list)
     recent: deque[dict[str, Any]] = field(default_factory=lambda: deque(maxlen=RECENT_LIMIT))
 

@@ -16,11 +16,15 @@ kv_consumer: decode, kv_both: both); ``--data-parallel-size``/``--tensor-paralle
 ``--[no-]enable-prefix-caching``, ``--enable-prompt-tokens-details`` and
 ``kv_connector_extra_config.kv_lease_duration`` go to the simulator's flags of the same names, which
 time answers with a step engine when ``$PDSERVE_SIM_PROFILE`` names a profile (vLLM has no flag for
-it: the pod runner or local mode sets it), and change nothing without one. The listen
-address is ``--host``, else ``$POD_IP`` (vLLM's default is every address; here pods share one
-network namespace), else 127.0.0.1. The instance name is ``$HOSTNAME`` (the pod name); the NIXL
-side channel is advertised at ``$VLLM_NIXL_SIDE_CHANNEL_HOST`` (else ``$VLLM_HOST_IP``, else the
-listen address) and ``$VLLM_NIXL_SIDE_CHANNEL_PORT`` (else 5600).
+it: the pod runner or local mode sets it), and change nothing without one; ``--otlp-traces-endpoint``
+and ``--collect-detailed-traces`` go to the simulator's, which traces as vLLM does
+(pdserve.sim.spans). The listen address is ``--host``, else ``$POD_IP`` (vLLM's default is every
+address; here pods share one network namespace), else 127.0.0.1. The instance name is the
+``engine_id`` of ``--kv-transfer-config``, else ``$HOSTNAME`` (the pod name). ``kv_connector`` →
+``--kv-connector`` (the simulator plays that connector), and its side channel is advertised where
+the connector's vLLM reads it (pdserve.kv: NIXL at ``$VLLM_NIXL_SIDE_CHANNEL_HOST``, else
+``$VLLM_HOST_IP``, else the listen address, and ``$VLLM_NIXL_SIDE_CHANNEL_PORT``, else 5600);
+without a connector, NIXL's.
 """
 
 from __future__ import annotations
@@ -33,10 +37,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from pdserve import kv
 from pdserve.sim import cli as sim_cli
+from pdserve.wire import vllm
 
-VERSION = "0.32.0+pdserve.sim"
-CONNECTORS = ("NixlConnector", "MoRIIOConnector")
+VERSION = f"{vllm.VERSION}+pdserve.sim"
+CONNECTORS = kv.crd_names()
 ROLES = {"kv_producer": "prefill", "kv_consumer": "decode", "kv_both": "both"}
 #: vLLM 0.32's KVTransferConfig fields (vllm/config/kv_transfer.py).
 KV_TRANSFER_FIELDS = {
@@ -74,6 +80,8 @@ MAPPED: list[tuple[tuple[str, ...], dict[str, Any]]] = [
     (("--enable-prefix-caching",), {"action": "store_true", "default": None}),
     (("--no-enable-prefix-caching",), {"action": "store_true"}),
     (("--enable-prompt-tokens-details",), {"action": "store_true"}),
+    (("--otlp-traces-endpoint",), {}),
+    (("--collect-detailed-traces",), {"nargs": "+", "choices": ("all", "model", "worker")}),
 ]
 #: The environment variable naming the simulator's performance profile (``pdserve sim --profile``).
 PROFILE_ENV = "PDSERVE_SIM_PROFILE"
@@ -171,8 +179,11 @@ class Serve:
     max_model_len: int | None
     api_key: str | None
     connector: str | None
+    engine_id: str | None = None
     #: The step engine's flags, as ``pdserve sim`` arguments (vLLM's names).
     engine_args: tuple[str, ...] = ()
+    #: ``--otlp-traces-endpoint`` and ``--collect-detailed-traces``, as ``pdserve sim`` arguments.
+    tracing_args: tuple[str, ...] = ()
 
 
 def parse(args: Sequence[str]) -> Serve:
@@ -191,28 +202,29 @@ def parse(args: Sequence[str]) -> Serve:
     ):
         if value < 1:
             raise Refused(f"{flag} must be >= 1, got {value}")
-    role, connector, lease = "both", None, None
+    role, connector, lease, engine_id = "both", None, None, None
     if ns.kv_transfer_config is not None:
         try:
-            kv = json.loads(ns.kv_transfer_config)
+            config = json.loads(ns.kv_transfer_config)
         except json.JSONDecodeError as exc:
             raise Refused(f"--kv-transfer-config is not JSON: {exc}") from exc
-        if not isinstance(kv, dict):
+        if not isinstance(config, dict):
             raise Refused("--kv-transfer-config must be a JSON object")
-        connector = kv.get("kv_connector")
+        connector = config.get("kv_connector")
         if connector not in CONNECTORS:
             raise Refused(
                 f"--kv-transfer-config: kv_connector {connector!r} is not simulated ({', '.join(CONNECTORS)})"
             )
-        if kv.get("kv_role") not in ROLES:
+        if config.get("kv_role") not in ROLES:
             raise Refused(
-                f"--kv-transfer-config: kv_role {kv.get('kv_role')!r} is not one of {', '.join(ROLES)}"
+                f"--kv-transfer-config: kv_role {config.get('kv_role')!r} is not one of {', '.join(ROLES)}"
             )
-        unknown = sorted(set(kv) - KV_TRANSFER_FIELDS)
+        unknown = sorted(set(config) - KV_TRANSFER_FIELDS)
         if unknown:
             raise Refused(f"--kv-transfer-config: unknown keys {', '.join(unknown)}")
-        role = ROLES[kv["kv_role"]]
-        extra = kv.get("kv_connector_extra_config")
+        role = ROLES[config["kv_role"]]
+        engine_id = config.get("engine_id") if isinstance(config.get("engine_id"), str) else None
+        extra = config.get("kv_connector_extra_config")
         if isinstance(extra, dict) and extra.get("kv_lease_duration") is not None:
             lease = extra["kv_lease_duration"]
             if isinstance(lease, bool) or not isinstance(lease, int | float) or lease < 0:
@@ -235,6 +247,13 @@ def parse(args: Sequence[str]) -> Serve:
         engine_args.append("--no-enable-prefix-caching")
     if ns.enable_prompt_tokens_details:
         engine_args.append("--enable-prompt-tokens-details")
+    if ns.collect_detailed_traces and not ns.otlp_traces_endpoint:
+        raise Refused("collect_detailed_traces requires `--otlp-traces-endpoint` to be set.")  # vLLM's words
+    tracing_args: list[str] = []
+    if ns.otlp_traces_endpoint:
+        tracing_args += ["--otlp-traces-endpoint", ns.otlp_traces_endpoint]
+    if ns.collect_detailed_traces:
+        tracing_args += ["--collect-detailed-traces", *ns.collect_detailed_traces]
     return Serve(
         model=(ns.served_model_name or [model])[0],
         role=role,
@@ -245,14 +264,19 @@ def parse(args: Sequence[str]) -> Serve:
         max_model_len=ns.max_model_len,
         api_key=ns.api_key,
         connector=connector,
+        engine_id=engine_id,
         engine_args=tuple(engine_args),
+        tracing_args=tuple(tracing_args),
     )
 
 
 def sim_argv(serve: Serve, env: dict[str, str]) -> list[str]:
     """The ``pdserve sim`` arguments for ``serve`` in environment ``env``."""
     host = serve.host or env.get("POD_IP") or "127.0.0.1"
-    kv_host = env.get("VLLM_NIXL_SIDE_CHANNEL_HOST") or env.get("VLLM_HOST_IP") or host
+    connector = kv.by_crd(serve.connector) if serve.connector is not None else kv.DEFAULT
+    sim = connector.simulate
+    kv_host = next((env[name] for name in sim.host_env if env.get(name)), host)
+    kv_port = (env.get(sim.port_env) if sim.port_env else None) or str(sim.default_port)
     argv = [
         "--role", serve.role,
         "--dp-size", str(serve.dp),
@@ -260,13 +284,16 @@ def sim_argv(serve: Serve, env: dict[str, str]) -> list[str]:
         "--host", host,
         "--port", str(serve.port),
         "--model", serve.model,
-        "--instance-name", env.get("HOSTNAME") or f"vllm-{host}-{serve.port}",
+        "--instance-name", serve.engine_id or env.get("HOSTNAME") or f"vllm-{host}-{serve.port}",
         "--kv-host", kv_host,
-        "--kv-port", env.get("VLLM_NIXL_SIDE_CHANNEL_PORT") or "5600",
+        "--kv-port", kv_port,
     ]  # fmt: skip
+    if serve.connector is not None:
+        argv += ["--kv-connector", connector.names.table]
     if serve.max_model_len is not None:
         argv += ["--max-model-len", str(serve.max_model_len)]
     argv += serve.engine_args
+    argv += serve.tracing_args
     if env.get(PROFILE_ENV):
         argv += ["--profile", env[PROFILE_ENV]]
     return argv

@@ -1,5 +1,5 @@
-"""Wire formats that the proxy and the simulator both speak: OpenAI errors and requests,
-vLLM's P/D ``kv_transfer_params`` per connector, and the header names.
+"""Wire formats that the proxy and the simulator both speak: OpenAI errors and requests, and the
+header names (each connector's ``kv_transfer_params`` are its module's, pdserve.kv).
 
 Depends on nothing else in pdserve.
 """

@@ -7,13 +7,20 @@ the router refused it::
 
     {"error": {"message": "...", "type": "BadRequestError", "param": "prompt", "code": 400}}
 
-``code`` is the HTTP status as an integer, ``type`` vLLM's name for it (:func:`error_type`).
-What the router adds, its own reason (``no_decode_slot``, ``bad_kv_handoff``, ...), travels in
-the ``X-PDServe-Error`` header, the log line and the metrics, never as a sixth key.
+``code`` is the HTTP status as an integer, ``type`` vLLM's name for it (:func:`error_type`):
+one name per status, whatever found the mistake. vLLM itself answers a request that fails its
+pydantic schema with the HTTP phrase (``Bad Request``) and a malformed body with
+``param: "body.<offset>"``; the simulator reproduces that (pdserve.sim.validation), while the
+router answers ``BadRequestError`` for both, names line and column of malformed JSON
+(:func:`invalid_json`), and renames the phrase in vLLM's refusals it passes back
+(:func:`normalize_error_body`), so its clients see one vocabulary. What the router adds, its
+own reason (``no_decode_slot``, ``bad_kv_handoff``, ...), travels in the ``X-PDServe-Error``
+header, the log line and the metrics, never as a sixth key.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from http import HTTPStatus
@@ -31,7 +38,8 @@ VLLM_ERROR_TYPES = {
     501: "NotImplementedError",
     503: "ServiceUnavailableError",
 }
-#: vLLM's ``error.type`` of a request that fails its pydantic schema (the HTTP phrase of 400).
+#: vLLM's ``error.type`` of a request that fails its pydantic schema (the HTTP phrase of 400):
+#: what the simulator answers, as vLLM does; never the router.
 VALIDATION_ERROR_TYPE = "Bad Request"
 
 
@@ -52,7 +60,7 @@ class RequestError(Exception):
     """A request the server refuses; ``status`` is the HTTP status to answer with.
 
     ``reason`` is pdserve's machine-readable cause (header ``X-PDServe-Error`` and logs);
-    ``type`` overrides :func:`error_type` (vLLM's ``Bad Request`` for schema errors).
+    ``type`` overrides :func:`error_type` (the simulator's ``Bad Request``, as vLLM's).
     """
 
     status: int
@@ -74,12 +82,38 @@ def error_body(
     }
 
 
+def invalid_json(exc: ValueError) -> RequestError:
+    """The 400 for a body that is not JSON, naming where it breaks (``json`` and ``orjson``
+    decode errors carry the line and column; an undecodable byte sequence does not)."""
+    line, column = getattr(exc, "lineno", None), getattr(exc, "colno", None)
+    where = f" at line {line}, column {column}" if line is not None and column is not None else ""
+    problem = getattr(exc, "msg", None) or str(exc)
+    return RequestError(400, f"request body is not valid JSON{where}: {problem}", "body", "invalid_json")
+
+
+def normalize_error_body(body: bytes) -> bytes:
+    """A backend's error body with vLLM's class name as ``type`` where vLLM wrote the HTTP
+    phrase (``Bad Request`` for a schema error: :data:`VALIDATION_ERROR_TYPE`); anything else,
+    or a body that is not vLLM's error, unchanged."""
+    try:
+        doc = json.loads(body)
+        error = doc["error"]
+        code = error["code"]
+        if error.get("type") != HTTPStatus(code).phrase or code not in VLLM_ERROR_TYPES:
+            return body
+    except (ValueError, TypeError, KeyError):
+        return body
+    error["type"] = VLLM_ERROR_TYPES[code]
+    return json.dumps(doc, ensure_ascii=False).encode()
+
+
 def check_generation_request(body: object, endpoint: Endpoint) -> Mapping[str, Any]:
     """Return the body as a mapping, or raise RequestError(400) naming the offending field.
 
-    Status, ``type`` and ``param`` are vLLM's for the same mistake (tests/fixtures/vllm-*/errors/):
-    a wrong type or a missing field is pydantic's ``Bad Request`` with ``param`` ``body.<field>``;
-    what vLLM checks itself (no prompt, ``max_tokens`` < 1, no message) is ``BadRequestError``.
+    Status and ``param`` are vLLM's for the same mistake (tests/fixtures/vllm-*/errors/): a
+    wrong type or a missing field has ``param`` ``body.<field>``, what vLLM checks itself (no
+    prompt, ``max_tokens`` < 1, no message) the parameter's name; ``type`` is always
+    ``BadRequestError``.
     """
     if not isinstance(body, Mapping):
         raise _schema("request body must be a JSON object", "body")
@@ -117,7 +151,7 @@ def check_generation_request(body: object, endpoint: Endpoint) -> Mapping[str, A
 
 
 def _schema(message: str, param: str) -> RequestError:
-    return RequestError(400, message, param=param, type=VALIDATION_ERROR_TYPE)
+    return RequestError(400, message, param=param)
 
 
 def _valid_prompt(prompt: object) -> bool:

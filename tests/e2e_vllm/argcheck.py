@@ -2,7 +2,9 @@
 
 Pod commands (what the operator would run on a cluster) and local-mode commands (what
 `pdserve up --engine vllm` runs, on GPUs and on CPU) alike; examples with ``engine: sim`` are
-rendered as if they named vLLM. The judging runs in the vLLM virtualenv (vllm_argcheck.py).
+rendered as if they named vLLM, and the first example once more with ``spec.tracing`` (each
+endpoint protocol, detailed traces) for the tracing flags. The judging runs in the vLLM
+virtualenv (vllm_argcheck.py).
 """
 
 from __future__ import annotations
@@ -14,15 +16,20 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-from pdserve.deployment.kvconfig import MORIIO
 from pdserve.deployment.render.groups import instance_objects
 from pdserve.deployment.render.objects import engine_argv
 from pdserve.deployment.spec.pddeployment import PDDeployment, load_manifest_file
+from pdserve.deployment.spec.tracing import TracingSpec
 from pdserve.local.plan import engine_process_count, plan_local_run
 from pdserve.routing import Role
 from tests.e2e_vllm.common import HERE, REPO, check, python_of_venv, say
 
 EXAMPLES = REPO / "examples"
+#: spec.tracing as the traced commands render it: either protocol, vLLM's detailed traces.
+TRACINGS = {
+    "traced over HTTP": TracingSpec("http://otel-collector:4318/v1/traces", 0.1, ("all",)),
+    "traced over gRPC": TracingSpec("grpc://otel-collector:4317", 1.0, ("model", "worker")),
+}
 
 
 def rendered_commands() -> list[dict[str, Any]]:
@@ -41,8 +48,8 @@ def rendered_commands() -> list[dict[str, Any]]:
                 argv = [*container["command"][:2], *(_expand(a) for a in engine_argv(pod))]
                 member = f", node {node} of {len(pods)}" if len(pods) > 1 else ""
                 commands.append({"name": f"{where} {role.value} (pod{member})", "argv": argv})
-        if pdd.spec.kv_transfer.connector == MORIIO:
-            continue  # local mode refuses MoRIIO with vLLM (fixed ports)
+        if pdd.spec.kv_transfer.kv.render.local.refused:
+            continue  # local mode refuses this connector with vLLM (MoRIIO: fixed ports)
         if any(pdd.spec.group_shape(r).multi_node for r in (Role.PREFILL, Role.DECODE)):
             continue  # local mode runs multi-node instances with --engine sim only (it says so)
         ports = list(range(20000, 20000 + engine_process_count(pdd)))
@@ -52,6 +59,13 @@ def rendered_commands() -> list[dict[str, Any]]:
                 if engine.index == 0:
                     name = f"{where} {engine.role.value} (pdserve up, {device})"
                     commands.append({"name": name, "argv": list(engine.argv)})
+    first = _as_vllm(load_manifest_file(sorted(EXAMPLES.rglob("*.yaml"))[0]))
+    for how, tracing in TRACINGS.items():
+        traced = dataclasses.replace(first, spec=dataclasses.replace(first.spec, tracing=tracing))
+        for role in (Role.PREFILL, Role.DECODE):
+            pod = _pod_templates(traced, role)[0]
+            argv = ["vllm", "serve", *(_expand(a) for a in engine_argv(pod))]
+            commands.append({"name": f"spec.tracing {role.value} (pod, {how})", "argv": argv})
     return commands
 
 

@@ -13,20 +13,25 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from pdserve.wire import vllm
 from tests.support.pdstack import http
 
 REPO = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
 
 #: What real-vllm-cpu.md found to work on a 2-core x86 machine without GPUs.
-VLLM_VERSION = "0.32.0"
+VLLM_VERSION = vllm.VERSION
 TORCH_VERSION = "2.13.0"
 NIXL_VERSION = "1.5.1"
+#: The Mooncake transfer engine without CUDA (TCP; its native library still needs libibverbs.so.1).
+MOONCAKE_VERSION = "0.3.13.post1"
 FIXTURES = REPO / "tests" / "fixtures" / f"vllm-{VLLM_VERSION}"
 #: The example the e2e runs, as a user would.
 MANIFEST = REPO / "examples" / "cpu" / "nixl-1p-1d-dp2.yaml"
 #: Its spec.model: a repo id resolved offline from HF_HOME (model.py puts the tiny model there).
 MODEL_ID = "pdserve-test/tiny-llama"
+#: Its metadata.name: the services of its traces are <name>-router, -prefill, -decode.
+MANIFEST_NAME = "tiny"
 SERVED_NAME = "tiny"
 MAX_MODEL_LEN = 512
 

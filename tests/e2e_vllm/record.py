@@ -23,9 +23,9 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from pdserve.proxy.connectors.base import prefill_only
+from pdserve.kv.base import prefill_only
+from pdserve.kv.nixl import prefill_params as nixl_prefill_params
 from pdserve.wire.headers import DP_RANK, REQUEST_ID
-from pdserve.wire.kv import nixl_prefill_params
 from tests.e2e_vllm.common import MAX_MODEL_LEN, SERVED_NAME, VLLM_VERSION, Answer, check, request, say
 
 PROMPT = "the of and to in is that for it as with was on the tiny model"

@@ -9,11 +9,20 @@
    succeeds; the decode's external prefix-cache hits rise by exactly the prompt tokens (the KV
    came over NIXL), one NIXL transfer per request; each decode rank's
    ``vllm:request_success_total`` is exactly half; the router counts every stream ok.
-6. The decode's main process SIGKILLed while streams decode on it: it and everything it started
+6. One request traced (`pdserve up --otlp-traces-endpoint`, the test collector built from its Go
+   modules): one trace holds the router's request, its legs and vLLM's own ``llm_request`` span
+   of the prefill and of the decode, each the child of the router's leg that sent it.
+7. The decode's main process SIGKILLed while streams decode on it: it and everything it started
    go; the real prefill served exactly one prefill per request sent while the decode lived (none
    for a retry, none once no decode is left: those requests fail fast with a clean 503) and no
    KV lease expired unpulled; the restarted decode (same ports) serves again.
-7. Ctrl-C: `pdserve up` exits 0 and no process of the run is left.
+8. Ctrl-C: `pdserve up` exits 0 and no process of the run is left.
+9. Prefill DP2 with prefix caching (examples/cpu/nixl-2p-dp2-prefix.yaml), a multi-turn workload
+   through the flat interleave and through a prefix-affinity router: vLLM's own
+   ``vllm:prefix_cache_hits_total`` rises more with prefix-affinity (tests/e2e_vllm/prefix.py).
+10. Mooncake (tests/e2e_vllm/mooncake.py): `pdserve up examples/cpu/mooncake-1p-1d-dp2.yaml`, a
+    burst with exact counts and greedy answers equal to the prefill's own, where vLLM runs its
+    MooncakeConnector; elsewhere the case reports why not (it does not on CPU-only vLLM 0.32).
 """
 
 from __future__ import annotations
@@ -31,11 +40,25 @@ import psutil
 
 from pdserve.wire.headers import ERROR_REASON
 from tests.e2e_vllm.argcheck import check_rendered_commands
-from tests.e2e_vllm.common import FIXTURES, SERVED_NAME, Answer, check, metrics, request, say, total
+from tests.e2e_vllm.common import (
+    FIXTURES,
+    MANIFEST_NAME,
+    SERVED_NAME,
+    Answer,
+    check,
+    metrics,
+    request,
+    say,
+    total,
+)
 from tests.e2e_vllm.model import ensure_model
+from tests.e2e_vllm.mooncake import mooncake_case
+from tests.e2e_vllm.prefix import prefix_policies
 from tests.e2e_vllm.record import record
 from tests.e2e_vllm.up import Up
 from tests.e2e_vllm.venv import ensure_venv
+from tests.support.otelcol import FAST_EXPORT, Collector, ExportedSpan, start_collector
+from tests.support.otelcol import build as build_collector
 from tests.support.vllm_fixtures import compare_recordings
 
 BURST = 24
@@ -53,9 +76,13 @@ def run(out: Path | None = None, record_only: bool = False, keep: bool = False) 
     ensure_model()
     work = out or Path(tempfile.mkdtemp(prefix="pdserve-e2e-vllm-"))
     work.mkdir(parents=True, exist_ok=True)
+    collector: Collector | None = None
+    tracing: tuple[str, ...] = ()
     if not record_only:
         figures["commands_checked_by_vllm"] = check_rendered_commands(work)
-    up = Up(work / "up")
+        collector = start_collector(work / "otelcol", build_collector(say))
+        tracing = ("--otlp-traces-endpoint", collector.grpc_endpoint)
+    up = Up(work / "up", extra_args=tracing, extra_env=dict(FAST_EXPORT))
     try:
         up.start()
         figures["seconds_to_serving"] = round(up.wait_serving(), 1)
@@ -81,13 +108,22 @@ def run(out: Path | None = None, record_only: bool = False, keep: bool = False) 
             )
             say(f"this vLLM's answers have the shapes of {FIXTURES.relative_to(FIXTURES.parents[2])}")
             figures["burst"] = burst(up, prefill["url"], decode["url"])
+            assert collector is not None
+            figures["trace"] = traced_request(up, collector)
             figures["killed_decode"] = killed_decode(up, prefill["url"], decode)
         figures["seconds_to_stop"] = round(up.stop(), 1)
         say(f"stopped in {figures['seconds_to_stop']} s; no process of the run is left")
+        if not record_only:
+            figures["prefill_policies"] = prefix_policies(work)
+            figures["mooncake"] = mooncake_case(work)
     except BaseException:
         say(f"failed; logs kept in {work}")
         up.kill()
         raise
+    finally:
+        if collector is not None:
+            collector.process.terminate()
+            collector.process.wait(10)
     if not keep and out is None:
         shutil.rmtree(work, ignore_errors=True)
     figures["wall_seconds"] = round(time.monotonic() - started, 1)
@@ -189,6 +225,56 @@ def burst(up: Up, prefill_url: str, decode_url: str) -> dict[str, Any]:
     check(prefills == BURST, f"{prefills} prefills for {BURST} requests")
     check((ok, cancelled) == (BURST, 0), f"router counted ok={ok} cancelled={cancelled}")
     return figures
+
+
+def traced_request(up: Up, collector: Collector) -> dict[str, Any]:
+    """One request through the router is one trace: the router's spans and real vLLM's
+    ``llm_request`` of each leg, that span the child of the router's leg that sent it."""
+    path, body = _body(0)
+    answer = request("POST", up.url + path, body, headers={"X-Request-Id": "e2e-traced"})
+    _prompt_tokens(path, body, answer)
+    router, prefill, decode = f"{MANIFEST_NAME}-router", f"{MANIFEST_NAME}-prefill", f"{MANIFEST_NAME}-decode"
+
+    def trace_of(spans: list[ExportedSpan]) -> list[ExportedSpan]:
+        server = next(
+            (
+                s
+                for s in spans
+                if s.service == router and s.attributes.get("pdserve.request_id") == "e2e-traced"
+            ),
+            None,
+        )
+        return [] if server is None else [s for s in spans if s.trace_id == server.trace_id]
+
+    spans = collector.wait_for(
+        lambda spans: sum(s.name == "llm_request" for s in trace_of(spans)) >= 2,
+        timeout=60,
+        what="the router's trace with vLLM's llm_request of both legs",
+    )
+    trace = trace_of(spans)
+    legs = {s.name: s for s in trace if s.service == router and s.kind == "CLIENT"}
+    engines = {s.service: s for s in trace if s.name == "llm_request"}
+    check(set(legs) == {"prefill", "decode"}, f"the router's legs in the trace: {sorted(legs)}")
+    check(set(engines) == {prefill, decode}, f"vLLM's spans in the trace: {trace}")
+    for role, service in (("prefill", prefill), ("decode", decode)):
+        span = engines[service]
+        check(
+            span.parent_id == legs[role].span_id and span.kind == "SERVER",
+            f"vLLM's {role} span {span} is not the child of the router's {role} leg {legs[role]}",
+        )
+        check(span.scope == "vllm.tracing.otel", f"vLLM's {role} span came from {span.scope!r}")
+    check(
+        engines[prefill].attributes.get("gen_ai.request.max_tokens") == 1, "the prefill leg is max_tokens 1"
+    )
+    say(
+        f"one trace ({trace[0].trace_id}): {len(trace)} spans, vLLM's llm_request of both legs "
+        "under the router's"
+    )
+    return {
+        "trace_id": trace[0].trace_id,
+        "spans": len(trace),
+        "services": sorted({s.service for s in trace}),
+    }
 
 
 def killed_decode(up: Up, prefill_url: str, decode: dict[str, Any]) -> dict[str, Any]:

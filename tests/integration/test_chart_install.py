@@ -1,10 +1,16 @@
-"""The chart and the examples on a real API server (the test cluster; kwok makes pods Ready).
+"""The chart and the examples on a real API server, as users run them (the test cluster: kwok
+makes GPU pods Ready, the pod runner runs every other pod as local processes).
 
 * Every example is valid against the CRD as the API server enforces it (schema and CEL).
-* ``helm install`` (namespaced scope) creates the release's objects, and the operator, run with
-  the chart's own ServiceAccount token (so the chart's RBAC is what is tested), brings example
-  PDDeployments to Ready. The operator's image cannot run on kwok (its pods run no process), so
-  it runs from the venv as ``pdserve operator``, the same program the image's entrypoint runs.
+* README's cluster path, with the ``engine: sim`` twin of its first example: ``helm install
+  --wait`` brings the operator up as the chart's pods (in-cluster service account, leader
+  election through the release's Lease, liveness probe), the example becomes Ready and a request
+  is served through its router pod, a GPU example is placed and routed on kwok's GPU nodes (the
+  chart's RBAC covers everything the operator does), and uninstalling as README says leaves
+  nothing of the release.
+* A production values file installs and serves without leaking secrets (the operator runs from
+  the venv with the chart's ServiceAccount token: the values pin it to a node pool the test
+  cluster does not have).
 """
 
 from __future__ import annotations
@@ -16,29 +22,27 @@ import secrets
 import signal
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
 
-from tests.support.kube import REPO, KubeCluster, eventually, gpu_pool
+from tests.support.kube import LOGS, REPO, KubeCluster, eventually, gpu_pool
+from tests.support.pdstack import http
 
 pytestmark = pytest.mark.cluster
 
 CHART = REPO / "charts" / "pdserve"
 CRD = CHART / "crds" / "pddeployments.pdserve.io.yaml"
 EXAMPLES = sorted((REPO / "examples").rglob("*.yaml"))
-READY_EXAMPLES = ["sim/quickstart.yaml", "nixl/1p-tp8-1d-tp8.yaml"]
 
 
 @pytest.fixture
 def crd(kube_cluster: KubeCluster) -> None:
     kube_cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", CRD)
-    kube_cluster.kubectl(
-        "wait", "--for=condition=Established", "crd/pddeployments.pdserve.io", "--timeout=60s"
-    )
+    kube_cluster.wait_established("pddeployments.pdserve.io", timeout=60)
 
 
 @pytest.mark.parametrize("example", EXAMPLES, ids=lambda p: str(p.relative_to(REPO / "examples")))
@@ -50,27 +54,6 @@ def test_example_is_valid_on_the_api_server(
     )
     assert result.returncode == 0, result.stderr
     assert "(server dry run)" in result.stdout
-
-
-@pytest.fixture
-def release(kube_cluster: KubeCluster, kube_namespace: str, crd: None) -> Iterator[str]:
-    name = f"pdserve-{secrets.token_hex(3)}"
-    kube_cluster.helm(
-        "install",
-        name,
-        CHART,
-        "--namespace",
-        kube_namespace,
-        "--set",
-        "operator.scope=namespaced",
-        "--set",
-        f"operator.namespaces={{{kube_namespace}}}",
-        timeout=180,
-    )
-    try:
-        yield name
-    finally:
-        kube_cluster.helm("uninstall", name, "--namespace", kube_namespace, check=False, timeout=180)
 
 
 def _token_kubeconfig(kube_cluster: KubeCluster, namespace: str, service_account: str, path: Path) -> Path:
@@ -102,58 +85,167 @@ def _get(kube_cluster: KubeCluster, namespace: str, *what: str) -> dict[str, Any
     return dict(json.loads(out))
 
 
-def test_helm_install_then_an_example_becomes_ready(
-    kube_cluster: KubeCluster, kube_namespace: str, release: str, tmp_path: Path
+def _model_cache(kube_cluster: KubeCluster, ns: str) -> str:
+    """What README has users create before a GPU example: the claim hf-cache (bound to a hostPath
+    volume: the test cluster has no storage provisioner). Returns the volume's name."""
+    pv = f"hf-cache-{ns}"[:63]
+    storage = [
+        {
+            "apiVersion": "v1",
+            "kind": "PersistentVolume",
+            "metadata": {"name": pv},
+            "spec": {
+                "capacity": {"storage": "300Gi"},
+                "accessModes": ["ReadWriteMany"],
+                "storageClassName": "",
+                "hostPath": {"path": "/tmp/pdserve-hf-cache"},
+                "claimRef": {"namespace": ns, "name": "hf-cache"},
+            },
+        },
+        {
+            "apiVersion": "v1",
+            "kind": "PersistentVolumeClaim",
+            "metadata": {"name": "hf-cache", "namespace": ns},
+            "spec": {
+                "accessModes": ["ReadWriteMany"],
+                "storageClassName": "",
+                "volumeName": pv,
+                "resources": {"requests": {"storage": "300Gi"}},
+            },
+        },
+    ]
+    kube_cluster.kubectl(
+        "create", "-f", "-", input=json.dumps({"apiVersion": "v1", "kind": "List", "items": storage})
+    )
+    return pv
+
+
+def _operator_logs(kube_cluster: KubeCluster, ns: str, release: str) -> str:
+    """Every operator container's output, restarts included (the pod runner's files; on another
+    cluster, kubectl logs)."""
+    files = sorted((LOGS / "pods").glob(f"{ns}_{release}-*_operator.log"))
+    if files:
+        return "\n".join(f.read_text(errors="replace") for f in files)
+    selector = f"app.kubernetes.io/instance={release},app.kubernetes.io/component=operator"
+    return kube_cluster.kubectl("logs", "-n", ns, "-l", selector, "--tail=-1", check=False).stdout
+
+
+def _ready_pods(kube_cluster: KubeCluster, ns: str, selector: str) -> list[dict[str, Any]]:
+    pods = _get(kube_cluster, ns, "pods", "-l", selector)["items"]
+    return [
+        p
+        for p in pods
+        if not p["metadata"].get("deletionTimestamp")
+        and any(c["type"] == "Ready" and c["status"] == "True" for c in p["status"].get("conditions", []))
+    ]
+
+
+#: What a namespace holds before anything is installed, and what the test itself created.
+NOT_THE_RELEASES = {("ConfigMap", "kube-root-ca.crt"), ("ServiceAccount", "default"), ("Secret", "hf-token")}
+KINDS = "all,configmaps,secrets,serviceaccounts,roles,rolebindings,leases,poddisruptionbudgets,pddeployments"
+
+
+def test_the_readme_cluster_path_with_the_sim_twin_of_its_example(
+    kube_cluster: KubeCluster, kube_namespace: str, crd: None
 ) -> None:
     ns = kube_namespace
-    manifest = kube_cluster.helm("get", "manifest", release, "--namespace", ns).stdout
-    rendered = [d for d in yaml.safe_load_all(manifest) if d]
-    kinds = sorted({d["kind"] for d in rendered})
-    assert kinds == [
-        "ClusterRole",
-        "ClusterRoleBinding",
-        "Deployment",
-        "Role",
-        "RoleBinding",
-        "Service",
-        "ServiceAccount",
-    ]
-    # Every object of the release exists on the server, where the chart said.
-    for doc in rendered:
-        where = (
-            ["-n", doc["metadata"].get("namespace", ns)]
-            if doc["kind"] not in ("ClusterRole", "ClusterRoleBinding")
-            else []
+    release = f"pdserve-{secrets.token_hex(3)}"
+    operator = f"app.kubernetes.io/instance={release},app.kubernetes.io/component=operator"
+    pv = _model_cache(kube_cluster, ns)
+    kube_cluster.kubectl("create", "secret", "generic", "hf-token", "-n", ns, "--from-literal=token=hf_test")
+    try:
+        # README: `helm install pdserve charts/pdserve ... --wait`. Here in the test's namespace and
+        # watching only it: other tests' namespaces hold PDDeployments of their own operators.
+        kube_cluster.helm(
+            "install", release, CHART, "--namespace", ns,
+            "--set", "operator.scope=namespaced", "--set", f"operator.namespaces={{{ns}}}",
+            "--wait", "--timeout", "5m",
+            timeout=360,
+        )  # fmt: skip
+        pods = _ready_pods(kube_cluster, ns, operator)
+        assert len(pods) == 2, "both operator replicas run as pods and are Ready"
+        lease = f"{release}-operator"
+        holder = eventually(
+            lambda: _get(kube_cluster, ns, "lease", lease)["spec"].get("holderIdentity") or None,
+            timeout=60,
+            message=f"a leader holding the Lease {lease}",
         )
-        kube_cluster.kubectl("get", doc["kind"], doc["metadata"]["name"], *where)
-    (deployment,) = [d for d in rendered if d["kind"] == "Deployment"]
-    service_account = deployment["spec"]["template"]["spec"]["serviceAccountName"]
-    args = deployment["spec"]["template"]["spec"]["containers"][0]["args"]
-    assert args[:2] == ["operator", f"--namespace={ns}"]
+        assert str(holder).rsplit("_", 1)[0] in {p["metadata"]["name"] for p in pods}
 
-    with _operator(kube_cluster, ns, service_account, args, tmp_path) as (operator, log):
-        _serve_examples(kube_cluster, ns, operator, log)
+        # README: apply the example (its engine: sim twin) and, on kwok's GPU nodes, a GPU one.
+        first = yaml.safe_load((REPO / "examples" / "first" / "qwen3-8b-sim.yaml").read_text())
+        for example in ("first/qwen3-8b-sim.yaml", "nixl/1p-tp8-1d-tp8.yaml"):
+            kube_cluster.kubectl("apply", "-n", ns, "-f", REPO / "examples" / example)
+        names = [first["metadata"]["name"], "nixl-1p-tp8-1d-tp8"]
+        _wait_ready(kube_cluster, ns, names, lambda: _operator_logs(kube_cluster, ns, release))
+        for name in names:
+            table = json.loads(_get(kube_cluster, ns, "configmap", f"{name}-routing")["data"]["routing.json"])
+            assert all(i["ready"] for i in table["prefill"] + table["decode"])
+            kube_cluster.kubectl("get", "pdb", f"{name}-prefill", f"{name}-decode", "-n", ns)
 
+        # README: send a request. Through the Service on a real cluster; here to the router pod's
+        # IP (the API gives loopback pod IPs no endpoints), which is where the Service sends it.
+        (router,) = _ready_pods(
+            kube_cluster, ns, f"pdserve.io/deployment={names[0]},app.kubernetes.io/component=router"
+        )
+        url = f"http://{router['status']['podIP']}:8000"
+        answer = http(
+            "POST", url + "/v1/completions", {"model": "qwen3-8b", "prompt": "Hello", "max_tokens": 8}
+        )
+        assert answer.status == 200, answer.body
+        assert answer.json()["choices"][0]["text"]
+        assert [m["id"] for m in http("GET", url + "/v1/models").json()["data"]] == ["qwen3-8b"]
 
-def _serve_examples(kube_cluster: KubeCluster, ns: str, operator: subprocess.Popen[bytes], log: Path) -> None:
-    for example in READY_EXAMPLES:
-        kube_cluster.kubectl("apply", "-n", ns, "-f", REPO / "examples" / example)
-    names = [yaml.safe_load((REPO / "examples" / e).read_text())["metadata"]["name"] for e in READY_EXAMPLES]
-    _wait_ready(kube_cluster, ns, names, operator, log)
-    for name in names:
-        table = json.loads(_get(kube_cluster, ns, "configmap", f"{name}-routing")["data"]["routing.json"])
-        assert all(i["ready"] for i in table["prefill"] + table["decode"])
-        kube_cluster.kubectl("get", "pdb", f"{name}-prefill", f"{name}-decode", "-n", ns)  # the chart's RBAC
-    text = log.read_text()
-    assert "Forbidden" not in text, "the chart's RBAC must cover everything the operator does"
-    assert "became leader" in text, "the chart's Role must let the operator hold its Lease"
+        logs = _operator_logs(kube_cluster, ns, release)
+        assert "Forbidden" not in logs, "the chart's RBAC must cover everything the operator does"
+        assert "became leader" in logs, "the chart's Role must let the operator hold its Lease"
+
+        # README: uninstall. The PDDeployments first (the operator removes what it made), then the
+        # release; what is left is the namespace's own and the test's (Secret, claim).
+        kube_cluster.kubectl("delete", "pdd", "--all", "-n", ns, "--wait=true", "--timeout=120s")
+        eventually(
+            lambda: not _get(kube_cluster, ns, "pods", "-l", "pdserve.io/deployment")["items"],
+            timeout=120,
+            message="every pod of the PDDeployments gone",
+        )
+        kube_cluster.helm("uninstall", release, "--namespace", ns, "--wait", "--timeout", "2m", timeout=180)
+        eventually(
+            lambda: not _get(kube_cluster, ns, "pods", "-l", operator)["items"],
+            timeout=120,
+            message="the operator pods gone",
+        )
+        left = {
+            (o["kind"], o["metadata"]["name"])
+            for o in _get(kube_cluster, ns, KINDS)["items"]
+            if (o["kind"], o["metadata"]["name"]) not in NOT_THE_RELEASES
+            and o["kind"] not in ("PersistentVolumeClaim",)
+        }
+        # The Lease the operator wrote stays, as every controller's does; README's uninstall deletes
+        # the release namespace, which takes it along.
+        assert left == {("Lease", lease)}, left
+        cluster_wide = kube_cluster.kubectl(
+            "get",
+            "clusterroles,clusterrolebindings",
+            "-l",
+            f"app.kubernetes.io/instance={release}",
+            "-o",
+            "name",
+        ).stdout
+        assert not cluster_wide.strip(), cluster_wide
+    finally:
+        kube_cluster.helm("uninstall", release, "--namespace", ns, check=False, timeout=180)
+        kube_cluster.kubectl("delete", "pv", pv, "--wait=false", check=False)
 
 
 def _wait_ready(
-    kube_cluster: KubeCluster, ns: str, names: list[str], operator: subprocess.Popen[bytes], log: Path
+    kube_cluster: KubeCluster,
+    ns: str,
+    names: list[str],
+    logs: Callable[[], str],
+    alive: Callable[[], bool] = lambda: True,
 ) -> None:
     def all_ready() -> bool:
-        assert operator.poll() is None, f"operator exited {operator.returncode}:\n{log.read_text()}"
+        assert alive(), f"the operator exited:\n{logs()[-4000:]}"
         for name in names:
             status = _get(kube_cluster, ns, "pdd", name).get("status", {})
             ready = [c for c in status.get("conditions", []) if c["type"] == "Ready"]
@@ -164,7 +256,7 @@ def _wait_ready(
     try:
         eventually(all_ready, timeout=120, interval=0.5, message=f"{names} Ready")
     except AssertionError as exc:
-        raise AssertionError(f"{exc}\n--- operator log ---\n{log.read_text()[-4000:]}") from None
+        raise AssertionError(f"{exc}\n--- operator log ---\n{logs()[-4000:]}") from None
 
 
 @contextlib.contextmanager
@@ -235,40 +327,15 @@ def test_a_production_values_file_installs_and_serves_without_leaking_secrets(
         "create", "secret", "docker-registry", "regcred", "-n", ns,
         "--docker-server=registry.example.com", "--docker-username=u", "--docker-password=p",
     )  # fmt: skip
-    pv = f"hf-cache-{ns}"[:63]
-    storage = [
-        {
-            "apiVersion": "v1",
-            "kind": "PersistentVolume",
-            "metadata": {"name": pv},
-            "spec": {
-                "capacity": {"storage": "300Gi"},
-                "accessModes": ["ReadWriteMany"],
-                "storageClassName": "",
-                "hostPath": {"path": "/tmp/pdserve-hf-cache"},
-                "claimRef": {"namespace": ns, "name": "hf-cache"},
-            },
-        },
-        {
-            "apiVersion": "v1",
-            "kind": "PersistentVolumeClaim",
-            "metadata": {"name": "hf-cache", "namespace": ns},
-            "spec": {
-                "accessModes": ["ReadWriteMany"],
-                "storageClassName": "",
-                "volumeName": pv,
-                "resources": {"requests": {"storage": "300Gi"}},
-            },
-        },
-    ]
-    kube_cluster.kubectl(
-        "create", "-f", "-", input=json.dumps({"apiVersion": "v1", "kind": "List", "items": storage})
-    )
+    pv = _model_cache(kube_cluster, ns)
     name = f"pdserve-{secrets.token_hex(3)}"
     try:
+        # The test cluster has no Prometheus Operator CRDs: the monitors the production values turn
+        # on are checked against the rendered pods in tests/unit/test_chart_monitoring.py.
         kube_cluster.helm(
             "install", name, CHART, "--namespace", ns, "--values", PRODUCTION_VALUES,
             "--set", "operator.scope=namespaced", "--set", f"operator.namespaces={{{ns}}}",
+            "--set", "metrics.serviceMonitor.enabled=false", "--set", "metrics.podMonitors.enabled=false",
             timeout=180,
         )  # fmt: skip
         manifest = [
@@ -282,7 +349,7 @@ def test_a_production_values_file_installs_and_serves_without_leaking_secrets(
         assert pod_spec["imagePullSecrets"] == [{"name": "regcred"}]
         args = pod_spec["containers"][0]["args"]
         with _operator(kube_cluster, ns, pod_spec["serviceAccountName"], args, tmp_path) as (operator, log):
-            _wait_ready(kube_cluster, ns, ["llama"], operator, log)
+            _wait_ready(kube_cluster, ns, ["llama"], log.read_text, alive=lambda: operator.poll() is None)
             pods = _get(kube_cluster, ns, "pods", "-l", "pdserve.io/deployment=llama,pdserve.io/tier=engine")[
                 "items"
             ]

@@ -234,9 +234,7 @@ def widget(name: str, replicas: int, max_replicas: int) -> str:
 def test_crd_cel_rule_rejects_bad_object(kube_cluster: KubeCluster, kube_namespace: str) -> None:
     kube_cluster.apply(CRD)
     try:
-        kube_cluster.kubectl(
-            "wait", "--for=condition=Established", "crd/widgets.test.pdserve.io", "--timeout=30s"
-        )
+        kube_cluster.wait_established("widgets.test.pdserve.io", timeout=30)
         # Discovery may lag the Established condition by a moment.
         eventually(
             lambda: (

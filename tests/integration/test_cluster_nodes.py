@@ -49,9 +49,7 @@ def crd(kube_cluster: KubeCluster) -> KubeCluster:
     cluster shared with other branches' test runs a newer CRD must stay as it is (these tests
     create no PDDeployment)."""
     kube_cluster.kubectl("create", "-f", REPO / "crds", check=False)
-    kube_cluster.kubectl(
-        "wait", "--for=condition=Established", "crd/pddeployments.pdserve.io", "--timeout=60s", timeout=90
-    )
+    kube_cluster.wait_established("pddeployments.pdserve.io", timeout=60)
     return kube_cluster
 
 

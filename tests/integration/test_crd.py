@@ -18,6 +18,8 @@ from pdserve.deployment.spec import owned as pt
 from pdserve.deployment.spec import vllm_compat
 from pdserve.deployment.spec.pddeployment import SpecError, parse_pddeployment
 from pdserve.deployment.validate import problems
+from pdserve.kv import moriio
+from pdserve.kv.base import Rule
 from tests.support.kube import KubeCluster, eventually
 from tests.support.specs import manifest
 from tests.unit.test_deployment_objects import CONNECTORS, SHAPES, all_ready, shape_manifest
@@ -32,7 +34,7 @@ CRD_NAME = "pddeployments.pdserve.io"
 def crd(kube_cluster: KubeCluster) -> KubeCluster:
     """The CRD applied (idempotent: server-side apply of the same file) and served."""
     kube_cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", CRD_PATH)
-    kube_cluster.kubectl("wait", "--for=condition=Established", f"crd/{CRD_NAME}", "--timeout=60s")
+    kube_cluster.wait_established(CRD_NAME, timeout=60)
     eventually(
         lambda: kube_cluster.kubectl("get", "pdd", "-A", check=False).returncode == 0,
         timeout=60,
@@ -179,6 +181,11 @@ REFUSED = [
     pytest.param({"image": ""}, "image is required when engine is vllm", id="cel-image"),
     pytest.param({"engine": "trtllm"}, 'Unsupported value: "trtllm"', id="enum-engine"),
     pytest.param({"router": {"policy": "random"}}, 'Unsupported value: "random"', id="enum-policy"),
+    pytest.param(
+        {"router": {"prefillPolicy": "cache_aware"}},
+        'Unsupported value: "cache_aware"',
+        id="enum-prefill-policy",
+    ),
     pytest.param(
         {"kvTransfer": {"connector": "LMCache"}}, 'Unsupported value: "LMCache"', id="enum-connector"
     ),
@@ -724,7 +731,7 @@ ADMISSION_REFUSED = [
     ),
     pytest.param(
         {"kvTransfer": {"connector": "MoRIIOConnector", "transferMode": "READ"}},
-        vllm_compat.MORIIO_AMD,
+        moriio.AMD_ONLY.rule,
         id="moriio-nvidia",
     ),
     pytest.param(
@@ -733,7 +740,7 @@ ADMISSION_REFUSED = [
             "gpuResource": "amd.com/gpu",
             "decode": {"dataParallel": 2, "tensorParallel": 2},
         },
-        vllm_compat.MORIIO_DP_TP,
+        moriio.NOT_DP_AND_TP.rule,
         id="moriio-dp-and-tp",
     ),
 ]
@@ -741,7 +748,7 @@ ADMISSION_REFUSED = [
 
 @pytest.mark.parametrize(("spec", "rule"), ADMISSION_REFUSED)
 def test_an_admission_rule_is_refused_by_the_api_server_and_by_pdserve_alike(
-    crd: KubeCluster, kube_namespace: str, spec: dict[str, Any], rule: vllm_compat.Rule
+    crd: KubeCluster, kube_namespace: str, spec: dict[str, Any], rule: Rule
 ) -> None:
     obj = manifest(**spec)
     proc = create(crd, kube_namespace, obj, check=False)

@@ -25,7 +25,7 @@ from pdserve.deployment.render.routing_table import ObservedInstance, build_rout
 from pdserve.deployment.spec.pddeployment import parse_pddeployment
 from pdserve.routing import Role
 from tests.support.kube import KubeCluster, eventually
-from tests.support.specs import NIXL, pdd_of, sim_manifest
+from tests.support.specs import sim_manifest, vllm_manifest
 
 pytestmark = pytest.mark.cluster
 
@@ -513,16 +513,19 @@ def test_gpu_pods_land_on_kwok_nodes_and_the_rest_on_the_runner(
 
 
 def vllm_engine_pod(namespace: str) -> dict[str, Any]:
-    pdd = pdd_of(
-        "v",
-        metadata={"namespace": namespace, "generation": 1},
-        model="Qwen/Qwen3-0.6B",
-        servedModelName="qwen",
-        engine="vllm",
-        image="vllm/vllm-openai:v0.11.0",
-        kvTransfer=NIXL,
-        prefill={"instances": 1, "dataParallel": 2, "args": ["--max-model-len", "2048", "--enforce-eager"]},
-        decode={"instances": 1},
+    pdd = parse_pddeployment(
+        vllm_manifest(
+            "v",
+            metadata={"namespace": namespace, "generation": 1},
+            model="Qwen/Qwen3-0.6B",
+            servedModelName="qwen",
+            prefill={
+                "instances": 1,
+                "dataParallel": 2,
+                "args": ["--max-model-len", "2048", "--enforce-eager"],
+            },
+            decode={"instances": 1},
+        )
     )
     rendered = copy.deepcopy(instance_pod(pdd, Role.PREFILL, 0))
     rendered["metadata"].pop("ownerReferences", None)  # no PDDeployment object here

@@ -110,6 +110,56 @@ CONNECTORS = {
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["buffered", "streaming"])
+def test_mooncake_legs_name_the_prefill_engine_and_its_bootstrap_with_exact_counts(
+    stack: PDStack, stream: bool
+) -> None:
+    """Serial legs, as for NIXL; the decode's kv_transfer_params are the router's own: the transfer
+    (the prefill leg's id), the prefill engine (vLLM's <engine_id>_dp<rank>) and its bootstrap
+    server (the table's kvAddress)."""
+    prefill = [stack.sims["pdp0"], stack.sims["ptp0"]]
+    decode = [stack.sims["ddp0"], stack.sims["dtp0"]]
+
+    def instance(sim: Sim) -> dict[str, Any]:
+        return {**sim.instance(), "kvAddress": f"http://{sim.kv_address}"}  # the bootstrap server
+
+    stack.write(
+        stack.table([instance(s) for s in prefill], [instance(s) for s in decode], {"type": "mooncake"})
+    )
+    for sim in stack.sims.values():
+        sim.reset()
+    n = 18  # 9 prefill slots, 9 decode slots: k = 2
+    results = send_all(stack, n, streaming=stream)
+    for _, rid, answer in results:
+        assert answer.headers["x-request-id"] == rid
+        assert_answer(stream, answer, tokens=3)
+    pdp0, ptp0, ddp0, dtp0 = (s.stats() for s in (*prefill, *decode))
+    assert pdp0["by_rank"] == {str(r): 2 for r in range(8)} and ptp0["by_rank"] == {"0": 2}
+    assert ddp0["by_rank"] == {str(r): 2 for r in range(8)} and dtp0["by_rank"] == {"0": 2}
+    assert pdp0["without_rank_header"] == ddp0["without_rank_header"] == 0
+    assert ddp0["malformed_handoff"] == dtp0["malformed_handoff"] == 0
+
+    prefill_stats = zip(prefill, (pdp0, ptp0), strict=True)
+    prefill_legs = {leg["request_id"]: (sim, leg) for sim, st in prefill_stats for leg in st["recent"]}
+    decode_legs = [leg for s in (ddp0, dtp0) for leg in s["recent"]]
+    assert len(prefill_legs) == len(decode_legs) == n
+    assert {rid.removesuffix("-p1") for rid in prefill_legs} == {rid for _, rid, _ in results}
+    for leg in decode_legs:
+        params = leg["kv_transfer_params"]
+        sim, prefill_leg = prefill_legs[params["transfer_id"]]  # the transfer is the prefill leg's id
+        assert prefill_leg["kv_transfer_params"] == {
+            "do_remote_decode": True,
+            "do_remote_prefill": False,
+            "transfer_id": params["transfer_id"],
+        }
+        assert "kv_answer" not in prefill_leg  # vLLM 0.32's Mooncake prefill answers none
+        assert params["remote_bootstrap_addr"] == f"http://{sim.kv_address}"
+        expected = f"{sim.name}_dp{prefill_leg['rank']}" if sim.dp_size > 1 else sim.name
+        assert params["remote_engine_id"] == expected
+        assert leg["request_id"] == params["transfer_id"].removesuffix("-p1") + "-d1"
+        assert params["do_remote_prefill"] is True and leg["max_tokens"] == 3
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["buffered", "streaming"])
 @pytest.mark.parametrize("connector", CONNECTORS)
 def test_connector_legs(stack: PDStack, connector: str, stream: bool) -> None:
     prefill = [stack.sims["pdp0"], stack.sims["ptp0"]]

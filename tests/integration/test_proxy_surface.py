@@ -8,6 +8,7 @@ import re
 
 import pytest
 
+from pdserve.wire.headers import ERROR_REASON
 from tests.support.pdstack import (
     TEST_HTTP_SERVER,
     PDStack,
@@ -216,3 +217,18 @@ def test_secrets_never_reach_the_log(stack: PDStack) -> None:
     log = stack.proxy.log()
     assert "request id=" in log  # the log is there and has request lines
     assert CLIENT_KEY not in log and BACKEND_KEY not in log
+
+
+def test_vllms_schema_refusal_reaches_the_client_in_the_routers_vocabulary(stack: PDStack) -> None:
+    """A field the router does not check goes to the engine, which (as vLLM does) answers
+    ``Bad Request``; the client gets the router's one name for a 400, the rest unchanged."""
+    stack.route([stack.sims["p0"]], [stack.sims["d0"]])
+    raw = json.dumps({"prompt": "x", "max_tokens": 2, "temperature": "hot"}).encode()
+    answer = http(
+        "POST", stack.url + "/v1/completions", raw=raw, headers={**AUTH, "Content-Type": "application/json"}
+    )
+    assert answer.status == 400, answer.body
+    error = json.loads(answer.body)["error"]
+    assert (error["type"], error["param"], error["code"]) == ("BadRequestError", "body.temperature", 400)
+    assert "'float_parsing'" in error["message"]
+    assert ERROR_REASON.lower() not in answer.headers  # the engine refused it, not the router

@@ -20,23 +20,18 @@ from pdserve.loadgen.cachemodel import ideal_hit_ratio
 from pdserve.loadgen.schedule import schedule
 from pdserve.loadgen.trace import read_trace
 from tests.support.procs import REPO, ProcessGroup, wait_routable
+from tests.support.specs import sim_manifest
 
 SLICE = REPO / "tests" / "fixtures" / "mooncake" / "slice-3600.jsonl"
 SIM_TOKENS = 4
-MANIFEST = {
-    "apiVersion": "pdserve.io/v1alpha1",
-    "kind": "PDDeployment",
-    "metadata": {"name": "replay"},
-    "spec": {
-        "model": "Qwen/Qwen2.5-0.5B-Instruct",
-        "servedModelName": "qwen-0.5b",
-        "engine": "sim",
-        "kvTransfer": {"connector": "NixlConnector"},
-        # Mooncake prompts run to 191k tokens
-        "prefill": {"instances": 1, "dataParallel": 2, "args": ["--max-model-len", "200000"]},
-        "decode": {"instances": 2, "dataParallel": 1, "args": ["--max-model-len", "200000"]},
-    },
-}
+MANIFEST = sim_manifest(
+    "replay",
+    model="Qwen/Qwen2.5-0.5B-Instruct",
+    servedModelName="qwen-0.5b",
+    # Mooncake prompts run to 191k tokens
+    prefill={"instances": 1, "dataParallel": 2, "args": ["--max-model-len", "200000"]},
+    decode={"instances": 2, "dataParallel": 1, "args": ["--max-model-len", "200000"]},
+)
 
 
 def _get(url: str) -> Any:

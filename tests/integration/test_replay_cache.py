@@ -21,6 +21,7 @@ from pdserve.loadgen.cachemodel import hit_counts
 from pdserve.loadgen.schedule import schedule
 from pdserve.loadgen.trace import read_trace
 from tests.support.procs import REPO, ProcessGroup, wait_routable
+from tests.support.specs import sim_manifest
 
 SLICE = REPO / "tests" / "fixtures" / "mooncake" / "slice-3600.jsonl"
 BLOCK_SIZE = 16
@@ -33,6 +34,7 @@ PROFILE = {
     "description": "a fast engine for the replay cache test",
     "source": "tests/integration/test_replay_cache.py",
     "step": {"step_ms": 1.0, "prefill_token_ms": 0.001, "decode_seq_ms": 0.05, "context_ktoken_ms": 0.0},
+    "request": {"frontend_ms": 0.0},
     "kv_transfer": {"bytes_per_token": 1024, "bandwidth_gb_per_s": 20.0, "latency_ms": 0.5},
     "engine": {
         "block_size": 16,
@@ -42,24 +44,18 @@ PROFILE = {
     },
 }
 ENGINE_ARGS = ["--max-model-len", "200000", "--block-size", str(BLOCK_SIZE)]
-MANIFEST = {
-    "apiVersion": "pdserve.io/v1alpha1",
-    "kind": "PDDeployment",
-    "metadata": {"name": "cache"},
-    "spec": {
-        "model": "Qwen/Qwen2.5-0.5B-Instruct",
-        "servedModelName": "qwen-0.5b",
-        "engine": "sim",
-        "kvTransfer": {"connector": "NixlConnector"},
-        "prefill": {
-            "instances": 1,
-            "dataParallel": 2,
-            # the pool counts vLLM's null block: POOL usable blocks
-            "args": [*ENGINE_ARGS, "--enable-prefix-caching", "--num-gpu-blocks-override", str(POOL + 1)],
-        },
-        "decode": {"instances": 1, "dataParallel": 2, "args": ENGINE_ARGS},
+MANIFEST = sim_manifest(
+    "cache",
+    model="Qwen/Qwen2.5-0.5B-Instruct",
+    servedModelName="qwen-0.5b",
+    prefill={
+        "instances": 1,
+        "dataParallel": 2,
+        # the pool counts vLLM's null block: POOL usable blocks
+        "args": [*ENGINE_ARGS, "--enable-prefix-caching", "--num-gpu-blocks-override", str(POOL + 1)],
     },
-}
+    decode={"instances": 1, "dataParallel": 2, "args": ENGINE_ARGS},
+)
 
 
 def _get(url: str) -> Any:

@@ -144,6 +144,50 @@ async def test_malformed_handoff_is_400_and_counted(
     assert stats["recent"][-1]["outcome"] == "malformed_handoff"
 
 
+MOONCAKE_DECODE = {
+    "do_remote_decode": False,
+    "do_remote_prefill": True,
+    "transfer_id": "r1-p1",
+    "remote_engine_id": "p0_dp1",
+    "remote_bootstrap_addr": "http://10.0.0.5:8998",
+}
+
+
+@pytest.mark.parametrize("told", [True, False], ids=["kv-connector", "auto"])
+@pytest.mark.parametrize(
+    ("drop", "replace", "missing"),
+    [
+        ("remote_engine_id", {}, "remote_engine_id"),
+        ("transfer_id", {}, "transfer_id"),
+        (None, {"remote_bootstrap_addr": "10.0.0.5:8998"}, "remote_bootstrap_addr"),
+    ],
+)
+async def test_a_malformed_mooncake_handoff_is_400_and_counted(
+    procs: ProcessGroup, told: bool, drop: str | None, replace: dict[str, Any], missing: str
+) -> None:
+    args = ["sim", "--role", "decode", *FAST, *(["--kv-connector", "mooncake"] if told else [])]
+    sim = procs.start("d", args)
+    params = {k: v for k, v in MOONCAKE_DECODE.items() if k != drop} | replace
+    status, err = await post(sim.url + "/v1/completions", {"prompt": "x", "kv_transfer_params": params})
+    assert status == 400 and err["error"]["param"] == "kv_transfer_params"
+    assert err["error"]["message"].endswith(f"{missing} (real vLLM would wait forever for this KV)")
+    stats = await get_json(sim.url + "/sim/stats")
+    assert stats["malformed_handoff"] == 1 and stats["requests"] == 0
+    status, _ = await post(
+        sim.url + "/v1/completions", {"prompt": "x", "kv_transfer_params": MOONCAKE_DECODE}
+    )
+    assert status == 200
+
+
+async def test_a_told_mooncake_decode_names_the_missing_bootstrap_address(procs: ProcessGroup) -> None:
+    """Without --kv-connector a decode with a transfer id and nothing else of its own reads as
+    MoRIIO's (as before Mooncake); told, the simulator names what Mooncake misses."""
+    sim = procs.start("d", ["sim", "--role", "decode", "--kv-connector", "mooncake", *FAST])
+    params = {k: v for k, v in MOONCAKE_DECODE.items() if k != "remote_bootstrap_addr"}
+    status, err = await post(sim.url + "/v1/completions", {"prompt": "x", "kv_transfer_params": params})
+    assert status == 400 and "remote_bootstrap_addr" in err["error"]["message"]
+
+
 async def test_moriio_ids_and_transfer_id_are_recorded(procs: ProcessGroup) -> None:
     sim = procs.start("both", ["sim", "--dp-size", "2", "--instance-name", "m0", *FAST])
     headers = {"X-Request-Id": MORIIO_ID, "X-data-parallel-rank": "1"}

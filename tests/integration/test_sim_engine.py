@@ -160,6 +160,63 @@ async def test_pd_prefill_holds_blocks_until_the_decode_pulled(procs: ProcessGro
     assert p["vllm:prefix_cache_hits_total"] == {"0": 256}
 
 
+async def test_mooncake_prefill_holds_blocks_until_the_decode_asks_for_the_transfer(
+    procs: ProcessGroup,
+) -> None:
+    """Mooncake's prefill answers no kv_transfer_params and keeps the blocks for the transfer; the
+    decode's request for it goes to the bootstrap address the router named."""
+    kv_port = free_port()
+    mc = ["--kv-connector", "mooncake"]
+    prefill = procs.start(
+        "prefill",
+        [
+            "sim",
+            *CPU,
+            *mc,
+            "--role",
+            "prefill",
+            "--dp-size",
+            "2",
+            "--instance-name",
+            "p0",
+            "--kv-port",
+            str(kv_port),
+        ],
+    )
+    decode = procs.start("decode", ["sim", *CPU, *mc, "--role", "decode"])
+    prompt = words(300)
+    status, first = await post(
+        prefill.url + "/v1/completions",
+        {
+            "prompt": prompt,
+            "max_tokens": 1,
+            "kv_transfer_params": {"do_remote_decode": True, "transfer_id": "t-1"},
+        },
+        {"X-data-parallel-rank": "1"},
+    )
+    assert status == 200, first
+    assert first["kv_transfer_params"] is None  # as vLLM 0.32: the router names the transfer itself
+    held = (await metrics(prefill.url))["vllm:kv_cache_usage_perc"]
+    assert held["1"] > 0 and held["0"] == 0.0
+    params = {
+        "do_remote_decode": False,
+        "do_remote_prefill": True,
+        "transfer_id": "t-1",
+        "remote_engine_id": "p0_dp1",
+        "remote_bootstrap_addr": f"http://127.0.0.1:{kv_port}",
+    }
+    status, second = await post(
+        decode.url + "/v1/completions", {"prompt": prompt, "max_tokens": 4, "kv_transfer_params": params}
+    )
+    assert status == 200, second
+
+    async def released() -> bool:
+        return (await metrics(prefill.url))["vllm:kv_cache_usage_perc"]["1"] == 0.0
+
+    await eventually(released, "the prefill freed the transferred blocks")
+    assert (await metrics(decode.url))["vllm:external_prefix_cache_hits_total"] == {"0": 300}
+
+
 async def test_pd_lease_ends_without_a_decode(procs: ProcessGroup) -> None:
     prefill = procs.start(
         "prefill",
@@ -221,3 +278,25 @@ def test_a_profile_with_a_missing_or_negative_figure_is_refused(tmp_path: Path) 
         [sys.executable, "-m", "pdserve.cli", "sim", *small], capture_output=True, text=True, timeout=30
     )
     assert done.returncode == 2 and "--num-gpu-blocks-override" in done.stderr
+
+
+async def test_moriio_prefill_leg_frees_at_the_end_and_still_names_blocks(procs: ProcessGroup) -> None:
+    prefill = procs.start("prefill", ["sim", *CPU, "--role", "prefill", "--kv-port", str(free_port())])
+    params = {"do_remote_decode": True, "transfer_id": "t-1"}
+    status, answer = await post(
+        prefill.url + "/v1/completions", {"prompt": words(200), "max_tokens": 1, "kv_transfer_params": params}
+    )
+    assert status == 200, answer
+    assert answer["kv_transfer_params"]["transfer_id"] == "t-1"
+    assert answer["kv_transfer_params"]["remote_block_ids"] == [[1, 2]]
+    assert (await metrics(prefill.url))["vllm:kv_cache_usage_perc"] == {"0": 0.0}
+
+
+async def test_with_a_profile_max_tokens_is_generated_in_full(procs: ProcessGroup) -> None:
+    sim = procs.start("sim", ["sim", *CPU, "--kv-port", str(free_port())])
+    _, answer = await post(sim.url + "/v1/completions", {"prompt": words(10), "max_tokens": 40})
+    assert answer["usage"]["completion_tokens"] == 40  # beyond --tokens (16)
+    _, answer = await post(sim.url + "/v1/completions", {"prompt": words(500), "max_tokens": 40})
+    assert answer["usage"]["completion_tokens"] == 12  # up to --max-model-len 512
+    _, answer = await post(sim.url + "/v1/completions", {"prompt": words(10)})
+    assert answer["usage"]["completion_tokens"] == 16

@@ -96,6 +96,19 @@ class KubeCluster:
         ns = ["-n", namespace] if namespace else []
         return self.kubectl("apply", "--server-side", "--force-conflicts", *ns, "-f", "-", input=manifest)
 
+    def wait_established(self, crd: str, timeout: float = 60.0) -> None:
+        """Until the CRD ``crd`` is Established. Polled here: ``kubectl wait`` fails at once
+        ("status.conditions accessor error") when it reads a CRD created a moment before,
+        whose status has no conditions yet."""
+        condition = '{.status.conditions[?(@.type=="Established")].status}'
+        eventually(
+            lambda: (
+                self.kubectl("get", f"crd/{crd}", "-o", f"jsonpath={condition}", check=False).stdout == "True"
+            ),
+            timeout=timeout,
+            message=f"CRD {crd} Established",
+        )
+
     def ready(self) -> bool:
         """True if the API server answers /readyz."""
         try:

@@ -26,7 +26,7 @@ import pytest
 from pdserve.routing.table import RoutingTable, load_routing_table
 from tests.support.kube import REPO, KubeCluster, eventually
 from tests.support.procs import free_port
-from tests.support.specs import NIXL, manifest
+from tests.support.specs import vllm_manifest
 
 WAIT = 60.0
 
@@ -48,12 +48,9 @@ def pdd_manifest(
     its router pod asks for no GPU and really runs on the pod runner's node, unless
     ``silent_router`` pins it to a kwok node too, where it is Ready but never answers (so drains
     end at the ``drainSeconds`` bound)."""
-    return manifest(
+    return vllm_manifest(
         name,
         model="Qwen/Qwen2.5-0.5B-Instruct",
-        image="vllm/vllm-openai:v0.11.0",
-        engine="vllm",
-        kvTransfer=NIXL,
         prefill={"instances": prefill_instances, "dataParallel": prefill_dp, "tensorParallel": 1},
         decode={
             "instances": decode_instances,
@@ -79,9 +76,7 @@ KWOK_PLACEMENT: dict[str, Any] = {
 @pytest.fixture(scope="session")
 def pdd_crd(kube_cluster: KubeCluster) -> KubeCluster:
     kube_cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(REPO / "crds"))
-    kube_cluster.kubectl(
-        "wait", "--for=condition=Established", "crd/pddeployments.pdserve.io", "--timeout=60s", timeout=90
-    )
+    kube_cluster.wait_established("pddeployments.pdserve.io", timeout=60)
     return kube_cluster
 
 

@@ -23,7 +23,7 @@ import pytest
 
 from pdserve.proxy.settings import ServerSettings
 from pdserve.wire.headers import ERROR_REASON
-from pdserve.wire.openai import VALIDATION_ERROR_TYPE, error_type
+from pdserve.wire.openai import error_type
 from tests.support.procs import Proc, ProcessGroup, wait_http
 
 # Tiny simulated timings: the proxy's logic is under test, not the model.
@@ -357,12 +357,13 @@ def only_these_serve(stack: PDStack, proxy_url: str, prefill: Sequence[Sim], dec
 
 
 def vllm_error(status: int, body: bytes | str) -> dict[str, Any]:
-    """The ``error`` of a body, checked to be vLLM's shape: exactly message, type, param and an
-    integer ``code`` equal to the status, ``type`` vLLM's name for it."""
+    """The ``error`` of a body the router sent, checked to be vLLM's shape: exactly message,
+    type, param and an integer ``code`` equal to the status, ``type`` the router's one name for
+    the status (vLLM's ``Bad Request`` renamed, pdserve.wire.openai)."""
     error = json.loads(body)["error"]
     assert set(error) == {"message", "type", "param", "code"}, error
     assert type(error["code"]) is int and error["code"] == status, error
-    assert error["type"] in (error_type(status), VALIDATION_ERROR_TYPE), error
+    assert error["type"] == error_type(status), error
     assert isinstance(error["message"], str) and error["message"], error
     return error  # type: ignore[no-any-return]
 

@@ -18,6 +18,7 @@ from pdserve.deployment.spec.pddeployment import PDDeployment, parse_pddeploymen
 API_VERSION = "pdserve.io/v1alpha1"
 IMAGE = "vllm/vllm-openai:v0.12.0"
 NIXL = {"connector": "NixlConnector"}
+VLLM_IMAGE = "vllm/vllm-openai:v0.11.0"
 
 
 def manifest(name: str = "r1", *, metadata: Mapping[str, Any] | None = None, **spec: Any) -> dict[str, Any]:
@@ -36,6 +37,13 @@ def manifest(name: str = "r1", *, metadata: Mapping[str, Any] | None = None, **s
 def pdd_of(name: str = "r1", *, metadata: Mapping[str, Any] | None = None, **spec: Any) -> PDDeployment:
     """:func:`manifest`, parsed."""
     return parse_pddeployment(manifest(name, metadata=metadata, **spec))
+
+
+def vllm_manifest(name: str, *, metadata: Mapping[str, Any] | None = None, **spec: Any) -> dict[str, Any]:
+    """``engine: vllm`` with NIXL and a released vLLM image: GPU pods, which the test cluster puts
+    on kwok's nodes (Ready, nothing runs); ``spec`` on top (give the model)."""
+    defaults = {"engine": "vllm", "image": VLLM_IMAGE, "kvTransfer": NIXL}
+    return manifest(name, metadata=metadata, **{**defaults, **spec})
 
 
 def sim_manifest(name: str, *, metadata: Mapping[str, Any] | None = None, **spec: Any) -> dict[str, Any]:

@@ -14,8 +14,10 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from pdserve.wire import vllm
+
 REPO = Path(__file__).resolve().parents[2]
-VLLM_VERSION = "0.32.0"
+VLLM_VERSION = vllm.VERSION
 FIXTURES = REPO / "tests" / "fixtures" / f"vllm-{VLLM_VERSION}"
 
 

@@ -69,6 +69,19 @@ CASES["client-sidecars"] = [
 ]
 
 
+CASES["tracing"] = [
+    "--set",
+    "tracing.endpoint=grpc://otel-collector.observability:4317",
+    "--set-json",
+    "tracing.samplingRatio=0.1",
+    *("--set", "deployments[0].name=chat", "--set", "deployments[0].spec.model=m"),
+    *("--set", "deployments[0].spec.engine=sim"),
+    *("--set", "deployments[1].name=batch", "--set", "deployments[1].spec.model=m"),
+    *("--set", "deployments[1].spec.engine=sim"),
+    *("--set", "deployments[1].spec.tracing.endpoint=http://elsewhere:4318/v1/traces"),
+]
+
+
 #: The production values file (charts/pdserve/ci/): also installed in the test cluster.
 PRODUCTION_VALUES = CHART / "ci" / "production-values.yaml"
 CASES["production"] = ["--values", str(PRODUCTION_VALUES)]
@@ -247,15 +260,19 @@ def test_operator_args_are_accepted_by_the_operator_cli(helm: str, case: str) ->
         == f"ghcr.io/pdserve/pdserve:{'0.1.0-rc1' if case == 'monitoring' else __version__}"
     )
     args = container["args"]
-    assert args[0] == "operator"
+    assert container["command"] == ["pdserve"] and args[0] == "operator"
     parser = argparse.ArgumentParser(exit_on_error=False)
     configure_operator_cli(parser)
     parsed = parser.parse_args(args[1:])
+    # Routers and engine: sim pods run the image the operator runs from.
+    assert parsed.pdserve_image == container["image"]
     if case == "namespaced":
         assert parsed.namespace == ["team-a", "team-b"] and not parsed.all_namespaces
     else:
         assert parsed.all_namespaces and not parsed.namespace
     assert parsed.verbose is (case == "monitoring")
+    traced = "grpc://otel-collector.observability:4317" if case == "tracing" else None
+    assert parsed.otlp_traces_endpoint == traced
     # Leader election: on, the release's Lease, the chart's timings, identity and namespace from
     # the downward API; two replicas that prefer different nodes.
     assert parsed.leader_elect and parsed.leader_election_id == "pdserve-operator"
@@ -304,6 +321,21 @@ def test_metrics_service_and_service_monitor_select_the_operator(helm: str) -> N
     assert not by_kind(objects(render(helm)), "ServiceMonitor"), "ServiceMonitor is opt-in"
 
 
+def test_tracing_values_trace_the_operator_and_the_releases_deployments(helm: str) -> None:
+    """tracing.endpoint: the operator's flag, and spec.tracing of each PDDeployment without one."""
+    docs = objects(render(helm, CASES["tracing"]))
+    chat, batch = (parse_pddeployment(d) for d in by_kind(docs, "PDDeployment"))
+    assert chat.spec.tracing is not None and batch.spec.tracing is not None
+    assert (chat.spec.tracing.endpoint, chat.spec.tracing.sampling_ratio) == (
+        "grpc://otel-collector.observability:4317",
+        0.1,
+    )
+    assert batch.spec.tracing.endpoint == "http://elsewhere:4318/v1/traces"  # its own is kept
+    assert batch.spec.tracing.sampling_ratio == 1.0
+    without = by_kind(objects(render(helm, CASES["tracing"][4:])), "PDDeployment")
+    assert "tracing" not in without[0]["spec"]
+
+
 BAD_VALUES = [
     (["--set", "operator.replicas=0"], "operator.replicas"),
     (["--set", "operator.leaderElection.leaseDuration=soon"], "operator.leaderElection.leaseDuration"),
@@ -314,6 +346,8 @@ BAD_VALUES = [
     (["--set", "operatr.scope=namespaced"], "operatr"),
     (["--set", "operator.namespaces={Team_A}", "--set", "operator.scope=namespaced"], "operator.namespaces"),
     (["--set", "rbac.create=maybe"], "rbac.create"),
+    (["--set", "tracing.endpoint=collector:4317"], "tracing.endpoint"),
+    (["--set-json", "tracing.samplingRatio=2"], "tracing.samplingRatio"),
     (["--set", "metrics.serviceMonitor.interval=often"], "metrics.serviceMonitor.interval"),
     (["--set", "clientSidecars[0].deployment=chat"], "serviceAccount"),
     (

@@ -65,3 +65,30 @@ def test_with_placement_sets_the_field_and_keeps_the_manifest(tmp_path: Path) ->
     pdd, original = load_manifest_file(copy), load_manifest_file(EXAMPLE)
     assert pdd.spec.router.decode_sidecar
     assert pdd.name == original.name and pdd.spec.decode == original.spec.decode
+
+
+def test_both_placements_list_slots_in_the_tables_order() -> None:
+    """A router lists slots in its walk's order, merged sidecars each their own: the report and
+    the chart list them instance by instance, rank by rank, in both."""
+    from pdserve.local.demo import in_slot_order
+
+    table = {"prefill": [{"name": "p-0"}, {"name": "p-1"}], "decode": [{"name": "d-0"}, {"name": "d-1"}]}
+    walk = [
+        SlotResult(Role.DECODE, "d-1", 0, 1, 0, 1),
+        SlotResult(Role.PREFILL, "p-1", 0, 1, 0, 1),
+        SlotResult(Role.DECODE, "d-0", 1, 1, 0, 1),
+        SlotResult(Role.PREFILL, "p-0", 1, 1, 0, 1),
+        SlotResult(Role.PREFILL, "p-0", 0, 1, 0, 1),
+        SlotResult(Role.DECODE, "d-0", 0, 1, 0, 1),
+    ]
+    assert [(r.instance, r.rank) for r in in_slot_order(walk, table)] == [
+        ("p-0", 0), ("p-0", 1), ("p-1", 0), ("d-0", 0), ("d-0", 1), ("d-1", 0),
+    ]  # fmt: skip
+
+
+def test_a_chart_with_errors_and_an_uneven_spread_is_drawn(tmp_path: Path) -> None:
+    results = [SlotResult(Role.PREFILL, "p-0", r, n, e, n) for r, (n, e) in enumerate([(5, 1), (3, 0)])]
+    results += [SlotResult(Role.DECODE, "d-0", 0, 8, 0, 8)]
+    chart = tmp_path / "c.png"
+    assert _report(results, ["request 1: HTTP 502"], 8, 0.5, chart) is False
+    assert chart.read_bytes().startswith(b"\x89PNG")

@@ -1,6 +1,6 @@
 """Dependencies point one way: contract and wire formats depend on nothing of ours; the proxy,
 simulator and local mode never load each other's internals, and the proxy never loads kopf or
-the Kubernetes client (it must start fast and stay small).
+the Kubernetes client (it must start fast and stay small), nor OpenTelemetry unless it traces.
 
 Two kinds of check: what importing a module loads in a fresh interpreter (RULES: what a process
 really pays at start-up), and the import statements of every module read from its source (the
@@ -29,17 +29,37 @@ RULES = {
         "pdserve.deployment",
         "pdserve.operator",
     ),
-    "pdserve.wire.kv": ("pdserve.routing", "pdserve.proxy", "pdserve.sim", "pdserve.deployment"),
-    "pdserve.wire.openai": ("pdserve.routing", "pdserve.proxy", "pdserve.sim", "pdserve.deployment"),
-    "pdserve.proxy.cli": (
-        "kopf",
-        "kubernetes",
+    # the connectors are ground floor: the routing table, the renderer, the proxy and the simulator
+    # look them up, never the other way round
+    "pdserve.kv": (
+        "pdserve.routing",
+        "pdserve.wire",
+        "pdserve.proxy",
         "pdserve.sim",
         "pdserve.deployment",
         "pdserve.operator",
         "pdserve.local",
     ),
-    "pdserve.proxy.app": ("kopf", "kubernetes", "pdserve.sim", "pdserve.deployment", "pdserve.operator"),
+    "pdserve.wire.openai": ("pdserve.routing", "pdserve.proxy", "pdserve.sim", "pdserve.deployment"),
+    "pdserve.proxy.cli": (
+        "kopf",
+        "kubernetes",
+        "opentelemetry",
+        "pdserve.sim",
+        "pdserve.deployment",
+        "pdserve.operator",
+        "pdserve.local",
+    ),
+    "pdserve.proxy.app": (
+        "kopf",
+        "kubernetes",
+        "opentelemetry",
+        "pdserve.sim",
+        "pdserve.deployment",
+        "pdserve.operator",
+    ),
+    # the SDK is loaded by start_tracing, not by importing the module
+    "pdserve.tracing.sdk": ("opentelemetry", "pdserve.proxy", "pdserve.sim", "pdserve.deployment"),
     # the ConfigMap watch speaks to the API server with aiohttp alone
     "pdserve.proxy.table.configmap": (
         "kopf",
@@ -56,8 +76,15 @@ RULES = {
         "pdserve.deployment",
         "pdserve.operator",
     ),
-    "pdserve.sim.cli": ("kopf", "kubernetes", "pdserve.proxy", "pdserve.routing", "pdserve.deployment"),
-    "pdserve.sim.server": ("kopf", "kubernetes", "pdserve.proxy", "pdserve.deployment"),
+    "pdserve.sim.cli": (
+        "kopf",
+        "kubernetes",
+        "opentelemetry",
+        "pdserve.proxy",
+        "pdserve.routing",
+        "pdserve.deployment",
+    ),
+    "pdserve.sim.server": ("kopf", "kubernetes", "opentelemetry", "pdserve.proxy", "pdserve.deployment"),
     "pdserve.sim.process": ("kopf", "kubernetes", "pdserve.proxy", "pdserve.routing", "pdserve.deployment"),
     "pdserve.deployment.render.objects": (
         "kopf",
@@ -76,6 +103,9 @@ RULES = {
         "pdserve.deployment",
         "pdserve.sim",
     ),
+    # the operator loads OpenTelemetry only with --otlp-traces-endpoint (pdserve.operator.tracing)
+    "pdserve.operator.reconcile": ("opentelemetry",),
+    "pdserve.operator.handlers": ("opentelemetry",),
     "pdserve.local.runner": ("kopf", "kubernetes", "pdserve.operator", "pdserve.proxy.", "pdserve.sim."),
 }
 
@@ -100,9 +130,10 @@ def test_module_does_not_load_what_it_must_not_depend_on(module: str) -> None:
 PACKAGE = Path(__file__).resolve().parents[2] / "pdserve"
 
 #: Lowest first. A package imports its own modules, packages of lower floors, and its peers only
-#: on the ground floor (the contract, the wire formats and the connectors know no service).
+#: on the ground floor (the contract, the wire formats and the connectors know no service; nor
+#: does ``listen``, the commands' check of the ports they are given).
 FLOORS: tuple[frozenset[str], ...] = (
-    frozenset({"routing", "wire", "kv"}),
+    frozenset({"routing", "wire", "kv", "listen", "tracing"}),
     frozenset({"deployment"}),
     frozenset({"proxy", "sim"}),
     frozenset({"operator", "local", "loadgen"}),  # loadgen: a client (pdserve bench), above what it loads
@@ -110,21 +141,20 @@ FLOORS: tuple[frozenset[str], ...] = (
 )
 
 #: Inside a package the same rule, by its subpackages and top modules: a part imports only parts
-#: of lower floors. The router: the engine client, shared state, connectors and metrics at its
+#: of lower floors. The router: the engine client, shared state and metrics at its
 #: ground; the table and the policies; the settings; the request flow; serving; admin; on top the
-#: composition root (app) and the command (cli). The deployment: the spec; the KV connectors'
-#: settings and the rollout planning; rendering; the checks that need rendered pods; the tools.
+#: composition root (app) and the command (cli). The deployment: the spec; the rollout planning;
+#: rendering; the checks that need rendered pods; the tools. (The KV connectors are pdserve.kv.)
 INNER_FLOORS: dict[str, tuple[frozenset[str], ...]] = {
     "deployment": (
         frozenset({"spec"}),
-        frozenset({"kvconfig", "plan"}),
-        frozenset({"kvpod"}),
+        frozenset({"plan"}),
         frozenset({"render"}),
         frozenset({"validate"}),
         frozenset({"cli", "docgen"}),
     ),
     "proxy": (
-        frozenset({"engine", "state", "connectors", "metrics"}),
+        frozenset({"engine", "state", "metrics"}),
         frozenset({"policies", "table"}),
         frozenset({"settings"}),
         frozenset({"flow"}),
@@ -137,7 +167,7 @@ INNER_FLOORS: dict[str, tuple[frozenset[str], ...]] = {
 
 #: The router and the simulator start fast and stay small: neither imports kopf nor the
 #: Kubernetes client, nor does anything they are built on.
-NO_KUBERNETES_CLIENT = ("routing", "wire", "kv", "proxy", "sim")
+NO_KUBERNETES_CLIENT = ("routing", "wire", "kv", "tracing", "proxy", "sim")
 
 
 def module_name(path: Path) -> str:

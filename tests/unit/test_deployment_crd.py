@@ -29,6 +29,11 @@ AUTOSCALING: dict[str, Any] = {
     "decode": {"maxInstances": 1024},
     "objectives": {"ttftMilliseconds": 2000, "itlMilliseconds": 50},
 }
+#: Optional sections with a required field: absent unless given, their defaults apply once given.
+GIVEN_SECTIONS: dict[str, dict[str, Any]] = {
+    "tracing": {"endpoint": "http://collector:4318/v1/traces"},
+    "autoscaling": AUTOSCALING,
+}
 
 
 def walk(
@@ -55,8 +60,8 @@ def attribute(spec: object, path: tuple[str, ...]) -> Any:
 def with_value(path: tuple[str, ...], value: Any) -> dict[str, Any]:
     """BASE with ``spec.<path> = value``, plus what the rest of the spec needs for that field to be legal."""
     doc = copy.deepcopy(BASE)
-    if path[0] == "autoscaling":
-        doc["autoscaling"] = copy.deepcopy(AUTOSCALING)
+    if path[0] in GIVEN_SECTIONS and path[-1] not in GIVEN_SECTIONS[path[0]]:
+        doc[path[0]] = copy.deepcopy(GIVEN_SECTIONS[path[0]])
     if path[0] == "kvTransfer" and path[-1] == "transferMode":
         doc["kvTransfer"] = {"connector": "MoRIIOConnector"}
     node = doc
@@ -89,12 +94,8 @@ def test_parser_applies_the_crd_default(path: tuple[str, ...], schema: dict[str,
     doc = copy.deepcopy(BASE)
     if doc.pop(path[0], None) is not None and path[0] == "image":
         doc["engine"] = "sim"  # an empty image is legal only there
-    if path[0] == "autoscaling":  # a section whose presence turns autoscaling on: its leaves default
-        doc["autoscaling"] = copy.deepcopy(AUTOSCALING)
-        node = doc["autoscaling"]
-        for part in path[1:-1]:
-            node = node.get(part, {})
-        node.pop(path[-1], None)
+    if path[0] in GIVEN_SECTIONS:  # a section whose presence turns a feature on: its leaves default
+        doc[path[0]] = copy.deepcopy(GIVEN_SECTIONS[path[0]])
     value = attribute(parse_spec(doc), path)
     default = schema["default"]
     if path[-1] == "policies":  # ScalingPolicy values as the CRD writes them
@@ -108,10 +109,10 @@ def test_parser_applies_the_crd_default(path: tuple[str, ...], schema: dict[str,
 
 def test_every_section_defaults_to_an_object_so_its_defaults_apply() -> None:
     """Optional sections without defaults below them (modelCache, Secret references) stay absent,
-    and so does one whose presence turns a feature on (autoscaling, with required fields)."""
+    and so do those whose presence turns a feature on, with a required field (tracing, autoscaling)."""
     for name, sub in SPEC_SCHEMA["properties"].items():
-        if name == "autoscaling":
-            assert "default" not in sub and sub["required"]
+        if name in GIVEN_SECTIONS:
+            assert "default" not in sub and sub["required"], name
             continue
         if "properties" in sub and any("default" in s for _, s in walk(sub)):
             assert sub.get("default") == {}, name

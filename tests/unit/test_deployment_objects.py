@@ -63,6 +63,7 @@ SHAPES = {
 CONNECTORS = {
     "nixl": ({"connector": "NixlConnector"}, "nvidia.com/gpu"),
     "moriio": ({"connector": "MoRIIOConnector", "transferMode": "READ"}, "amd.com/gpu"),
+    "mooncake": ({"connector": "MooncakeConnector"}, "nvidia.com/gpu"),
 }
 
 

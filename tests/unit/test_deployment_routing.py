@@ -6,8 +6,9 @@ from typing import Any
 
 from pdserve.deployment.render.routing_table import ObservedInstance, build_routing_table
 from pdserve.deployment.spec.pddeployment import PDDeployment
+from pdserve.kv.moriio import MoriioRequestId
+from pdserve.kv.moriio import parse_request_id as parse_moriio_request_id
 from pdserve.routing import Connector, Role, build_slot_table, load_routing_table
-from pdserve.wire.kv import MoriioRequestId, parse_moriio_request_id
 from tests.support import specs
 
 

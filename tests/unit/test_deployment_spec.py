@@ -367,3 +367,26 @@ def test_wrong_kind_in_a_file() -> None:
     with pytest.raises(SpecError) as info:
         load_manifest("apiVersion: apps/v1\nkind: Deployment\nmetadata: {name: x}\nspec: {}\n")
     assert info.value.path == "apiVersion"
+
+
+@pytest.mark.parametrize(
+    ("spec", "path", "hint"),
+    [
+        ({"prefil": {"instances": 1}}, "spec.prefil", "prefill"),
+        ({"decode": {"dataParalel": 2}}, "spec.decode.dataParalel", "dataParallel"),
+        ({"decode": {"tensorparallel": 2}}, "spec.decode.tensorparallel", "tensorParallel"),
+        ({"modle": "m"}, "spec.modle", "model"),
+        ({"router": {"replcias": 2}}, "spec.router.replcias", "replicas"),
+    ],
+)
+def test_a_near_miss_field_gets_a_suggestion(spec: dict[str, Any], path: str, hint: str) -> None:
+    """Misspellings, not only case: within a couple of edits (a swap of neighbours is one)."""
+    with pytest.raises(SpecError) as info:
+        parse_pddeployment(manifest(**spec))
+    assert (info.value.path, info.value.reason) == (path, f'unknown field (did you mean "{hint}"?)')
+
+
+def test_a_far_field_lists_the_known_ones() -> None:
+    with pytest.raises(SpecError) as info:
+        parse_pddeployment(manifest(decode={"gpus": 8}))
+    assert info.value.reason.startswith("unknown field; known fields: instances, ")

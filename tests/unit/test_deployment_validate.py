@@ -154,3 +154,20 @@ def test_moriio_needs_amd_gpus_for_vllm() -> None:
     ]
     assert problems(pdd_of(kvTransfer=kv, gpuResource="amd.com/gpu"), [8]) == []
     assert problems(pdd_of(kvTransfer=kv, engine="sim", image=""), None) == []
+
+
+def test_routers_and_sim_engines_run_the_operators_image_unless_the_spec_names_one() -> None:
+    from pdserve.deployment.render.groups import render_all
+    from pdserve.deployment.validate import with_pdserve_image
+
+    mine = "registry.example.com/pdserve:0.1.0"
+    pdd = with_pdserve_image(pdd_of(engine="sim", image=""), mine)
+    images = {
+        c["image"]
+        for obj in render_all(pdd)
+        if obj["kind"] in ("Pod", "Deployment")
+        for c in (obj["spec"].get("template", {}).get("spec") or obj["spec"])["containers"]
+    }
+    assert images == {mine}
+    named = pdd_of(engine="sim", image="", router={"image": "other:1"})
+    assert with_pdserve_image(named, mine) == named

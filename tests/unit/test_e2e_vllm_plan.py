@@ -6,7 +6,6 @@ from __future__ import annotations
 
 from collections import Counter
 
-from pdserve.deployment.kvconfig import MORIIO
 from pdserve.deployment.spec.pddeployment import load_manifest_file
 from pdserve.routing import Role
 from pdserve.sim import vllm_cli
@@ -22,9 +21,11 @@ def test_every_example_renders_a_command_per_pod_and_per_local_process() -> None
         pods = sum(pdd.spec.group_shape(role).nodes for role in (Role.PREFILL, Role.DECODE))
         local = 0
         multi = any(pdd.spec.group_shape(r).multi_node for r in (Role.PREFILL, Role.DECODE))
-        if pdd.spec.kv_transfer.connector != MORIIO and not multi:
+        if not pdd.spec.kv_transfer.kv.render.local.refused and not multi:
             local = 4  # each role's first process, on GPUs and on CPU
         assert names[f"{where} prefill"] + names[f"{where} decode"] == pods + local, where
+    traced = [c for c in commands if c["name"].startswith("spec.tracing ")]
+    assert len(traced) == 4 and all("--otlp-traces-endpoint" in c["argv"] for c in traced)
     for command in commands:
         assert command["argv"][:2] == ["vllm", "serve"], command["name"]
         assert not any("$(" in arg for arg in command["argv"]), command["name"]

@@ -12,6 +12,7 @@ import re
 from pathlib import Path
 
 import pytest
+import yaml
 
 from pdserve.deployment.spec.pddeployment import PDDeployment, RoleSpec, load_manifest_file
 
@@ -21,6 +22,7 @@ CONNECTORS = {
     "nixl": ("NixlConnector", None),
     "moriio-read": ("MoRIIOConnector", "READ"),
     "moriio-write": ("MoRIIOConnector", "WRITE"),
+    "mooncake": ("MooncakeConnector", None),
 }
 SHAPE = re.compile(r"^(\d+)p-(tp8|dp8ep)-(\d+)d-(tp8|dp8ep)$")
 
@@ -70,8 +72,11 @@ def test_example_is_the_shape_its_name_says(folder: str, shape: str) -> None:
 
 
 def test_example_names_are_unique() -> None:
-    names = [_load(p).name for p in ALL_EXAMPLES]
+    """Except an ``engine: sim`` variant (``NAME-sim.yaml``), which is its GPU twin's deployment."""
+    names = [_load(p).name for p in ALL_EXAMPLES if not p.stem.endswith("-sim")]
     assert len(names) == len(set(names))
+    for variant in (p for p in ALL_EXAMPLES if p.stem.endswith("-sim")):
+        assert _load(variant).name == _load(variant.with_name(variant.stem[: -len("-sim")] + ".yaml")).name
 
 
 def test_quickstart_runs_without_gpus() -> None:
@@ -120,3 +125,85 @@ def test_the_multi_node_example_is_the_deepseek_shape() -> None:
         8,
     )
     assert (spec.decode.data_parallel, decode.nodes, decode.dp_local) == (32, 4, 8)
+
+
+# --- what a GPU example asks of a cluster, said in its header (issue 29) --------------------------
+
+#: Hugging Face orgs whose models need an accepted license and a token.
+GATED = ("meta-llama/",)
+
+
+def _header(path: Path) -> str:
+    """The comment lines before the manifest."""
+    return path.read_text().split("\napiVersion:", 1)[0]
+
+
+def _gpu_examples() -> list[Path]:
+    from pdserve.wire import vllm
+
+    return [
+        p for p in ALL_EXAMPLES if _load(p).spec.engine == "vllm" and _load(p).spec.image != vllm.CPU_IMAGE
+    ]
+
+
+def test_the_scan_sees_the_gpu_examples() -> None:
+    stems = {str(p.relative_to(EXAMPLES)) for p in _gpu_examples()}
+    assert {"first/qwen3-8b.yaml", "nixl/1p-tp8-1d-tp8.yaml", "multinode/deepseek-r1.yaml"} <= stems
+    assert "first/qwen3-8b-sim.yaml" not in stems and "cpu/nixl-1p-1d-dp2.yaml" not in stems
+
+
+@pytest.mark.parametrize("path", _gpu_examples(), ids=lambda p: str(p.relative_to(EXAMPLES)))
+def test_a_gpu_example_caches_its_model_and_says_its_gpus_and_memory(path: Path) -> None:
+    from pdserve.deployment.spec.storage import served_from_disk
+
+    pdd = _load(path)
+    assert pdd.spec.model_cache is not None or served_from_disk(pdd.spec.model), (
+        f"{path.name}: set spec.modelCache (every pod downloads the weights again otherwise)"
+    )
+    header = _header(path)
+    match = re.search(r"^# GPUs: (\d+)\b(.*(?:\n#  .*)*)", header, re.MULTILINE)
+    assert match is not None, f"{path.name}: no '# GPUs: N ...' line in the header"
+    total = sum(role.instances * role.gpus_per_instance for role in (pdd.spec.prefill, pdd.spec.decode))
+    assert int(match.group(1)) == total, (
+        f"{path.name}: the header says {match.group(1)} GPUs, the spec {total}"
+    )
+    assert re.search(r"\d+ GB", match.group(2)), f"{path.name}: the GPUs line says no memory"
+    assert "Model cache:" in header and "Token:" in header
+
+
+@pytest.mark.parametrize("path", ALL_EXAMPLES, ids=lambda p: str(p.relative_to(EXAMPLES)))
+def test_a_gated_model_needs_the_token_secret_and_says_so(path: Path) -> None:
+    pdd = _load(path)
+    gated = pdd.spec.model.startswith(GATED)
+    if pdd.spec.engine != "vllm" or not gated:
+        return
+    ref = pdd.spec.hf_token_secret_ref
+    assert ref is not None and (ref.name, ref.key) == ("hf-token", "token"), path.name
+    assert "kubectl create secret generic hf-token --from-literal=token=hf_" in _header(path), path.name
+
+
+def test_the_first_example_and_its_sim_variant_are_one_deployment() -> None:
+    """README's cluster path on a cluster without GPUs: the same file but for engine and image."""
+    gpu = yaml.safe_load((EXAMPLES / "first" / "qwen3-8b.yaml").read_text())
+    sim = yaml.safe_load((EXAMPLES / "first" / "qwen3-8b-sim.yaml").read_text())
+    assert sim["spec"].pop("engine") == "sim" and gpu["spec"].pop("engine") == "vllm"
+    gpu["spec"].pop("image")
+    assert sim == gpu
+    spec = _load(EXAMPLES / "first" / "qwen3-8b.yaml").spec
+    assert [(r.instances, r.gpus_per_instance) for r in (spec.prefill, spec.decode)] == [(1, 1), (1, 1)]
+    assert spec.hf_token_secret_ref is None and not spec.model.startswith(GATED)
+
+
+def test_the_rdma_example_gives_both_roles_the_hcas_and_ucx_settings() -> None:
+    from pdserve.deployment.render.groups import render_all
+
+    pdd = _load(EXAMPLES / "rdma" / "nixl-ib-1p-tp8-1d-tp8.yaml")
+    pods = [o for o in render_all(pdd) if o["kind"] == "Pod"]
+    assert {p["metadata"]["labels"]["pdserve.io/role"] for p in pods} == {"prefill", "decode"}
+    for pod in pods:
+        (engine,) = [c for c in pod["spec"]["containers"] if c["name"] == "engine"]
+        assert engine["resources"]["limits"]["rdma/ib"] == "8"
+        env = {e["name"]: e.get("value") for e in engine["env"]}
+        assert env["UCX_NET_DEVICES"].startswith("mlx5_0:1,") and "tcp" not in env["UCX_TLS"]
+        assert [e["name"] for e in engine["env"]].count("UCX_TLS") == 1  # replaces pdserve's default
+        assert "IPC_LOCK" in engine["securityContext"]["capabilities"]["add"]

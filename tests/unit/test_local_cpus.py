@@ -54,7 +54,7 @@ def test_no_cores_is_refused() -> None:
 def test_cpu_plan_renders_what_vllm_needs_unless_the_manifest_says_otherwise() -> None:
     pdd = load_manifest_file(EXAMPLES / "cpu" / "nixl-1p-1d-dp2.yaml")
     plan = plan_local_run(pdd, "vllm", [9001, 9002], 8000, "routing.json", device="cpu", cores=[0, 1],
-                          side_channel_ports=[5600, 5700])  # fmt: skip
+                          kv_ports=[5600, 5700])  # fmt: skip
     prefill, decode = plan.engines
     assert prefill.env["VLLM_CPU_OMP_THREADS_BIND"] == "1" and prefill.cpus == (1,)
     assert decode.env["VLLM_CPU_OMP_THREADS_BIND"] == "0|0" and decode.cpus == (0,)

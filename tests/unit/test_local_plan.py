@@ -11,7 +11,7 @@ import pytest
 from pdserve.deployment.render.objects import instance_pod, router_deployment
 from pdserve.deployment.spec.pddeployment import PDDeployment, load_manifest_file
 from pdserve.local.plan import LOOPBACK, PlanError, SimTimings, plan_local_run
-from pdserve.local.view import instance_rows, render_frame, summary_line
+from pdserve.local.view import instance_rows, prefix_cache_counts, render_frame, summary_line
 from pdserve.routing import Role
 from tests.support.specs import pdd_of
 
@@ -59,7 +59,7 @@ def test_sim_profile_gives_every_engine_the_profile_and_its_own_kv_port() -> Non
         "/run/routing.json",
         SimTimings(profile="cpu-tiny-llama"),
         PYTHON,
-        side_channel_ports=[7100 + 10 * i for i in range(count)],
+        kv_ports=[7100 + 10 * i for i in range(count)],
     )
     assert [_flag(e.argv, "--profile") for e in plan.engines] == ["cpu-tiny-llama"] * count
     assert [e.argv[-2:] for e in plan.engines] == [("--kv-port", str(7100 + 10 * i)) for i in range(count)]
@@ -249,6 +249,28 @@ def test_summary_line_gives_totals_and_spread() -> None:
     assert "prefill 9 requests over 2 slots (min 4, max 5)" in line
     assert "decode 9 requests over 1 slots" in line
     assert "in flight 1" in line and "errors 2" in line
+
+
+def test_view_shows_the_engines_prefix_cache_hit_ratio_and_the_routers_index() -> None:
+    metrics = (
+        "# TYPE vllm:prefix_cache_queries_total counter\n"
+        'vllm:prefix_cache_queries_total{engine="0",model_name="m"} 400.0\n'
+        'vllm:prefix_cache_queries_total{engine="1",model_name="m"} 100.0\n'
+        'vllm:prefix_cache_hits_total{engine="0",model_name="m"} 300.0\n'
+        'vllm:prefix_cache_hits_total{engine="1",model_name="m"} 0.0\n'
+    )
+    counts = prefix_cache_counts(metrics)
+    assert counts == {0: (300.0, 400.0), 1: (0.0, 100.0)}
+    debug = {
+        **_debug(),
+        "prefill_policy": "prefix-affinity",
+        "prefix": {"policy": "prefix-affinity", "slots": {"p-0/0": {"chunks": 12}, "p-0/1": {"chunks": 3}}},
+    }
+    frame = "\n".join(render_frame(debug, [], color=False, cache={"p-0": counts}))
+    assert "prefill policy prefix-affinity   prefill prefix-cache hits 60%" in frame
+    assert "   cache hit 75%  0%" in frame
+    assert "   index      12   3" in frame
+    assert "prefill prefix-cache hits 60%" in summary_line(debug, {"p-0": counts})
 
 
 def _multinode(api_servers: str = "perNode", **decode: Any) -> PDDeployment:

@@ -334,9 +334,22 @@ def test_flags_refuse_bad_timings_and_a_missing_namespace(monkeypatch: pytest.Mo
     monkeypatch.delenv("POD_NAMESPACE", raising=False)
     monkeypatch.setattr("pdserve.operator.cli.default_namespace", lambda: None)
     with pytest.raises(SystemExit, match=r"--leader-election-namespace NS .* or --no-leader-elect"):
-        election_config(parse())
+        election_config(parse("--leader-elect"))  # asked for: required
     with pytest.raises(SystemExit, match="must be greater than --renew-deadline"):
         election_config(parse("--leader-election-namespace", "x", "--lease-duration", "5"))
+
+
+def test_outside_a_cluster_without_a_lease_namespace_one_replica_runs_with_a_warning(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """As controller-runtime's operators (leader election off by default) on a laptop."""
+    monkeypatch.delenv("POD_NAMESPACE", raising=False)
+    monkeypatch.setattr("pdserve.operator.cli.default_namespace", lambda: None)
+    assert election_config(parse()) is None
+    warning = capsys.readouterr().err
+    assert "warning: no namespace for the leader-election Lease" in warning
+    assert "running as a single replica without leader election" in warning
+    assert "--leader-election-namespace NS" in warning
 
 
 # --- the fence in front of every write -----------------------------------------------------------

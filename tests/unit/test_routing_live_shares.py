@@ -13,7 +13,7 @@ import multiprocessing
 from collections import Counter
 from collections.abc import Sequence
 
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pdserve.proxy.policies import Policy, make_policy
@@ -83,7 +83,7 @@ def assert_within_one(counts: Counter[str], live: Sequence[Slot]) -> None:
 shapes = st.lists(st.integers(1, 8), min_size=1, max_size=4)
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     dp_sizes=shapes,
     data=st.data(),
@@ -122,7 +122,7 @@ def test_live_slots_keep_exact_shares_whatever_is_out(
         assert (None in chosen) == (not reachable)
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(dp_sizes=shapes, data=st.data(), workers=st.sampled_from([1, 2]))
 def test_a_slot_that_comes_back_gets_its_share_from_then_on_without_a_burst(
     dp_sizes: list[int], data: st.DataObject, workers: int
@@ -144,7 +144,7 @@ def test_a_slot_that_comes_back_gets_its_share_from_then_on_without_a_burst(
     assert_within_one(counts, slots)  # every slot, the one back included: no catch-up
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     prefill_dp=shapes,
     decode_instances=st.integers(1, 4),

@@ -13,10 +13,8 @@ from pdserve.sim.faults import (
     choose_fault,
     drop_after_chunks,
     faults_from_json,
-    malform_kv_params,
     parse_fault,
 )
-from pdserve.wire.kv import moriio_prefill_answer_problems, nixl_handoff_problems
 
 
 @pytest.mark.parametrize(
@@ -134,27 +132,6 @@ def test_malformed_kv_params_only_hits_prefill_answers() -> None:
     assert choose_fault((fault,), rng, "prefill", 0) is fault
     assert choose_fault((fault,), rng, "decode", 0) is None
     assert choose_fault((fault,), rng, "plain", 0) is None
-
-
-def test_malform_kv_params_breaks_what_the_decode_needs() -> None:
-    nixl = {
-        "do_remote_prefill": True,
-        "remote_engine_id": "e-dp0",
-        "remote_block_ids": [[1, 2]],
-        "remote_host": "127.0.0.1",
-        "remote_port": 5600,
-        "remote_request_id": "cmpl-x-0-abcdef01",
-    }
-    assert nixl_handoff_problems(nixl) == []
-    broken = malform_kv_params(nixl)
-    assert set(nixl) - set(broken) == {"remote_host", "remote_port", "remote_request_id"}
-    assert nixl_handoff_problems(broken) == ["remote_host", "remote_port"]
-
-    moriio = {"transfer_id": "t", "remote_engine_id": "e-dp0", "remote_block_ids": [[1]]}
-    assert moriio_prefill_answer_problems(malform_kv_params(moriio)) == [
-        "remote_engine_id",
-        "remote_block_ids",
-    ]
 
 
 @pytest.mark.parametrize(("tokens", "sent"), [(1, 1), (2, 1), (3, 1), (4, 2), (16, 8)])

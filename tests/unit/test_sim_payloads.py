@@ -6,9 +6,9 @@ import json
 
 import pytest
 
+from pdserve.kv.nixl import prefill_params as nixl_prefill_params
 from pdserve.sim import payloads
 from pdserve.sim.payloads import Identity
-from pdserve.wire.kv import moriio_handoff_problems, nixl_handoff_problems, nixl_prefill_params
 from pdserve.wire.openai import RequestError
 
 IDENTITY = Identity(model="m", instance_name="sim-a", kv_host="127.0.0.1", kv_port=5600)
@@ -86,30 +86,6 @@ def test_request_ids_follow_vllm() -> None:
     assert payloads.engine_request_id("completions", "abc", "0123abcd") == "cmpl-abc-0-0123abcd"
     assert payloads.engine_request_id("chat", "abc", "0123abcd") == "chatcmpl-abc-0123abcd"
     assert payloads.response_id("completions", "abc") == "cmpl-abc"
-    assert payloads.engine_id(IDENTITY, 3) == "sim-a-dp3"
-
-
-def test_nixl_prefill_answer_is_a_complete_handoff() -> None:
-    answer = payloads.nixl_prefill_answer(IDENTITY, 1, "cmpl-r-0-01234567", 20, [[1, 2]])
-    assert nixl_handoff_problems(answer) == []
-    assert answer["remote_engine_id"] == "sim-a-dp1"
-    assert answer["remote_block_ids"] == [[1, 2]]
-    assert answer["remote_request_id"] == "cmpl-r-0-01234567"
-    assert answer["remote_num_tokens"] == 20
-    assert set(answer) == {
-        "do_remote_prefill", "do_remote_decode", "remote_block_ids", "remote_engine_id",
-        "remote_request_id", "remote_host", "remote_port", "tp_size", "dcp_size", "pp_size",
-        "remote_num_tokens", "remote_blocks_expiry_time", "transfer_mode", "remote_prefill_cached_tokens",
-    }  # fmt: skip
-
-
-def test_moriio_prefill_answer_feeds_a_read_decode() -> None:
-    answer = payloads.moriio_prefill_answer(IDENTITY, 2, "tid", [[1]])
-    assert answer["transfer_id"] == "tid"
-    decode = {**answer, "do_remote_prefill": True}
-    assert moriio_handoff_problems(decode, payloads.moriio_mode(decode)) == []
-    assert payloads.moriio_mode({"transfer_id": "t", "remote_engine_id": None}) == "WRITE"
-    assert payloads.moriio_mode(decode) == "READ"
 
 
 def test_bodies_and_chunks_have_openai_shapes() -> None:

@@ -10,6 +10,7 @@ import yaml
 from pdserve.deployment.spec import vllm_compat
 from pdserve.deployment.spec.pddeployment import load_manifest_file
 from pdserve.deployment.validate import problems
+from pdserve.kv import moriio
 from tests.support.specs import pdd_of
 
 REPO = Path(__file__).resolve().parents[2]
@@ -30,12 +31,12 @@ def test_tensor_parallel_sizes_that_do_not_divide_are_refused(p: int, d: int) ->
 
 
 def test_moriio_needs_amd_gpus_and_no_instance_with_both_dp_and_tp() -> None:
-    assert problems(pdd_of(kvTransfer=MORIIO), None) == [f"spec.{vllm_compat.MORIIO_AMD.message}"]
+    assert problems(pdd_of(kvTransfer=MORIIO), None) == [f"spec.{moriio.AMD_ONLY.rule.message}"]
     amd = {"kvTransfer": MORIIO, "gpuResource": "amd.com/gpu"}
     assert problems(pdd_of(**amd, decode={"dataParallel": 8}), None) == []
     assert problems(pdd_of(**amd, decode={"tensorParallel": 8}), None) == []
     found = problems(pdd_of(**amd, prefill={"dataParallel": 2, "tensorParallel": 4}), None)
-    assert found == [f"spec.{vllm_compat.MORIIO_DP_TP.message}"]
+    assert found == [f"spec.{moriio.NOT_DP_AND_TP.rule.message}"]
     # NIXL has no such limit: its listener is per DP rank and serves every TP rank.
     assert problems(pdd_of(prefill={"dataParallel": 2, "tensorParallel": 4}), None) == []
 

@@ -6,7 +6,10 @@ sent again to a simulator (in this process, on loopback) configured like the rec
 and its answer must have the same status, keys, JSON types and stream structure; values may
 differ. For the bad inputs the error must match exactly in status, ``type``, ``param`` and an
 integer ``code``, and a schema error must name the same pydantic error kind. The router's own
-refusals (those it answers without asking vLLM) must look like vLLM's for the same input.
+refusals (those it answers without asking vLLM) must look like vLLM's for the same input, in
+the router's one vocabulary: ``type`` is vLLM's class name for the status (``BadRequestError``
+where vLLM's schema check writes ``Bad Request``), and malformed JSON names line and column
+with ``param: "body"`` (vLLM: ``body.<offset>``).
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from pdserve.sim.engine.runtime import EngineSetup
 from pdserve.sim.engine.scheduler import EngineConfig
 from pdserve.sim.payloads import Identity
 from pdserve.sim.server import SimConfig, Simulator
-from pdserve.wire.openai import RequestError
+from pdserve.wire.openai import VALIDATION_ERROR_TYPE, RequestError, error_type, normalize_error_body
 from tests.support.procs import free_port
 from tests.support.vllm_fixtures import (
     FIXTURES,
@@ -167,12 +170,29 @@ def test_router_refuses_bad_input_like_vllm(name: str) -> None:
     want = load(name)["response"]
     body = refusal.body()
     assert set(body["error"]) == set(want["body"]["error"])
+    param = "body" if name == "errors/invalid-json" else want["body"]["error"]["param"]
     assert (refusal.status, body["error"]["type"], body["error"]["param"], body["error"]["code"]) == (
         want["status"],
-        want["body"]["error"]["type"],
-        want["body"]["error"]["param"],
+        error_type(want["status"]),
+        param,
         want["body"]["error"]["code"],
     )
+    assert body["error"]["type"] != VALIDATION_ERROR_TYPE
+
+
+def test_router_names_line_and_column_of_malformed_json() -> None:
+    refusal = _router_refusal("errors/invalid-json")
+    assert refusal is not None
+    assert refusal.message == "request body is not valid JSON at line 1, column 12: Expecting value"
+
+
+@pytest.mark.parametrize("name", sorted(PASSED_THROUGH | RANK_ONLY))
+def test_vllms_refusals_reach_the_client_in_the_routers_vocabulary(name: str) -> None:
+    """What the router passes back from vLLM keeps message, param and code; ``type`` is the
+    class name for the status (vLLM's schema errors say ``Bad Request``)."""
+    want = load(name)["response"]["body"]
+    got = json.loads(normalize_error_body(json.dumps(want).encode()))
+    assert got["error"] == {**want["error"], "type": error_type(want["error"]["code"])}
 
 
 @pytest.mark.parametrize("role", ["prefill", "decode"])

@@ -31,7 +31,7 @@ import json
 from collections.abc import Sequence
 
 from pdserve.deployment.spec.pddeployment import PDDeployment
-from pdserve.deployment.spec.vllm_compat import last_value
+from pdserve.kv.base import last_value
 from pdserve.routing import Role
 
 #: vLLM flags whose value must be equal on both sides of a KV handoff.

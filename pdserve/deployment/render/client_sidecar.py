@@ -29,7 +29,12 @@ import copy
 from typing import Any
 
 from pdserve.deployment.render.decode_sidecar import SIDECAR_PORT, TOKEN_PATH, TOKEN_VOLUME, token_volume
-from pdserve.deployment.render.objects import router_deployment, router_role, routing_configmap_name
+from pdserve.deployment.render.objects import (
+    namespaced,
+    router_deployment,
+    router_role,
+    routing_configmap_name,
+)
 from pdserve.deployment.render.security import ADMIN_PORT_NAME
 from pdserve.deployment.spec.owned import ROUTER_CONTAINER
 from pdserve.deployment.spec.pddeployment import PDDeployment
@@ -130,7 +135,7 @@ def client_rbac(
     role = client_role_name(pdd)
 
     def meta(name: str, namespace: str) -> dict[str, Any]:
-        return {"name": name, "namespace": namespace, "labels": _client_labels(pdd)}
+        return {"name": name, **namespaced(namespace), "labels": _client_labels(pdd)}
 
     return [
         {
@@ -149,6 +154,6 @@ def client_rbac(
             "kind": "RoleBinding",
             "metadata": meta(client_binding_name(pdd, account), pdd.namespace),
             "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": role},
-            "subjects": [{"kind": "ServiceAccount", "name": account, "namespace": app_namespace}],
+            "subjects": [{"kind": "ServiceAccount", "name": account, **namespaced(app_namespace)}],
         },
     ]

@@ -28,6 +28,7 @@ from pdserve.deployment.render.defaults import (
     router_args,
 )
 from pdserve.deployment.render.security import router_admin_args, router_admin_port, router_key_env
+from pdserve.deployment.render.tracing import router_tracing_env
 from pdserve.deployment.spec.owned import ROUTER_CONTAINER
 from pdserve.deployment.spec.pddeployment import DEFAULT_IMAGE, ENGINE_PORT, PDDeployment
 from pdserve.deployment.spec.podtemplate import merge_pod_spec
@@ -48,7 +49,7 @@ def sidecar_container(pdd: PDDeployment, configmap: str, revision: str) -> dict[
         "image": router.image or DEFAULT_IMAGE,
         "command": ["pdserve"],
         "args": [
-            *router_args(router, configmap, SIDECAR_PORT),
+            *router_args(spec, configmap, SIDECAR_PORT),
             "--local-decode",
             # The pod's own IP, not localhost: same pod either way, and it also holds where
             # containers share the node's network but bind their pod IP (the test cluster's runner).
@@ -69,6 +70,7 @@ def sidecar_container(pdd: PDDeployment, configmap: str, revision: str) -> dict[
             _field("POD_IP", "status.podIP"),
             _field("PDSERVE_INSTANCE_INDEX", "metadata.labels['pdserve.io/instance']"),
             *router_key_env(spec),
+            *router_tracing_env(pdd, define_pod_name=False),
         ],
         # The engine's health, a prefill to pair with, and not draining (pdserve.proxy.admin.readiness).
         "readinessProbe": {

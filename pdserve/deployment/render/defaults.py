@@ -28,8 +28,10 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING, Any
 
+from pdserve.deployment.render.tracing import router_tracing_args
+
 if TYPE_CHECKING:
-    from pdserve.deployment.spec.pddeployment import RouterSpec
+    from pdserve.deployment.spec.pddeployment import PDDeploymentSpec
 
 CPU_PER_GPU = 4
 MEMORY_PER_GPU_GI = 32
@@ -87,10 +89,12 @@ def engine_security_context(sim: bool) -> dict[str, Any]:
     return {"runAsNonRoot": True} if sim else {}
 
 
-def router_args(router: RouterSpec, configmap: str, port: int) -> list[str]:
+def router_args(spec: PDDeploymentSpec, configmap: str, port: int) -> list[str]:
     """``pdserve proxy``'s flags in a router container: the routing ConfigMap watched through the
     API server (a new table is served within a second of being written; a mounted ConfigMap would
-    follow only on the kubelet's sync period), its grace period, its port and spec.router's tuning."""
+    follow only on the kubelet's sync period), its grace period, its port, spec.router's tuning
+    (the policy flags: RouterSpec.policy_args) and spec.tracing's endpoint (render/tracing.py)."""
+    router = spec.router
     return [
         "proxy",
         "--routing-configmap",
@@ -101,10 +105,10 @@ def router_args(router: RouterSpec, configmap: str, port: int) -> list[str]:
         "0.0.0.0",
         "--port",
         str(port),
-        "--policy",
-        router.policy,
+        *router.policy_args(),
         "--backlog",
         str(router.backlog),
         "--workers",
         str(router.workers),
+        *router_tracing_args(spec),
     ]

@@ -68,9 +68,9 @@ def group_pods(
         return [instance_pod(pdd, role, index, suffix)]
     leader = instance_name(pdd, role, index, suffix)
     rpc = pdd.spec.multi_node.rpc_port
-    address = leader_address or (
-        f"{instance_hostname(role, index, suffix)}.{engine_service_name(pdd)}.{pdd.namespace}.svc"
-    )
+    # Without a namespace, the short name: the pod's DNS search path adds its own namespace.
+    dns = f"{instance_hostname(role, index, suffix)}.{engine_service_name(pdd)}"
+    address = leader_address or (f"{dns}.{pdd.namespace}.svc" if pdd.namespace else dns)
     pods = []
     for node in range(shape.nodes):
         name = group_member_name(pdd, role, index, suffix, node)

@@ -37,8 +37,6 @@ import shlex
 from collections.abc import Mapping
 from typing import Any
 
-from pdserve.deployment.kvconfig import MORIIO, NIXL, kv_transfer_config_json
-from pdserve.deployment.kvpod import kv_pod_settings
 from pdserve.deployment.plan.revision import pairing_revision
 from pdserve.deployment.render.decode_sidecar import SIDECAR_PORT_NAME, add_sidecar
 from pdserve.deployment.render.defaults import (
@@ -63,6 +61,7 @@ from pdserve.deployment.render.security import (
     router_admin_port,
     router_key_env,
 )
+from pdserve.deployment.render.tracing import engine_tracing_args, engine_tracing_env, router_tracing_env
 from pdserve.deployment.spec.multinode import GroupShape
 from pdserve.deployment.spec.owned import ENGINE_ENV_OWNED
 from pdserve.deployment.spec.pddeployment import (
@@ -75,6 +74,7 @@ from pdserve.deployment.spec.pddeployment import (
 )
 from pdserve.deployment.spec.podtemplate import merge_metadata, merge_pod_spec
 from pdserve.deployment.spec.storage import model_argument, storage_env, storage_mounts, storage_volumes
+from pdserve.kv.base import PodKV, transfer_config
 from pdserve.routing import CONFIGMAP_KEY, Role, RoutingTable
 
 SHM_MOUNT = "/dev/shm"
@@ -180,8 +180,14 @@ def owner_reference(pdd: PDDeployment) -> dict[str, Any]:
     }
 
 
+def namespaced(namespace: str) -> dict[str, str]:
+    """``{"namespace": ...}``, or nothing for "" (the namespace ``kubectl apply -n`` gives). A
+    ServiceAccount subject of a RoleBinding without one is the binding's own (RBAC's rule)."""
+    return {"namespace": namespace} if namespace else {}
+
+
 def object_metadata(pdd: PDDeployment, name: str, component: str) -> dict[str, Any]:
-    meta: dict[str, Any] = {"name": name, "namespace": pdd.namespace, "labels": labels(pdd, component)}
+    meta: dict[str, Any] = {"name": name, **namespaced(pdd.namespace), "labels": labels(pdd, component)}
     if pdd.uid:
         meta["ownerReferences"] = [owner_reference(pdd)]
     return meta
@@ -306,10 +312,11 @@ def pod_spec(
         "name": "engine",
         "image": spec.engine_image,
         "command": ["pdserve", "sim"] if sim else ["vllm", "serve"],
-        "args": (_sim_args(pdd, role, pod_name, flags) if sim else _vllm_args(pdd, role, flags))
+        "args": (_sim_args(pdd, role, pod_name, flags) if sim else _vllm_args(pdd, role, pod_name, flags))
+        + engine_tracing_args(spec)
         + list(rs.args),
         "ports": [{"name": "http", "containerPort": ENGINE_PORT, "protocol": "TCP"}],
-        "env": _engine_env(pdd) + [_plain(v) for v in rs.env],
+        "env": _engine_env(pdd) + engine_tracing_env(pdd, role) + [_plain(v) for v in rs.env],
         "resources": _engine_resources(spec.gpu_resource, rs, gpus if not sim else None),
         "volumeMounts": [{"name": "dshm", "mountPath": SHM_MOUNT}],
         "startupProbe": {
@@ -377,14 +384,15 @@ def pod_spec(
     return merged
 
 
-def _kv_settings(pdd: PDDeployment, role: Role, member: GroupMember | None) -> Any:
-    """The connector's pod settings for the ranks this pod runs (NIXL ports by global DP rank)."""
+def _kv_settings(pdd: PDDeployment, role: Role, member: GroupMember | None) -> PodKV:
+    """The connector's pod settings for the ranks this pod runs, from the first global rank it runs."""
     rs = pdd.spec.role(role)
+    kv = pdd.spec.kv_transfer
     if member is None:
-        return kv_pod_settings(pdd.spec.kv_transfer, rs.data_parallel, rs.tensor_parallel)
+        return kv.kv.render.pod(kv.extra_config, role, rs.data_parallel, rs.tensor_parallel)
     shape: GroupShape = member.shape
     first = 0 if shape.spans_rank else shape.first_rank(member.node)
-    return kv_pod_settings(pdd.spec.kv_transfer, shape.dp_local, rs.tensor_parallel, first)
+    return kv.kv.render.pod(kv.extra_config, role, shape.dp_local, rs.tensor_parallel, first)
 
 
 def _vllm_startup(rs: RoleSpec) -> dict[str, Any]:
@@ -408,7 +416,7 @@ def _health() -> dict[str, Any]:
     return {"path": "/health", "port": "http"}
 
 
-def _vllm_args(pdd: PDDeployment, role: Role, group: list[str]) -> list[str]:
+def _vllm_args(pdd: PDDeployment, role: Role, instance: str, group: list[str]) -> list[str]:
     spec = pdd.spec
     rs = spec.role(role)
     args = [
@@ -427,7 +435,15 @@ def _vllm_args(pdd: PDDeployment, role: Role, group: list[str]) -> list[str]:
     args += group
     if rs.expert_parallel:
         args.append("--enable-expert-parallel")
-    return [*args, "--kv-transfer-config", kv_transfer_config_json(spec.kv_transfer, role)]
+    return [*args, "--kv-transfer-config", kv_transfer_json(pdd, role, instance)]
+
+
+def kv_transfer_json(pdd: PDDeployment, role: Role, instance: str) -> str:
+    """``--kv-transfer-config`` of an instance, as compact JSON in the connector's key order: equal
+    specs give byte-equal pod args (and template hashes)."""
+    kv = pdd.spec.kv_transfer
+    config = transfer_config(kv.kv, kv.transfer_mode, kv.extra_config, role, instance, ENGINE_PORT)
+    return json.dumps(config, separators=(",", ":"))
 
 
 def _sim_args(pdd: PDDeployment, role: Role, pod_name: str, group: list[str]) -> list[str]:
@@ -460,11 +476,7 @@ def _engine_env(pdd: PDDeployment) -> list[dict[str, Any]]:
         return {"name": name, "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}
 
     env = [pod_ip("POD_IP")]
-    connector = pdd.spec.kv_transfer.connector
-    if connector == NIXL:
-        env.append(pod_ip("VLLM_NIXL_SIDE_CHANNEL_HOST"))
-    elif connector == MORIIO:
-        env.append(pod_ip("VLLM_HOST_IP"))
+    env += [pod_ip(name) for name in pdd.spec.kv_transfer.kv.render.pod_ip_env]
     if pdd.spec.engine != "sim":
         env += storage_env(pdd.spec.model, pdd.spec.model_cache, pdd.spec.hf_token_secret_ref)
     return env + engine_key_env(pdd.spec)  # the simulator checks VLLM_API_KEY like vLLM
@@ -516,9 +528,12 @@ def _router_deployment(pdd: PDDeployment) -> dict[str, Any]:
         "name": "router",
         "image": router.image or DEFAULT_IMAGE,
         "command": ["pdserve"],
-        "args": router_args(router, routing_configmap_name(pdd), router.port),
+        "args": router_args(pdd.spec, routing_configmap_name(pdd), router.port),
         "ports": [{"name": "http", "containerPort": router.port, "protocol": "TCP"}],
-        "env": [{"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}}],
+        "env": [
+            {"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
+            *router_tracing_env(pdd, define_pod_name=True),
+        ],
         # Ready only with a table that has a routable slot per role; 503 at once on SIGTERM.
         "readinessProbe": {
             "httpGet": {"path": "/ready", "port": "http"},
@@ -591,7 +606,7 @@ def router_role_binding(pdd: PDDeployment) -> dict[str, Any]:
         "kind": "RoleBinding",
         "metadata": object_metadata(pdd, name, "router"),
         "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
-        "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": pdd.namespace}],
+        "subjects": [{"kind": "ServiceAccount", "name": name, **namespaced(pdd.namespace)}],
     }
 
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from pdserve.deployment.kvconfig import kv_address
 from pdserve.deployment.plan.revision import pairing_revision
 from pdserve.deployment.spec.pddeployment import ENGINE_PORT, PDDeployment
 from pdserve.routing import Endpoint, Instance, Role, RoutingTable
@@ -49,6 +48,9 @@ class ObservedInstance:
     #: A multi-node instance whose nodes each serve their own ranks (vLLM hybrid load
     #: balancing): (ip, first rank, ranks) per node. Empty: the instance's address serves all.
     endpoints: tuple[NodeEndpoint, ...] = ()
+    #: The connector's side-channel port the engine runs with, when local mode moved it off the
+    #: rendered one (pods: None).
+    kv_port: int | None = None
 
 
 def build_routing_table(
@@ -56,6 +58,7 @@ def build_routing_table(
 ) -> RoutingTable:
     """The table for what is observed now; ``generation`` moves only when the content changes."""
     kv = pdd.spec.kv_transfer
+    render = kv.kv.render
     current = {role: pairing_revision(pdd, role) for role in Role}
     by_role: dict[Role, list[Instance]] = {Role.PREFILL: [], Role.DECODE: []}
     for obs in sorted(observed, key=lambda o: (o.role.value, o.index, o.pod_name)):
@@ -70,10 +73,15 @@ def build_routing_table(
                 tp_size=rs.tensor_parallel if obs.tp_size is None else obs.tp_size,
                 ready=obs.ready,
                 draining=obs.draining,
-                kv_address=kv_address(kv, obs.pod_ip),
+                kv_address=render.kv_address(kv.extra_config, obs.role, obs.pod_ip, obs.kv_port),
                 revision=obs.revision or current[obs.role],
                 endpoints=tuple(
-                    Endpoint(f"http://{_host(e.ip)}:{e.port}", e.first_rank, e.ranks, kv_address(kv, e.ip))
+                    Endpoint(
+                        f"http://{_host(e.ip)}:{e.port}",
+                        e.first_rank,
+                        e.ranks,
+                        render.kv_address(kv.extra_config, obs.role, e.ip, obs.kv_port),
+                    )
                     for e in obs.endpoints
                 ),
             )

@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from pdserve import kv
 from pdserve.deployment.spec.podtemplate import PodTemplate
 
 ENGINE_CONTAINER = "engine"
@@ -73,7 +74,10 @@ ROUTER_OWNED = _owned_container(
     {
         "image": "set by pdserve from spec.router.image",
         "command": "set by pdserve (pdserve proxy)",
-        "args": "set by pdserve from spec.router (port, admin port, policy, backlog, routing table)",
+        "args": (
+            "set by pdserve from spec.router (port, admin port, policy, prefill policy, backlog, "
+            "routing table)"
+        ),
         "ports": "set by pdserve from spec.router.port and spec.router.adminPort",
         "startupProbe": "set by pdserve: the router's readiness decides what the Service sends it",
         "readinessProbe": "set by pdserve: the router's readiness decides what the Service sends it",
@@ -120,14 +124,16 @@ class OwnedNames:
     names: tuple[str, ...]
 
 
-#: Always pdserve's, whatever the spec: the engine's identity and KV side channel.
+#: Always pdserve's, whatever the spec: the engine's identity and every KV connector's side
+#: channel (pdserve.kv), so a template fits whichever connector the spec names.
+_ENGINE_ENV = ("POD_IP", *kv.engine_env())
 ENGINE_ENV_OWNED = OwnedNames(
     Owned(
         "template.spec.containers[engine].env",
-        "POD_IP, VLLM_NIXL_SIDE_CHANNEL_HOST, VLLM_NIXL_SIDE_CHANNEL_PORT and VLLM_HOST_IP are set by "
-        "pdserve (the pod IP and the KV connector's side channel)",
+        f"{', '.join(_ENGINE_ENV[:-1])} and {_ENGINE_ENV[-1]} are set by pdserve (the pod IP and the KV "
+        "connector's side channel)",
     ),
-    ("POD_IP", "VLLM_NIXL_SIDE_CHANNEL_HOST", "VLLM_NIXL_SIDE_CHANNEL_PORT", "VLLM_HOST_IP"),
+    _ENGINE_ENV,
 )
 ENGINE_VOLUMES_OWNED = OwnedNames(
     Owned("template.spec.volumes", "the volume name dshm is pdserve's (/dev/shm; size it with shmSize)"),

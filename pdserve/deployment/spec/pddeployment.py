@@ -52,9 +52,12 @@ from pdserve.deployment.spec.readers import read_string_list as _string_list
 from pdserve.deployment.spec.readers import read_string_map as _string_map
 from pdserve.deployment.spec.readers import show as _show
 from pdserve.deployment.spec.storage import ModelCache, parse_model, parse_model_cache
+from pdserve.deployment.spec.tracing import TracingSpec, parse_tracing
+from pdserve.kv import DEFAULT, KVConnector, by_crd, crd_names, with_modes
 from pdserve.routing import Connector, Role
+from pdserve.wire import vllm
 
-__all__ = ["GroupShape", "ModelCache", "MultiNodeSpec", "SecretKeyRef", "SpecError"]
+__all__ = ["GroupShape", "ModelCache", "MultiNodeSpec", "SecretKeyRef", "SpecError", "TracingSpec"]
 
 GROUP = "pdserve.io"
 VERSION = "v1alpha1"
@@ -63,9 +66,11 @@ KIND = "PDDeployment"
 PLURAL = "pddeployments"
 
 ENGINES = ("vllm", "sim")
-CONNECTORS = ("NixlConnector", "MoRIIOConnector")
-TRANSFER_MODES = ("READ", "WRITE")
+CONNECTORS = crd_names()
 POLICIES = ("flat-interleaved", "least-outstanding")
+#: What spec.router.prefillPolicy may name (absent: the prefill slots follow ``policy``).
+PREFILL_POLICIES = ("flat-interleaved", "prefix-affinity")
+PREFIX_AFFINITY = "prefix-affinity"
 SERVICE_TYPES = ("ClusterIP", "NodePort", "LoadBalancer")
 #: Where the router runs: its own Deployment in front of the engines, or a container in every
 #: decode pod (pdserve.routing.sidecar).
@@ -87,7 +92,7 @@ _RESOURCE_NAME = re.compile(r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?/[-._a-zA-Z0-9]+$")
 # Defaults; equal to the CRD schema's (tests/unit/test_deployment_spec.py checks it).
 DEFAULT_ENGINE = "vllm"
 DEFAULT_GPU_RESOURCE = "nvidia.com/gpu"
-DEFAULT_CONNECTOR = "NixlConnector"
+DEFAULT_CONNECTOR = DEFAULT.names.crd
 DEFAULT_ROUTER_REPLICAS = 1
 DEFAULT_POLICY = "flat-interleaved"
 DEFAULT_BACKLOG = 4096
@@ -125,15 +130,19 @@ MAX_NODE_LOSS_SECONDS = 86400
 
 @dataclass(frozen=True)
 class KVTransferSpec:
-    connector: str  # "NixlConnector" | "MoRIIOConnector"
-    transfer_mode: str | None = None  # "READ" | "WRITE", MoRIIO only
+    connector: str  # a pdserve.kv connector's CRD name
+    transfer_mode: str | None = None  # one of its modes, for a connector that takes one
     extra_config: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def kv(self) -> KVConnector:
+        """What pdserve knows of the connector (pdserve.kv)."""
+        return by_crd(self.connector)
 
     @property
     def routing_connector(self) -> Connector:
         """The connector as the routing table (and so the proxy) names it."""
-        kind = "moriio" if self.connector == "MoRIIOConnector" else "nixl"
-        return Connector(kind, self.transfer_mode)
+        return Connector(self.kv.names.table, self.transfer_mode)
 
 
 @dataclass(frozen=True)
@@ -194,6 +203,8 @@ class RouterSpec:
     replicas: int = DEFAULT_ROUTER_REPLICAS
     image: str = ""  # "" means the pdserve image of this version
     policy: str = DEFAULT_POLICY
+    #: The prefill slots' policy; None: ``policy``'s (the decode keeps ``policy``'s either way).
+    prefill_policy: str | None = None
     backlog: int = DEFAULT_BACKLOG
     workers: int = DEFAULT_ROUTER_WORKERS
     port: int = DEFAULT_ROUTER_PORT
@@ -208,6 +219,18 @@ class RouterSpec:
     def decode_sidecar(self) -> bool:
         """The router runs in every decode pod: no router Deployment, the Service selects decodes."""
         return self.placement == PLACEMENT_DECODE_SIDECAR
+
+    def policy_args(self) -> list[str]:
+        """The router's policy flags. Several routers (replicas, or a sidecar per decode pod) with
+        prefix-affinity send prompts that match nothing by rendezvous hashing, so that they agree on
+        where a new prefix goes without talking (pdserve.proxy.policies.prefix_affinity); one
+        router keeps the flat interleave's exact shares for them."""
+        args = ["--policy", self.policy]
+        if self.prefill_policy is not None:
+            args += ["--prefill-policy", self.prefill_policy]
+            if self.prefill_policy == PREFIX_AFFINITY and (self.decode_sidecar or self.replicas > 1):
+                args += ["--prefix-unmatched", "rendezvous"]
+        return args
 
 
 @dataclass(frozen=True)
@@ -240,6 +263,8 @@ class PDDeploymentSpec:
     multi_node: MultiNodeSpec = field(default_factory=MultiNodeSpec)
     #: None: the instance counts are the spec's; else the autoscaler's, ``instances`` the start.
     autoscaling: AutoscalingSpec | None = None
+    #: OpenTelemetry traces of the router and the engines (spec/tracing.py); None: off.
+    tracing: TracingSpec | None = None
 
     @property
     def engine_image(self) -> str:
@@ -264,6 +289,7 @@ class PDDeploymentSpec:
 @dataclass(frozen=True)
 class PDDeployment:
     name: str
+    #: "" renders objects without a namespace, for ``kubectl apply -n`` (``pdserve render``).
     namespace: str
     uid: str  # "" for a file that never went through an API server
     generation: int
@@ -357,6 +383,7 @@ def parse_spec(spec: Mapping[str, Any] | object) -> PDDeploymentSpec:
             "gpusPerNode",
             "multiNode",
             "autoscaling",
+            "tracing",
         ),
     )
     model = parse_model(_string(doc, "model", path, required=True), f"{path}.model")
@@ -364,9 +391,7 @@ def parse_spec(spec: Mapping[str, Any] | object) -> PDDeploymentSpec:
     image = _string(doc, "image", path, default="")
     engine = _choice(doc, "engine", path, ENGINES, DEFAULT_ENGINE)
     if engine == "vllm" and not image:
-        raise SpecError(
-            f"{path}.image", "required when engine is vllm (for example vllm/vllm-openai:v0.11.0)"
-        )
+        raise SpecError(f"{path}.image", f"required when engine is vllm (for example {vllm.IMAGE})")
     gpu_resource = _string(doc, "gpuResource", path, default=DEFAULT_GPU_RESOURCE)
     if not _RESOURCE_NAME.match(gpu_resource):
         raise SpecError(
@@ -399,6 +424,7 @@ def parse_spec(spec: Mapping[str, Any] | object) -> PDDeploymentSpec:
         gpus_per_node=gpus_per_node,
         multi_node=multi_node,
         autoscaling=parse_autoscaling(doc.get("autoscaling"), f"{path}.autoscaling"),
+        tracing=parse_tracing(doc.get("tracing"), f"{path}.tracing"),
     )
     for role in (Role.PREFILL, Role.DECODE):  # shapes that cannot be split over nodes of gpusPerNode
         parsed.group_shape(role)
@@ -412,33 +438,22 @@ def _parse_kv_transfer(value: object, path: str) -> KVTransferSpec:
     doc = _object(value, path)
     _no_unknown(doc, path, ("connector", "transferMode", "extraConfig"))
     connector = _choice(doc, "connector", path, CONNECTORS, DEFAULT_CONNECTOR)
+    modes = by_crd(connector).names.modes
     mode: str | None = None
     extra = _plain(_object(doc.get("extraConfig", {}), f"{path}.extraConfig"), f"{path}.extraConfig")
-    if connector == "MoRIIOConnector":
+    if modes:
         if doc.get("transferMode") is None:
-            raise SpecError(f"{path}.transferMode", "required with connector MoRIIOConnector (READ or WRITE)")
-        mode = _choice(doc, "transferMode", path, TRANSFER_MODES, None)
-        _check_moriio_extra(extra, f"{path}.extraConfig", mode)
-    elif doc.get("transferMode") is not None:
-        raise SpecError(f"{path}.transferMode", f"only valid with connector MoRIIOConnector, not {connector}")
-    return KVTransferSpec(connector, mode, extra)
-
-
-def _check_moriio_extra(extra: Mapping[str, Any], path: str, mode: str) -> None:
-    """The keys pdserve reads back (ports for kvAddress) or derives (read_mode) must agree with it."""
-    for key in ("handshake_port", "notify_port"):
-        if key in extra:
-            value = extra[key]
-            port = int(value) if isinstance(value, str) and value.isdigit() else value
-            if isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536:
-                raise SpecError(f"{path}.{key}", f"expected a port number 1-65535, got {_show(value)}")
-    if "read_mode" in extra:
-        read = str(extra["read_mode"]).lower().strip() in ("true", "1")
-        if read != (mode == "READ"):
             raise SpecError(
-                f"{path}.read_mode",
-                f"contradicts transferMode {mode}; leave read_mode out, pdserve derives it from transferMode",
+                f"{path}.transferMode", f"required with connector {connector} ({' or '.join(modes)})"
             )
+        mode = _choice(doc, "transferMode", path, modes, None)
+    elif doc.get("transferMode") is not None:
+        takers = ", ".join(c.names.crd for c in with_modes())
+        raise SpecError(f"{path}.transferMode", f"only valid with connector {takers}, not {connector}")
+    for problem in by_crd(connector).render.spec_problems(mode, extra):
+        got = f", got {_show(problem.got[0])}" if problem.got else ""
+        raise SpecError(f"{path}.extraConfig.{problem.key}", problem.reason + got)
+    return KVTransferSpec(connector, mode, extra)
 
 
 _ROLE_FIELDS = (
@@ -556,7 +571,7 @@ def _quantity(doc: Mapping[str, Any], key: str, path: str, default: str) -> str:
 def _parse_router(value: object, path: str) -> RouterSpec:
     doc = _object(value, path)
     known = ("replicas", "image", "policy", "backlog", "workers", "port", "serviceType", "template")
-    _no_unknown(doc, path, (*known, "adminPort", "apiKeySecretRef", "placement"))
+    _no_unknown(doc, path, (*known, "adminPort", "apiKeySecretRef", "placement", "prefillPolicy"))
     port = _integer(doc, "port", path, DEFAULT_ROUTER_PORT, 1, 65535)
     admin_port = _integer(doc, "adminPort", path, DEFAULT_ADMIN_PORT, 1, 65535)
     if admin_port == port:
@@ -565,6 +580,9 @@ def _parse_router(value: object, path: str) -> RouterSpec:
         replicas=_integer(doc, "replicas", path, DEFAULT_ROUTER_REPLICAS, 0, MAX_ROUTER_REPLICAS),
         image=_string(doc, "image", path, default=""),
         policy=_choice(doc, "policy", path, POLICIES, DEFAULT_POLICY),
+        prefill_policy=(
+            _choice(doc, "prefillPolicy", path, PREFILL_POLICIES, None) if "prefillPolicy" in doc else None
+        ),
         backlog=_integer(doc, "backlog", path, DEFAULT_BACKLOG, 1, MAX_BACKLOG),
         workers=_integer(doc, "workers", path, DEFAULT_ROUTER_WORKERS, 0, MAX_ROUTER_WORKERS),
         port=port,

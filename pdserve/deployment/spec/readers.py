@@ -65,9 +65,35 @@ def read_object(value: object, path: str) -> Mapping[str, Any]:
 def no_unknown(doc: Mapping[str, Any], path: str, known: Sequence[str]) -> None:
     for key in doc:
         if key not in known:
-            hint = next((k for k in known if k.lower() == key.lower()), None)
+            hint = closest(key, known)
             suffix = f' (did you mean "{hint}"?)' if hint else f"; known fields: {', '.join(known)}"
             raise SpecError(f"{path}.{key}", f"unknown field{suffix}")
+
+
+def closest(name: str, known: Sequence[str]) -> str | None:
+    """The known field ``name`` most likely misspells: the nearest by edit distance (case
+    ignored, a swap of two neighbours counts one), if within 1 edit for short names, 2 up to 8
+    letters, 3 beyond; the first of equals."""
+    limit = 1 if len(name) <= 4 else 2 if len(name) <= 8 else 3
+    scored = [(edit_distance(name.lower(), k.lower()), i, k) for i, k in enumerate(known)]
+    best = min(scored, default=None)
+    return best[2] if best is not None and best[0] <= limit else None
+
+
+def edit_distance(a: str, b: str) -> int:
+    """Insertions, deletions, substitutions and swaps of adjacent letters turning ``a`` into ``b``
+    (optimal string alignment)."""
+    previous2: list[int] = []
+    previous = list(range(len(b) + 1))
+    for i, ca in enumerate(a, 1):
+        row = [i]
+        for j, cb in enumerate(b, 1):
+            cost = min(previous[j] + 1, row[j - 1] + 1, previous[j - 1] + (ca != cb))
+            if i > 1 and j > 1 and ca == b[j - 2] and a[i - 2] == cb:
+                cost = min(cost, previous2[j - 2] + 1)
+            row.append(cost)
+        previous2, previous = previous, row
+    return previous[-1]
 
 
 def read_string(

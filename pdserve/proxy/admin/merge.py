@@ -11,10 +11,19 @@ and ``loaded_at``; the merged view lists them under ``workers`` (the swap window
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 _SUMMED_SLOT_FIELDS = ("requests", "in_flight", "pinned", "errors", "ejections")
+
+
+def sum_counts(counts: Iterable[Mapping[str, int]]) -> dict[str, int]:
+    """Counts by key (client requests by outcome) of several routers or workers, added up."""
+    total: dict[str, int] = {}
+    for each in counts:
+        for key, n in each.items():
+            total[key] = total.get(key, 0) + int(n)
+    return total
 
 
 def _oldest(views: Sequence[dict[str, Any]]) -> dict[str, Any]:
@@ -89,6 +98,7 @@ def merge_debug(views: Sequence[dict[str, Any]]) -> dict[str, Any]:
         slots[role] = list(rows.values())
     out = {k: v for k, v in base.items() if k not in ("worker", "loaded_at")}
     out["unreachable"] = unreachable
+    out["requests"] = sum_counts(v.get("requests") or {} for v in views)
     out["slots"] = slots
     out["workers"] = _workers(views)
     return out

@@ -36,6 +36,8 @@ class RouterState:
     book: SlotBook
     dispatcher: Dispatcher
     policy: str
+    #: The policy's own state (prefix-affinity: its index), for /debug/routing.
+    policy_state: Callable[[], dict[str, Any]] = dict
 
 
 def debug_view(router: RouterState) -> dict[str, Any]:
@@ -52,6 +54,9 @@ def debug_view(router: RouterState) -> dict[str, Any]:
         "revisions": state.slots.revisions() if state else {},
         "unpaired": [u.describe() for u in state.slots.unpaired] if state else [],
         "unreachable": router.dispatcher.unreachable.snapshot(),
+        # Client requests answered, by outcome: a request retried on another slot counts once
+        # here and once per slot tried below.
+        "requests": router.dispatcher.metrics.request_outcomes(),
         "slots": {},
     }
     for role in Role:
@@ -75,6 +80,12 @@ def debug_view(router: RouterState) -> dict[str, Any]:
                 }
             )
         out["slots"][role.value] = rows
+    described = router.policy_state()
+    if described:  # prefix-affinity: its settings and each prefill slot's index size
+        out["prefill_policy"] = described["policy"]
+        out["prefix"] = described
+        for row in out["slots"].get(Role.PREFILL.value, []):
+            row["prefix_index_chunks"] = described["slots"].get(row["slot"], {}).get("chunks", 0)
     return out
 
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import aiohttp
 
 from pdserve.proxy.engine import h1
+from pdserve.wire.openai import normalize_error_body
 
 # Idle pooled connections are kept this long; a connection the
 # engine closed meanwhile is seen closed when taken from the pool and not used.
@@ -28,11 +29,14 @@ class LegError(Exception):
     busy (the engine answered 503 or 429: saturated, not broken; retried elsewhere, not ejected).
     """
 
-    def __init__(self, outcome: str, detail: str, problems: tuple[str, ...] = ()) -> None:
+    def __init__(
+        self, outcome: str, detail: str, problems: tuple[str, ...] = (), status: int | None = None
+    ) -> None:
         super().__init__(detail)
         self.outcome = outcome
         self.detail = detail
         self.problems = problems
+        self.status = status  # the engine's HTTP status, when it answered one
 
 
 @dataclass(frozen=True)
@@ -165,11 +169,12 @@ BUSY_STATUSES = frozenset({429, 503})
 
 def _checked(answer: Answer) -> Answer:
     if answer.status in BUSY_STATUSES:
-        raise LegError("busy", f"HTTP {answer.status} (busy): {_snippet(answer.body)}")
+        raise LegError("busy", f"HTTP {answer.status} (busy): {_snippet(answer.body)}", status=answer.status)
     if answer.status >= 500:
-        raise LegError("http_5xx", f"HTTP {answer.status}: {_snippet(answer.body)}")
+        raise LegError("http_5xx", f"HTTP {answer.status}: {_snippet(answer.body)}", status=answer.status)
     if answer.status >= 400:
-        raise BackendRefusal(answer.status, answer.body, answer.content_type)
+        # vLLM's refusal, passed back to the client in the router's vocabulary (one error type per status).
+        raise BackendRefusal(answer.status, normalize_error_body(answer.body), answer.content_type)
     return answer
 
 

@@ -102,8 +102,16 @@ class AdmissionGate:
     async def admit(self, ready: Callable[[], bool]) -> str | None:
         """None once ``ready()`` holds (at once when nobody waits and it holds now), else the
         reason the request is shed (``queue_full``, ``queue_timeout``)."""
-        if not self._waiters and ready():
+        if self.free_now(ready):
             return None
+        return await self.wait(ready)
+
+    def free_now(self, ready: Callable[[], bool]) -> bool:
+        """Whether a request may go at once: nobody waits and ``ready()`` holds."""
+        return not self._waiters and ready()
+
+    async def wait(self, ready: Callable[[], bool]) -> str | None:
+        """:meth:`admit` past its fast path: in the queue until ``ready()`` holds, or shed."""
         if len(self._waiters) >= self.queue_size:
             self.metrics.shed.labels(SHED_QUEUE_FULL).inc()
             return SHED_QUEUE_FULL

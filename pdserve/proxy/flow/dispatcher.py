@@ -21,7 +21,7 @@ import logging
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pdserve.proxy.engine.upstream import BackendRefusal
 from pdserve.proxy.flow.admission import (
@@ -45,7 +45,7 @@ from pdserve.proxy.flow.attempts import (
 from pdserve.proxy.flow.legs import Engines, LegRunner
 from pdserve.proxy.flow.reply import JSON, Reply, ReplyStream, error_reply
 from pdserve.proxy.flow.sequences import MergedStream, Split, merge_answers
-from pdserve.proxy.flow.trace import Trace
+from pdserve.proxy.flow.trace import Trace, logged_trace_id
 from pdserve.proxy.metrics import ProxyMetrics
 from pdserve.proxy.policies import Policy
 from pdserve.proxy.settings import RetrySettings
@@ -53,6 +53,9 @@ from pdserve.proxy.state.health import SlotBook
 from pdserve.proxy.state.shared import SharedState
 from pdserve.proxy.table.served import RoutingState, ServedTable
 from pdserve.routing import Role, Slot, SlotTable
+
+if TYPE_CHECKING:  # loaded only when the router traces
+    from pdserve.proxy.flow.spans import RequestSpans
 
 log = logging.getLogger("pdserve.proxy.request")
 
@@ -104,12 +107,19 @@ class Dispatcher(LegRunner):
         client_auth: str | None,
         split: Split | None = None,
         client_id: bool = True,
+        traceparent: str | None = None,
+        tracestate: str | None = None,
+        spans: RequestSpans | None = None,
     ) -> Reply:
         """``client_id``: the id came from the client (X-Request-Id), so another request may carry
-        it too; the router's own ids are unique by construction and claim nothing."""
+        it too; the router's own ids are unique by construction and claim nothing.
+        ``traceparent``/``tracestate``: the client's trace context, passed on to the engines;
+        ``spans``: the request's spans when the router traces (they end with the request)."""
         engine_base = self._claim(request_id) if client_id else request_id
         stream = body.get("stream") is True
         trace = Trace(request_id, path, stream, engine_base=engine_base, claimed=client_id)
+        if traceparent is not None or spans is not None:
+            trace.traceparent, trace.tracestate, trace.spans = traceparent, tracestate, spans
         self.served_requests += 1
         self.metrics.in_flight.inc()
         state = self.served.current  # this request's table, whatever reloads happen meanwhile
@@ -139,28 +149,50 @@ class Dispatcher(LegRunner):
             paired_prefill_missing = slots is not None and any(i.routable for i in slots.table.prefill)
             decode_missing = paired_prefill_missing and slots is not None and not slots.decode
             return self._no_slot(Role.DECODE if decode_missing else Role.PREFILL, slots)
-        walk = Walk(self.policy.turn(Role.PREFILL))
-        prefills = self.policy.candidates(Role.PREFILL, slots.prefill, self.book, walk.prefill_turn)
+        policy = self.policy
+        walk = Walk(policy.turn(Role.PREFILL))
+        # A policy that reads requests gets this sequence's view; for the others nothing is made.
+        request = policy.view(_endpoint(path), body) if policy.reads_requests else None
+        prefills = policy.candidates(Role.PREFILL, slots.prefill, self.book, walk.prefill_turn, request)
         gate = self.admission
+        spans = trace.spans
         if gate.limit > 0 and prefills:
             first_slots = slots
-            shed = await gate.admit(lambda: _room_for_pair(first_slots, prefills, self.book, gate.limit))
-            if shed is not None:
-                return shed_reply(shed, gate.queue_size, gate.timeout)
+
+            def room() -> bool:
+                return _room_for_pair(first_slots, prefills, self.book, gate.limit)
+
+            if not gate.free_now(room):
+                queued = time.time_ns()
+                shed = await gate.wait(room)
+                if spans is not None:
+                    spans.admission(queued, shed)
+                if shed is not None:
+                    return shed_reply(shed, gate.queue_size, gate.timeout)
         failure: LegFailure | None = None
         for _ in range(self.max_retries + 1):
             if failure is not None:  # a retry routes by the table served now
                 state = self.served.current or state
                 slots = state.slots
-                prefills = self.policy.candidates(Role.PREFILL, slots.prefill, self.book, walk.prefill_turn)
+                prefills = policy.candidates(
+                    Role.PREFILL, slots.prefill, self.book, walk.prefill_turn, request
+                )
+            routed = time.time_ns() if spans is not None else 0
+            reused = trace.handoff is not None
             pair = await self._pair(slots, prefills, walk, trace.handoff, check=failure is not None)
+            if spans is not None:
+                chosen = None if isinstance(pair, Reply) else pair
+                spans.route(routed, trace.attempts + 1, state.generation, chosen, reused, trace.part)
             if isinstance(pair, Reply):
                 return pair
             source, decode = pair
             if failure is not None:
                 self.metrics.retries.labels(failure.role.value, failure.error.outcome).inc()
+                trace.retry_reason = f"{failure.role.value} {failure.error.outcome}"
             trace.attempts += 1
             trace.prefill, trace.decode = source.key, decode.key
+            if request is not None and trace.handoff is None:
+                policy.sent(Role.PREFILL, source, request)  # a new prefill (not a reused handoff)
             try:
                 return await self._attempt(state, path, body, source, decode, trace, auth)
             except BackendRefusal as refusal:
@@ -248,7 +280,17 @@ class Dispatcher(LegRunner):
     ) -> Reply:
         """Every part at once; the first part that fails (after its own retries) fails the request."""
         trace.parts = [
-            Trace(trace.request_id, path, trace.stream, engine_base=f"{trace.engine_base}-{k}", part_of=trace)
+            Trace(
+                trace.request_id,
+                path,
+                trace.stream,
+                engine_base=f"{trace.engine_base}-{k}",
+                part_of=trace,
+                part=k,
+                traceparent=trace.traceparent,
+                tracestate=trace.tracestate,
+                spans=trace.spans,
+            )
             for k in range(len(split.parts))
         ]
         tasks: list[asyncio.Future[Reply]] = [
@@ -343,7 +385,7 @@ class Dispatcher(LegRunner):
         if trace.claimed:
             self._release(trace.request_id)
         now = time.monotonic()
-        endpoint = "chat" if trace.endpoint.endswith("chat/completions") else "completions"
+        endpoint = _endpoint(trace.endpoint)
         self.metrics.in_flight.dec()
         self.metrics.child(self.metrics.requests, endpoint, outcome).inc()
         self.metrics.child(self.metrics.total, endpoint).observe(now - trace.started)
@@ -352,16 +394,29 @@ class Dispatcher(LegRunner):
         if trace.first_byte is not None:
             self.metrics.child(self.metrics.ttft, endpoint).observe(trace.first_byte - trace.started)
             load.observe("ttft", trace.first_byte - trace.started)
-        if not log.isEnabledFor(logging.INFO):
-            return
-        ttft_ms = "-" if trace.first_byte is None else f"{(trace.first_byte - trace.started) * 1000:.1f}"
-        prefill, decode, extra = trace.prefill, trace.decode, ""
+        prefill, decode = trace.prefill, trace.decode
         if trace.parts:
             prefill = ",".join(p.prefill for p in trace.parts)
             decode = ",".join(p.decode for p in trace.parts)
-            extra = f" parts={len(trace.parts)}"
+        if trace.spans is not None:
+            attributes: dict[str, Any] = {
+                "pdserve.stream": trace.stream,
+                "pdserve.attempts": trace.attempts,
+                "pdserve.prefill.slot": prefill,
+                "pdserve.decode.slot": decode,
+            }
+            if trace.parts:
+                attributes["pdserve.parts"] = len(trace.parts)
+            trace.spans.end(status, outcome, attributes)
+        if not log.isEnabledFor(logging.INFO):
+            return
+        ttft_ms = "-" if trace.first_byte is None else f"{(trace.first_byte - trace.started) * 1000:.1f}"
+        extra = f" parts={len(trace.parts)}" if trace.parts else ""
         if trace.engine_base != trace.request_id:
             extra += f" engine_id={trace.engine_base}"
+        trace_id = logged_trace_id(trace.spans, trace.traceparent)
+        if trace_id is not None:
+            extra += f" trace_id={trace_id}"
         log.info(
             "request id=%s endpoint=%s stream=%s status=%d outcome=%s prefill=%s decode=%s attempts=%d "
             "ttfb_ms=%s total_ms=%.1f%s",
@@ -377,6 +432,10 @@ class Dispatcher(LegRunner):
             (now - trace.started) * 1000,
             extra,
         )
+
+
+def _endpoint(path: str) -> str:
+    return "chat" if path.endswith("chat/completions") else "completions"
 
 
 def reply_outcome(reply: Reply) -> str:

@@ -2,7 +2,7 @@
 its bookkeeping (in-flight counts, outcome metrics) and the ejection of what failed.
 
 Every leg carries its own X-Request-Id: the connector makes them from the request's stem and
-the leg's number (NIXL: ``<stem>-p1``, ``<stem>-d1``, ``<stem>-d2`` for a second decode).
+the leg's number (NIXL: ``<stem>-p1``, ``<stem>-d1``, ``<stem>-d2`` for a second decode; pdserve.kv).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from pdserve.proxy.connectors import Connector, LegPlan
+from pdserve.kv.base import LegPlan, Route
 from pdserve.proxy.engine import codec
 from pdserve.proxy.engine.upstream import Answer, BackendRefusal, LegError, Upstream
 from pdserve.proxy.flow.admission import AdmissionGate
@@ -35,6 +35,7 @@ from pdserve.proxy.state.health import SlotBook
 from pdserve.proxy.state.load import LoadWindow
 from pdserve.proxy.table.served import RoutingState
 from pdserve.routing import Role, Slot
+from pdserve.tracing.context import TRACEPARENT, TRACESTATE
 from pdserve.wire.headers import AUTHORIZATION, DP_RANK, REQUEST_ID
 
 log = logging.getLogger("pdserve.proxy.request")
@@ -89,13 +90,16 @@ class LegRunner:
         next_prefill = trace.prefill_legs + (0 if handoff is not None else 1)
         ids = connector.ids(trace.engine_base, next_prefill, trace.decode_legs + 1, prefill, decode, _uid())
         if not connector.concurrent:
+            reused = handoff is not None
             if handoff is None:
                 trace.prefill_legs += 1
                 prefill_plan = connector.prefill_leg(body, prefill, decode, ids)
-                params = await self._prefill(connector, prefill, path, prefill_plan, ids.prefill, auth)
+                params = await self._prefill(connector, prefill, path, prefill_plan, ids.prefill, auth, trace)
                 handoff = trace.handoff = Handoff(params, prefill, time.monotonic())
             decode_plan = connector.decode_leg(body, prefill, decode, ids, handoff.params)
             trace.decode_legs += 1
+            if trace.spans is not None:
+                trace.kv_span = trace.spans.kv_handoff(handoff.prefill, decode, handoff.params, reused)
             # The decode pulls the KV from the prefill before its first byte: until then the
             # prefill instance is still in use (a drain must not delete it yet).
             self.book.pin(Role.PREFILL, handoff.prefill.key)
@@ -108,7 +112,7 @@ class LegRunner:
         prefill_plan = connector.prefill_leg(body, prefill, decode, ids)
         decode_plan = connector.decode_leg(body, prefill, decode, ids, None)
         prefill_task = asyncio.create_task(
-            self._prefill(connector, prefill, path, prefill_plan, ids.prefill, auth)
+            self._prefill(connector, prefill, path, prefill_plan, ids.prefill, auth, trace)
         )
         decode_task = asyncio.create_task(
             self._decode(decode, path, decode_plan, ids.decode, auth, trace, background=prefill_task)
@@ -126,7 +130,9 @@ class LegRunner:
 
     # --- the legs -------------------------------------------------------------------------------
 
-    def _headers(self, request_id: str, plan: LegPlan, auth: str | None) -> dict[str, str]:
+    def _headers(
+        self, request_id: str, plan: LegPlan, auth: str | None, trace: Trace, span: Any = None
+    ) -> dict[str, str]:
         headers = {"Content-Type": JSON, REQUEST_ID: request_id}
         if plan.dp_rank is not None:
             headers[DP_RANK] = str(plan.dp_rank)
@@ -134,25 +140,40 @@ class LegRunner:
             headers[AUTHORIZATION] = f"Bearer {self.backend_api_key}"
         elif auth:
             headers[AUTHORIZATION] = auth
+        if trace.spans is not None:  # the leg's own context: the engine's span is its child
+            trace.spans.inject(headers, span)
+        elif trace.traceparent is not None:  # not tracing here: the client's context passes through
+            headers[TRACEPARENT] = trace.traceparent
+            if trace.tracestate:
+                headers[TRACESTATE] = trace.tracestate
         return headers
 
     async def _prefill(
-        self, connector: Connector, slot: Slot, path: str, plan: LegPlan, request_id: str, auth: str | None
+        self,
+        connector: Route,
+        slot: Slot,
+        path: str,
+        plan: LegPlan,
+        request_id: str,
+        auth: str | None,
+        trace: Trace,
     ) -> Mapping[str, Any] | None:
         """Run the prefill leg; the handoff it returns has passed the connector's validation."""
         outcome = "cancelled"
-        self._leg_started(Role.PREFILL, slot)
+        status: int | None = None
+        span = self._leg_begins(Role.PREFILL, slot, request_id, trace)
         sent = time.monotonic()
         try:
             payload = codec.dumps(plan.body)
-            headers = self._headers(request_id, plan, auth)
+            headers = self._headers(request_id, plan, auth, trace, span)
             try:
                 answer = await self.upstream.post(
                     slot.url + path, payload, headers, self.deadlines.prefill_ttfb
                 )
             except (LegError, BackendRefusal) as exc:
-                outcome = exc.outcome
+                outcome, status = exc.outcome, exc.status
                 raise self._leg_failure(Role.PREFILL, slot, exc) from None
+            status = answer.status
             handoff = _kv_transfer_params(answer)
             problems = connector.handoff_problems(handoff)
             if problems:
@@ -168,6 +189,8 @@ class LegRunner:
             return handoff
         finally:
             self._leg_finished(Role.PREFILL, slot, outcome)
+            if trace.spans is not None:
+                trace.spans.end_leg(span, outcome, status)
 
     async def _decode(
         self,
@@ -180,11 +203,12 @@ class LegRunner:
         background: asyncio.Task[Any] | None,
     ) -> Reply:
         outcome = "cancelled"
-        self._leg_started(Role.DECODE, slot)
+        status: int | None = None
+        span = self._leg_begins(Role.DECODE, slot, request_id, trace)
         sent = time.monotonic()
         try:
             payload = codec.dumps(plan.body)
-            headers = self._headers(request_id, plan, auth)
+            headers = self._headers(request_id, plan, auth, trace, span)
             url = slot.url + path
             try:
                 if plan.body.get("stream") is True:
@@ -194,21 +218,29 @@ class LegRunner:
                 else:
                     answer = await self.upstream.post(url, payload, headers, self.deadlines.decode_ttfb)
             except (LegError, BackendRefusal) as exc:
-                outcome = exc.outcome
+                outcome, status = exc.outcome, exc.status
                 raise self._leg_failure(Role.DECODE, slot, exc) from None
             trace.first_byte = time.monotonic()
             trace.decode_sent = sent
             self._first_byte(Role.DECODE, trace.first_byte - sent)
+            if trace.spans is not None:
+                trace.spans.first_token(trace.kv_span, trace.part)
+                trace.kv_span = None
             if background is not None:
                 background.add_done_callback(self._observe_background_prefill)
             if plan.body.get("stream") is not True:
-                outcome = "ok"
+                outcome, status = "ok", answer.status
                 return Reply(answer.status, answer.body, answer.content_type or JSON)
             outcome = "streaming"  # the relay owns the leg from here
+            trace.stream_span = span
             return Reply(200, RelayStream(self, slot, opened, trace, background), "text/event-stream")
         finally:
             if outcome != "streaming":
                 self._leg_finished(Role.DECODE, slot, outcome)
+                if trace.spans is not None:
+                    trace.spans.end_leg(span, outcome, status)
+                    trace.spans.end_handoff(trace.kv_span, outcome)
+                    trace.kv_span = None
 
     def _leg_failure(self, role: Role, slot: Slot, exc: LegError | BackendRefusal) -> Exception:
         """What a failed leg raises: the engine's own refusal (a 4xx, passed to the client), or a
@@ -220,7 +252,8 @@ class LegRunner:
         return LegFailure(role, slot, exc)
 
     def _observe_background_prefill(self, task: asyncio.Task[Any]) -> None:
-        """MoRIIO WRITE: a prefill that fails after its decode started cannot fail the request."""
+        """Concurrent legs (MoRIIO WRITE): a prefill that fails after its decode started cannot fail
+        the request."""
         if task.cancelled():
             return
         exc = task.exception()
@@ -235,6 +268,15 @@ class LegRunner:
     def _first_byte(self, role: Role, seconds: float) -> None:
         self.metrics.child(self.metrics.leg_ttfb, role.value).observe(seconds)
         self.load.observe("prefill" if role is Role.PREFILL else "decode_first", seconds)
+
+    def _leg_begins(self, role: Role, slot: Slot, request_id: str, trace: Trace) -> Any:
+        """A leg is sent now: it counts in flight, and gets its span when the router traces
+        this request (None otherwise)."""
+        self._leg_started(role, slot)
+        spans = trace.spans
+        if spans is None:
+            return None
+        return spans.leg(role.value, slot, request_id, trace.attempts, trace.retry_reason, trace.part)
 
     def _leg_started(self, role: Role, slot: Slot) -> None:
         self.book.started(role, slot.key)
@@ -289,7 +331,8 @@ class LegRunner:
 
 
 def _uid() -> str:
-    """A transfer id (MoRIIO): 128 random bits as uuid4's hex, without a system call per attempt."""
+    """A transfer id (for a connector that makes one per attempt): 128 random bits as uuid4's hex,
+    without a system call per attempt."""
     return f"{random.getrandbits(128):032x}"
 
 

@@ -234,6 +234,10 @@ class RelayStream:
             if self._background is not None and not self._background.done():
                 self._background.cancel()
         self._d._leg_finished(Role.DECODE, self._slot, outcome)
+        spans = self._trace.spans
+        if spans is not None:
+            spans.end_leg(self._trace.stream_span, outcome, 200)
+            self._trace.stream_span = None
         status = 200
         request_outcome = {"ok": "ok", "cancelled": "cancelled"}.get(outcome, "stream_error")
         self._d._close(self._trace, status if request_outcome != "cancelled" else 499, request_outcome)

@@ -12,28 +12,78 @@ turns a request away); unreachable instances never. The policy orders the live s
 a slot that is out gives its turns to no one in particular: over any run of requests in which
 the live set stays the same, the live slots' counts differ by at most one (flat-interleaved),
 and a slot that comes back gets its share from then on, with no catch-up burst.
+
+A policy that orders by the request itself (prefix-affinity reads the prompt) says so with
+``reads_requests``: the dispatcher then makes the request's view once per sequence
+(:meth:`Policy.view`), passes it to every :meth:`Policy.candidates` call, and tells the policy
+where each new prefill went (:meth:`Policy.sent`). For the others nothing is computed: their
+hot path is the order alone. :class:`OrderOnly` gives them the rest of the protocol.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import ClassVar, Protocol
+from collections.abc import Mapping, Sequence
+from typing import Any, ClassVar, Protocol
 
 from pdserve.proxy.policies.counters import Counters, LocalCounters
 from pdserve.proxy.state.health import SlotBook
-from pdserve.routing import Role, Slot
+from pdserve.routing import Role, Slot, SlotTable
+
+
+class RequestView:
+    """What a policy that reads requests keeps of one sequence's request (its own subclass)."""
+
+    __slots__ = ()
 
 
 class Policy(Protocol):
     name: ClassVar[str]
+    #: True when :meth:`candidates` orders by the request (``view`` is then called per sequence).
+    reads_requests: bool
 
     def turn(self, role: Role, group: str = "") -> int:
         """This request's turn of the (role, group) counter; the counter advances by one."""
         ...
 
-    def candidates(self, role: Role, slots: Sequence[Slot], book: SlotBook, turn: int) -> list[Slot]:
+    def candidates(
+        self, role: Role, slots: Sequence[Slot], book: SlotBook, turn: int, request: RequestView | None = None
+    ) -> list[Slot]:
         """Every usable slot once, best first, for the request holding ``turn`` (module doc)."""
         ...
+
+    def view(self, endpoint: str, body: Mapping[str, Any]) -> RequestView:
+        """What the policy needs of one sequence's request (``endpoint``: chat or completions)."""
+        ...
+
+    def sent(self, role: Role, slot: Slot, request: RequestView) -> None:
+        """A new leg of ``request`` was sent to ``slot`` (not a retry reusing a handoff)."""
+        ...
+
+    def table_changed(self, slots: SlotTable) -> None:
+        """The router now serves ``slots`` (a new routing table)."""
+        ...
+
+    def describe(self) -> dict[str, Any]:
+        """The policy's state for ``/debug/routing`` (empty for a policy that keeps none)."""
+        ...
+
+
+class OrderOnly:
+    """The rest of the protocol for a policy that orders slots without reading requests."""
+
+    reads_requests = False
+
+    def view(self, endpoint: str, body: Mapping[str, Any]) -> RequestView:
+        raise TypeError(f"{type(self).__name__} does not read requests")
+
+    def sent(self, role: Role, slot: Slot, request: RequestView) -> None:
+        pass
+
+    def table_changed(self, slots: SlotTable) -> None:
+        pass
+
+    def describe(self) -> dict[str, Any]:
+        return {}
 
 
 class Turns:

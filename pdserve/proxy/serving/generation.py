@@ -12,26 +12,30 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import json
 import logging
 import random
 from collections.abc import Awaitable, Callable, Mapping, MutableMapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pdserve.proxy.engine import codec
 from pdserve.proxy.flow.dispatcher import Dispatcher
 from pdserve.proxy.flow.reply import Reply
 from pdserve.proxy.flow.sequences import plan_split
+from pdserve.proxy.flow.trace import logged_trace_id
 from pdserve.proxy.serving.ports import refused_here
 from pdserve.proxy.settings import RequestSettings
+from pdserve.tracing.context import TRACEPARENT, TRACESTATE
 from pdserve.wire.headers import ERROR_REASON
 from pdserve.wire.openai import (
-    VALIDATION_ERROR_TYPE,
     Endpoint,
     RequestError,
     check_generation_request,
     error_body,
+    invalid_json,
 )
+
+if TYPE_CHECKING:  # loaded only when the router traces
+    from pdserve.proxy.flow.spans import RequestSpans, RequestTracer
 
 log = logging.getLogger("pdserve.proxy")
 
@@ -43,8 +47,8 @@ ASGIApp = Callable[[Any, Any, Any], Awaitable[None]]  # Quart types its ASGI eve
 
 ERROR_REASON_HEADER = ERROR_REASON.lower().encode()
 
-#: The client headers the generation path reads.
-WANTED_HEADERS = frozenset({"x-request-id", "content-length", "authorization"})
+#: The client headers the generation path reads (the trace context is passed on to the engines).
+WANTED_HEADERS = frozenset({"x-request-id", "content-length", "authorization", TRACEPARENT, TRACESTATE})
 
 ENDPOINTS: dict[str, Endpoint] = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}
 
@@ -80,8 +84,11 @@ class GenerationApp:
         fallback: ASGIApp,
         requests: RequestSettings,
         admin_port: int | None = None,
+        tracer: RequestTracer | None = None,
     ) -> None:
+        """``tracer``: the request spans' source when the router traces (None: it does not)."""
         self.dispatcher = dispatcher
+        self.tracer = tracer
         self.fallback = fallback
         self.api_key = requests.api_key
         self.max_body_bytes = requests.max_body_bytes
@@ -103,17 +110,24 @@ class GenerationApp:
                 headers[key] = value.decode("latin-1")
         client_id = headers.get("x-request-id")
         request_id = request_id_of(client_id)
+        spans = None
+        if self.tracer is not None:
+            spans = self.tracer.request(
+                scope["method"], scope["path"], request_id, headers.get(TRACEPARENT), headers.get(TRACESTATE)
+            )
         problem = self._refusal(scope, headers)
         if problem is not None:
-            _log_refusal(request_id, scope["path"], problem)
+            self._refused(request_id, scope["path"], problem, headers, spans)
             await self._drain(receive)
             await _send_reply(send, _error_reply(problem), request_id)
             return
         body = await self._read_body(receive, headers)
         if body is None:
-            return  # the client went away while sending
+            if spans is not None:  # the client went away while sending
+                spans.end(499, "cancelled", {})
+            return
         if isinstance(body, RequestError):
-            _log_refusal(request_id, scope["path"], body)
+            self._refused(request_id, scope["path"], body, headers, spans)
             await _send_reply(send, _error_reply(body), request_id)
             return
         # Serve in this task and watch for the client's disconnect in one other: a disconnect
@@ -136,7 +150,7 @@ class GenerationApp:
             path = scope["path"]
             push = scope["extensions"].get(PUSH_BODY) if "extensions" in scope else None
             await self._serve(
-                send, push, ENDPOINTS[path], path, body, request_id, headers, client_id is not None
+                send, push, ENDPOINTS[path], path, body, request_id, headers, client_id is not None, spans
             )
         except asyncio.CancelledError:
             if not disconnected:
@@ -144,11 +158,27 @@ class GenerationApp:
             if serving.cancelling():
                 serving.uncancel()
         except Exception:
-            log.exception("generation request %s failed", request_id)
+            log.exception("generation request %s failed%s", request_id, _trace_note(headers, spans))
         finally:
             finished = True
             watching.remove_done_callback(hang_up)
             watching.cancel()  # not awaited: it ends in its next step, and this task need not wait
+
+    def _refused(
+        self,
+        request_id: str,
+        path: str,
+        exc: RequestError,
+        headers: Mapping[str, str],
+        spans: RequestSpans | None,
+    ) -> None:
+        """A request refused before routing: logged (its span ended), and counted with the client
+        requests (``pdserve_proxy_requests_total``; the dispatcher counts every other one)."""
+        _log_refusal(request_id, path, exc, headers, spans)
+        metrics = self.dispatcher.metrics
+        endpoint = "chat" if path.endswith("chat/completions") else "completions"
+        outcome = "client_error" if exc.status < 500 else "upstream_error"
+        metrics.child(metrics.requests, endpoint, outcome).inc()
 
     def _refusal(self, scope: Scope, headers: dict[str, str]) -> RequestError | None:
         if scope["method"] != "POST":
@@ -194,34 +224,41 @@ class GenerationApp:
         request_id: str,
         headers: dict[str, str],
         client_id: bool,
+        spans: RequestSpans | None,
     ) -> None:
         try:
             checked = parse_request(raw, endpoint)
             split = plan_split(checked, endpoint, self.max_sequences)
         except RequestError as exc:
-            _log_refusal(request_id, path, exc)
+            self._refused(request_id, path, exc, headers, spans)
             await _send_reply(send, _error_reply(exc), request_id)
             return
+        if spans is not None and spans.recording and isinstance(checked.get("model"), str):
+            spans.span.set_attribute("gen_ai.request.model", checked["model"])
         try:
             reply = await self.dispatcher.generate(
-                path, checked, request_id, headers.get("authorization"), split, client_id=client_id
+                path,
+                checked,
+                request_id,
+                headers.get("authorization"),
+                split,
+                client_id=client_id,
+                traceparent=headers.get(TRACEPARENT),
+                tracestate=headers.get(TRACESTATE),
+                spans=spans,
             )
         except Exception:
-            log.exception("unexpected error serving request %s", request_id)
+            log.exception("unexpected error serving request %s%s", request_id, _trace_note(headers, spans))
             reply = Reply(500, codec.dumps(error_body(500, "internal proxy error")), reason="internal_error")
         await _send_reply(send, reply, request_id, push)
 
 
 def parse_request(raw: bytes, endpoint: Endpoint) -> Mapping[str, Any]:
-    """The body of a generation request, or the refusal vLLM would answer (its status, type, param)."""
+    """The body of a generation request, or the refusal vLLM would answer (its status and param)."""
     try:
         body = codec.loads(raw)
-    except json.JSONDecodeError as exc:
-        message = f"request body is not valid JSON: {exc}"
-        raise RequestError(400, message, f"body.{exc.pos}", "invalid_json", VALIDATION_ERROR_TYPE) from None
-    except ValueError as exc:  # UnicodeDecodeError
-        message = f"request body is not valid JSON: {exc}"
-        raise RequestError(400, message, "body", "invalid_json", VALIDATION_ERROR_TYPE) from None
+    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError
+        raise invalid_json(exc) from None
     return check_generation_request(body, endpoint)
 
 
@@ -242,15 +279,27 @@ def _error_reply(exc: RequestError) -> Reply:
     return Reply(exc.status, codec.dumps(exc.body()), reason=exc.reason)
 
 
-def _log_refusal(request_id: str, path: str, exc: RequestError) -> None:
-    """The one log line of a request refused before routing (the dispatcher logs all others)."""
+def _log_refusal(
+    request_id: str, path: str, exc: RequestError, headers: Mapping[str, str], spans: RequestSpans | None
+) -> None:
+    """The one log line (and the span) of a request refused before routing (the dispatcher logs
+    and ends all others)."""
+    if spans is not None:
+        spans.end(exc.status, "refused", {"pdserve.reason": exc.reason or ""})
     log.info(
-        "request id=%s endpoint=%s status=%d outcome=refused reason=%s",
+        "request id=%s endpoint=%s status=%d outcome=refused reason=%s%s",
         request_id,
         path,
         exc.status,
         exc.reason,
+        _trace_note(headers, spans),
     )
+
+
+def _trace_note(headers: Mapping[str, str], spans: RequestSpans | None) -> str:
+    """`` trace_id=...`` for a log line: the request's trace (the client's when not tracing), if any."""
+    trace_id = logged_trace_id(spans, headers.get(TRACEPARENT))
+    return f" trace_id={trace_id}" if trace_id is not None else ""
 
 
 async def _send_reply(

@@ -18,6 +18,9 @@ processes one router:
   reaches every worker at once). ``/routing/served`` lists each worker's generation and
   ``loaded_at`` under ``workers`` and reports the oldest generation, so nobody acts on a table
   before every worker serves it.
+* **One prefix index.** With the prefix-affinity prefill policy every worker holds the whole
+  index of what was sent where: each publishes its own sends in shared memory and reads the
+  others' before choosing (pdserve.proxy.state.prefix_log).
 * **One view.** Metrics use Prometheus's multiprocess mode (files in a private run directory);
   ``/routing/served`` and ``/debug/routing`` are merged from every worker's view (fanin.py).
 * **Even shares.** The kernel's hash can give one worker most of a few long-lived connections
@@ -49,6 +52,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
+from pdserve.proxy.policies import PrefixAffinity
 from pdserve.proxy.serving.worker_views import WorkerInfo
 from pdserve.proxy.settings import ProxySettings
 from pdserve.proxy.state.shared import SharedState
@@ -57,6 +61,9 @@ log = logging.getLogger("pdserve.proxy.workers")
 
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"  # pdserve.proxy.metrics reads it (not imported here)
 RESTART_DELAY_S = 1.0
+#: Each worker's ring of prefix-index records (8 MB): several seconds of prompts at thousands of
+#: requests a second, far more than one worker runs ahead of another.
+PREFIX_LOG_WORDS = 1 << 20
 
 #: What each worker runs once forked (pdserve.proxy.cli.serve_process): its imports happen there,
 #: after PROMETHEUS_MULTIPROC_DIR is set.
@@ -86,6 +93,8 @@ def _worker_main(
                 sock.close()  # a sibling's socket: a dead sibling's must not stay open here
     shared.in_flight.bind(index)  # a restarted worker's region starts from 0
     shared.connections.bind(index)
+    if shared.prefix_log is not None:
+        shared.prefix_log.bind(index)
     # From here this process's id never changes: its metric values need not ask the kernel for
     # it on every update (prometheus_client's multiprocess values check for a fork each time).
     from prometheus_client import values
@@ -107,7 +116,8 @@ def run_workers(settings: ProxySettings, serve: ServeProcess) -> int:
     from pdserve.proxy.serving.server import binds, listen
 
     context = multiprocessing.get_context("fork")
-    shared = SharedState(context.Lock(), count)
+    log_words = PREFIX_LOG_WORDS if settings.prefill_policy == PrefixAffinity.name else 0
+    shared = SharedState(context.Lock(), count, prefix_log_words=log_words)
     try:
         sockets = [
             [listen(h, p, settings.listen.backlog, reuse_port=True) for h, p in binds(settings)]

@@ -26,7 +26,9 @@ What is shared (and why a per-worker copy would not do):
   workers must still get different engine ids;
 * legs in flight per slot (:class:`SharedInFlight`): the per-slot limit is the router's;
 * client connections open per worker (:class:`SharedConnections`): what keeps a few long-lived
-  connections evenly spread over the workers.
+  connections evenly spread over the workers;
+* with the prefix-affinity policy, what each worker sends where (pdserve.proxy.state.prefix_log):
+  the prefix index is the router's, not one worker's.
 """
 
 from __future__ import annotations
@@ -36,6 +38,8 @@ import hashlib
 import mmap
 import struct
 from typing import Any
+
+from pdserve.proxy.state.prefix_log import PrefixLog
 
 # Native words (no byte order given): packed and unpacked with one 8-byte copy each.
 _KEY = struct.Struct("Q")
@@ -317,7 +321,9 @@ class SharedState:
     DEADLINE_ENTRIES = 8192  # slots and instances ever ejected (a few per GPU group)
     CLAIM_ENTRIES = 1 << 17  # client request ids in flight at once
 
-    def __init__(self, lock: Any, workers: int = 1) -> None:
+    def __init__(self, lock: Any, workers: int = 1, prefix_log_words: int = 0) -> None:
+        """``prefix_log_words``: each worker's ring of prefix-index records (0: none, the prefill
+        policy keeps no index)."""
         sizes = (self.COUNTER_ENTRIES, self.DEADLINE_ENTRIES, self.CLAIM_ENTRIES, 1, 4)
         tables = sum(sizes) * ENTRY_BYTES
         in_flight = workers * SharedInFlight.BYTES
@@ -340,6 +346,7 @@ class SharedState:
         )
         after = first + workers * per_worker
         self.connections = SharedConnections(words[after : after + workers])
+        self.prefix_log = PrefixLog(workers, prefix_log_words) if prefix_log_words else None
 
     _STOPPING = 1
 

@@ -15,7 +15,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from pdserve.proxy.connectors import Connector, make_connector
+from pdserve import kv
+from pdserve.kv.base import Route
 from pdserve.proxy.metrics import ProxyMetrics
 from pdserve.proxy.state.health import SlotBook
 from pdserve.routing import (
@@ -38,10 +39,11 @@ log = logging.getLogger("pdserve.proxy.reload")
 
 @dataclass(frozen=True)
 class RoutingState:
-    """One served generation: its slots and the connector that speaks its protocol."""
+    """One served generation: its slots and the connector that speaks its protocol (built once
+    per table, so a request looks nothing up)."""
 
     slots: SlotTable
-    connector: Connector
+    connector: Route
 
     @property
     def generation(self) -> int:
@@ -51,7 +53,7 @@ class RoutingState:
 def parse_state(text: str | bytes, build: SlotBuilder = build_slot_table) -> RoutingState:
     """A servable state from a routing table's JSON text; RoutingTableError/ValueError if not."""
     table = load_routing_table(text)
-    return RoutingState(build(table), make_connector(table.connector))
+    return RoutingState(build(table), kv.by_table(table.connector.type).route(table.connector.transfer_mode))
 
 
 class ServedTable:
@@ -73,6 +75,8 @@ class ServedTable:
         self.rejected: str | None = None
         self.problem: str | None = None
         self._clock = clock
+        #: Called with every state newly served (the prefill policy's index follows the table).
+        self.listeners: list[Callable[[RoutingState], None]] = []
         metrics.source_up.set(1)
 
     @property
@@ -114,6 +118,8 @@ class ServedTable:
         )
         for unpaired in state.slots.unpaired:
             log.warning("routing table generation %d: %s", table.generation, unpaired.describe())
+        for listener in self.listeners:
+            listener(state)
         return True
 
     def reject(self, origin: str, reason: str) -> None:

@@ -60,8 +60,8 @@ class BlockPool:
         out: list[int] = []
         if not self.caching:
             return out
-        for h in hashes[:max_blocks]:
-            block = self.cached.get(h)
+        for i in range(min(max_blocks, len(hashes))):
+            block = self.cached.get(hashes[i])
             if block is None:
                 break
             out.append(block)

@@ -35,9 +35,8 @@ class KVCacheManager:
         """The cached blocks of the request's longest cached prefix, and their tokens."""
         if not self.caching:
             return [], 0
-        max_blocks = (request.num_tokens - 1) // self.block_size
-        hashes = request.hashes_up_to(max_blocks * self.block_size, self.block_size)
-        hit = self.pool.longest_hit(hashes, max_blocks)
+        max_blocks = request.hash_blocks(request.num_tokens - 1, self.block_size)
+        hit = self.pool.longest_hit(request.block_hashes, max_blocks)
         return hit, len(hit) * self.block_size
 
     def allocate(
@@ -71,11 +70,14 @@ class KVCacheManager:
         if not self.caching:
             return
         held = self.blocks.get(request.request_id, [])
-        hashes = request.hashes_up_to(num_tokens, self.block_size)
         done = self._registered.get(request.request_id, 0)
-        for i in range(done, min(len(hashes), len(held))):
+        if (num_tokens // self.block_size) <= done:
+            return  # no block filled since the last call (a decode step, mostly)
+        full = min(request.hash_blocks(num_tokens, self.block_size), len(held))
+        hashes = request.block_hashes
+        for i in range(done, full):
             self.pool.register(held[i], hashes[i])
-        self._registered[request.request_id] = max(done, min(len(hashes), len(held)))
+        self._registered[request.request_id] = max(done, full)
 
     def free(self, request: Request) -> None:
         held = self.blocks.pop(request.request_id, [])

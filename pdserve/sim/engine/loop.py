@@ -11,12 +11,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import sys
+import traceback
 from collections.abc import Callable
 
 from pdserve.sim.engine.metrics import RankMetrics
 from pdserve.sim.engine.profile import Profile
 from pdserve.sim.engine.request import Request
 from pdserve.sim.engine.scheduler import EngineConfig, Scheduler
+
+#: How far behind its schedule a busy engine may catch up (seconds); beyond, it starts afresh.
+MAX_LAG = 0.05
 
 
 class RankEngine:
@@ -41,6 +46,17 @@ class RankEngine:
     def start(self) -> None:
         if self._task is None:
             self._task = asyncio.get_running_loop().create_task(self._run(), name=f"engine-rank-{self.rank}")
+            self._task.add_done_callback(self._ended)
+
+    def _ended(self, task: asyncio.Task[None]) -> None:
+        """A bug in the engine must not leave its requests waiting in silence."""
+        if task.cancelled() or task.exception() is None:
+            return
+        print(f"pdserve sim: engine of rank {self.rank} failed:", file=sys.stderr)
+        traceback.print_exception(task.exception(), file=sys.stderr)
+        for future in self._waiters.values():
+            if not future.done():
+                future.set_exception(RuntimeError(f"the engine of rank {self.rank} failed"))
 
     async def stop(self) -> None:
         tasks = [t for t in (self._task, *self._pulls) if t is not None]
@@ -54,7 +70,18 @@ class RankEngine:
     # --- the handlers' side -----------------------------------------------------------------
 
     def submit(self, request: Request) -> None:
-        request.arrival = asyncio.get_running_loop().time()
+        """The request reaches the engine's queue after the profile's frontend time."""
+        loop = asyncio.get_running_loop()
+        request.arrival = loop.time()
+        delay = self.profile.request.frontend_ms / 1000
+        if delay > 0:
+            loop.call_later(delay, self._enqueue, request)
+        else:
+            self._enqueue(request)
+
+    def _enqueue(self, request: Request) -> None:
+        if request.is_finished:  # aborted before it got here
+            return
         self.scheduler.add(request)
         self._wake.set()
 
@@ -86,6 +113,7 @@ class RankEngine:
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
         sched = self.scheduler
+        planned: float | None = None  # when the previous step was due to end, while busy
         while True:
             now = loop.time()
             if sched.expire_leases(now):
@@ -96,11 +124,16 @@ class RankEngine:
                     self._start_pulls(step.pulls)
                     if step.preempted:  # it preempted itself: admit it again at once
                         continue
+                planned = None
                 await self._idle(loop)
                 continue
             self._start_pulls(step.pulls)
             cost = self.profile.step_seconds(step.prefill_tokens, step.decode_seqs, step.context_tokens)
-            await asyncio.sleep(max(0.0, now + cost - loop.time()))
+            # Back to back, a step starts when the previous one was due to end: waking up late on a
+            # busy machine shortens the next sleep, so the steps keep the profile's pace on average.
+            start = now if planned is None or now - planned > MAX_LAG else planned
+            planned = start + cost
+            await asyncio.sleep(max(0.0, planned - loop.time()))
             end = loop.time()
             emitted = sched.finish_step(step, end)
             self.metrics.on_step(step, emitted, end)
@@ -113,9 +146,11 @@ class RankEngine:
         """Nothing to compute: wait for an arrival, a finished pull, freed blocks or a lease end."""
         self._wake.clear()
         expiry = self.scheduler.next_lease_expiry()
-        timeout = None if expiry is None else max(0.0, expiry - loop.time())
+        if expiry is None:  # the common case: no timer, no task
+            await self._wake.wait()
+            return
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._wake.wait(), timeout)
+            await asyncio.wait_for(self._wake.wait(), max(0.0, expiry - loop.time()))
 
     def _start_pulls(self, requests: list[Request]) -> None:
         for request in requests:

@@ -7,6 +7,9 @@ prefills P tokens and decodes D sequences over C tokens of KV takes
 grows with the queue and the prompt, and inter-token latency with the batch. KV moved by a P/D
 connector takes ``kv_transfer.latency_ms + tokens * bytes_per_token / bandwidth``.
 
+A request reaches the engine's queue ``request.frontend_ms`` after it reached the server (vLLM's
+API server parses, tokenizes and hands it to the engine core over IPC; its TTFT counts that).
+
 A profile is a YAML (or JSON) file; the packaged ones (``pdserve/sim/engine/profiles/``) are
 named by their file name without the suffix. Every figure is required and none may be negative:
 a profile that lacks one is refused with the field named (:class:`ProfileError`).
@@ -38,6 +41,11 @@ class StepCost:
 
 
 @dataclass(frozen=True)
+class RequestCost:
+    frontend_ms: float
+
+
+@dataclass(frozen=True)
 class TransferCost:
     bytes_per_token: float
     bandwidth_gb_per_s: float
@@ -60,6 +68,7 @@ class Profile:
     description: str
     source: str
     step: StepCost
+    request: RequestCost
     kv_transfer: TransferCost
     engine: EngineDefaults
 
@@ -150,6 +159,7 @@ def parse(data: object, where: str = "profile") -> Profile:
             decode_seq_ms=number("step", "decode_seq_ms"),
             context_ktoken_ms=number("step", "context_ktoken_ms"),
         ),
+        request=RequestCost(frontend_ms=number("request", "frontend_ms")),
         kv_transfer=TransferCost(
             bytes_per_token=number("kv_transfer", "bytes_per_token"),
             bandwidth_gb_per_s=number("kv_transfer", "bandwidth_gb_per_s"),

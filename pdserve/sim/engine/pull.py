@@ -1,9 +1,10 @@
-"""The simulator's stand-in for NIXL's notification from decode to prefill: "I pulled the KV of
-your request R". A prefill simulator with an engine listens on its side-channel address (the
-``remote_host``/``remote_port`` its kv_transfer_params advertise, as NIXL's side channel does);
-a decode simulator tells it once its pull is done, and the prefill frees the blocks it held for
-that request (until then they count against its KV pool; without the notice they go when the
-lease ends, as in vLLM).
+"""The simulator's stand-in for a KV connector's word from decode to prefill: "I have the KV of
+your request R" (NIXL's notification, Mooncake's transfer request). A prefill simulator with an
+engine listens on its side-channel address (``--kv-host``/``--kv-port``: where its connector's
+peer reaches it, pdserve.kv); a decode simulator tells it once its pull is done, at the address
+its kv_transfer_params name (the connector's ``Simulate.pull_notice``), and the prefill frees
+the blocks it held for that request (until then they count against its KV pool; without the
+notice they go when the lease ends, as in vLLM).
 
 One small HTTP endpoint, ``POST /pdserve-sim/pulled`` with ``{"remote_engine_id",
 "remote_request_id"}``; answers ``{"released": bool}``.
@@ -13,11 +14,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Callable, Mapping
-from typing import Any
+from collections.abc import Callable
 
 import aiohttp
 from aiohttp import web
+
+from pdserve.kv.base import PullNotice
 
 PATH = "/pdserve-sim/pulled"
 
@@ -62,22 +64,16 @@ class PullNotices:
         self.received += 1
         return web.json_response({"released": released})
 
-    def send(self, params: Mapping[str, Any]) -> None:
-        """Tell the prefill named by a decode leg's kv_transfer_params (in the background)."""
-        host, port = params.get("remote_host"), params.get("remote_port")
-        if not host or not port:
-            return
-        task = asyncio.get_running_loop().create_task(self._send(f"http://{host}:{port}{PATH}", params))
+    def send(self, notice: PullNotice) -> None:
+        """Tell the prefill a decode leg's kv_transfer_params named (in the background)."""
+        task = asyncio.get_running_loop().create_task(self._send(notice.url.rstrip("/") + PATH, notice))
         self._sending.add(task)
         task.add_done_callback(self._sending.discard)
 
-    async def _send(self, url: str, params: Mapping[str, Any]) -> None:
+    async def _send(self, url: str, notice: PullNotice) -> None:
         if self._session is None:
             self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5.0))
-        body = {
-            "remote_engine_id": params.get("remote_engine_id"),
-            "remote_request_id": params.get("remote_request_id"),
-        }
+        body = {"remote_engine_id": notice.engine_id, "remote_request_id": notice.key}
         try:
             async with self._session.post(url, json=body) as resp:
                 await resp.read()

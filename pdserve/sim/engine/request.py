@@ -57,6 +57,7 @@ class Request:
     previous_token: float | None = None  # the metrics' mark, for inter-token latency
     finished: float | None = None
     finish_reason: str = "length"
+    blocks_at_finish: list[int] = field(default_factory=list)  # what a finished leg's answer names
 
     def __post_init__(self) -> None:
         if not self.num_prompt_tokens:
@@ -70,15 +71,16 @@ class Request:
     def is_finished(self) -> bool:
         return self.status in (Status.FINISHED, Status.ABORTED)
 
-    def hashes_up_to(self, num_tokens: int, block_size: int) -> list[int]:
-        """The chained hashes of the full blocks among the first ``num_tokens`` tokens."""
+    def hash_blocks(self, num_tokens: int, block_size: int) -> int:
+        """Make sure ``block_hashes`` covers the full blocks among the first ``num_tokens`` tokens
+        (hashing only the new ones); their number."""
         want = num_tokens // block_size
         have = len(self.block_hashes)
         if want > have:
             parent = self.block_hashes[-1] if have else ROOT_HASH
             end = want * block_size
             self.block_hashes += chain_hashes(self.token_ids[:end], block_size, parent, have)
-        return self.block_hashes[:want]
+        return want
 
     def append_output(self) -> None:
         self.token_ids.append(output_token_id(self.num_output_tokens))

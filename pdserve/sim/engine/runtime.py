@@ -5,10 +5,10 @@ each accepted generation request to the rank's engine and streams the tokens as 
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
 
+from pdserve.kv.base import PullNotice
 from pdserve.sim.engine.exposition import metrics_text
 from pdserve.sim.engine.loop import RankEngine
 from pdserve.sim.engine.profile import Profile
@@ -28,12 +28,14 @@ class EngineSetup:
 
 
 class Engines:
-    def __init__(self, setup: EngineSetup, ranks: Sequence[int], engine_id_prefix: str) -> None:
+    def __init__(
+        self, setup: EngineSetup, ranks: Sequence[int], engine_rank: Callable[[str], int | None]
+    ) -> None:
         self.setup = setup
-        self.engine_id_prefix = engine_id_prefix  # "<instance>-dp": remote_engine_id = prefix + rank
+        self.engine_rank = engine_rank  # a prefill engine id -> the rank it names (the connector's)
         self.ranks = {rank: RankEngine(rank, setup.config, setup.profile, self._pulled) for rank in ranks}
         self.notices = PullNotices(self._release)
-        self._handoffs: dict[int, Mapping[str, Any]] = {}  # id(decode request) -> its kv_transfer_params
+        self._handoffs: dict[int, PullNotice] = {}  # id(decode request) -> whom to tell once pulled
 
     async def start(self, listen: tuple[str, int] | None) -> None:
         """Start every rank's loop; ``listen``: where pull notices arrive (a prefill's side channel)."""
@@ -55,7 +57,7 @@ class Engines:
         max_tokens: int,
         kind: Kind,
         finish_reason: str,
-        handoff: Mapping[str, Any] | None = None,
+        handoff: PullNotice | None = None,
     ) -> Request:
         request = Request(request_id, token_ids or [0], max_tokens, 0.0, kind, finish_reason=finish_reason)
         if handoff is not None:
@@ -72,7 +74,8 @@ class Engines:
         self.ranks[rank].abort(request)
 
     def block_ids(self, rank: int, request: Request) -> list[int]:
-        return self.ranks[rank].scheduler.kv.block_ids(request)
+        """The blocks the request holds, or held when it finished (a freed MoRIIO leg's)."""
+        return self.ranks[rank].scheduler.kv.block_ids(request) or list(request.blocks_at_finish)
 
     def metrics_text(self, model: str) -> str:
         return metrics_text(model, list(self.ranks.values()))
@@ -83,11 +86,6 @@ class Engines:
             self.notices.send(handoff)
 
     def _release(self, engine_id: str, request_id: str) -> bool:
-        if not engine_id.startswith(self.engine_id_prefix):
-            return False
-        try:
-            rank = int(engine_id[len(self.engine_id_prefix) :])
-        except ValueError:
-            return False
-        engine = self.ranks.get(rank)
+        rank = self.engine_rank(engine_id)
+        engine = self.ranks.get(rank) if rank is not None else None
         return engine is not None and engine.release(request_id)

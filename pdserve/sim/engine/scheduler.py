@@ -248,6 +248,7 @@ class Scheduler:
         self.running.remove(request)
         request.status = Status.FINISHED
         request.finished = now
+        request.blocks_at_finish = self.kv.block_ids(request)
         if request.kind is Kind.PREFILL:
             self.held[request.request_id] = Held(request, now + self.config.kv_lease_seconds)
         else:

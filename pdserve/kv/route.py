@@ -1,17 +1,43 @@
-"""The connector protocol: how one client request becomes a prefill leg and a decode leg.
-
-Everything here is pure: a connector maps (client body, chosen slots, ids) to leg bodies and
-the DP rank header each leg carries. The I/O flow (pdserve.proxy.flow.dispatcher) is shared by all
-connectors; a connector only says whether its two legs run one after the other or at once.
-"""
+"""The route part of a connector: how the router turns a client request into a prefill leg and a
+decode leg (pure: the proxy does the I/O)."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, ClassVar, Protocol
+from typing import Any, Protocol
 
-from pdserve.routing import Slot
+# --- route: the proxy's legs --------------------------------------------------------------------
+
+
+class Instance(Protocol):
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def dp_size(self) -> int: ...
+
+    @property
+    def tp_size(self) -> int: ...
+
+
+class Peer(Protocol):
+    """What a connector reads of a slot (pdserve.routing.Slot): one engine and how to reach it."""
+
+    @property
+    def instance(self) -> Instance: ...
+
+    @property
+    def dp_rank(self) -> int: ...
+
+    @property
+    def rank_header(self) -> int | None: ...
+
+    @property
+    def kv_address(self) -> str | None: ...
+
+    @property
+    def local_dp_size(self) -> int: ...
 
 
 @dataclass(frozen=True)
@@ -40,26 +66,25 @@ class LegPlan:
     dp_rank: int | None
 
 
-class Connector(Protocol):
-    name: ClassVar[str]
+class Route(Protocol):
+    """How one client request becomes a prefill leg and a decode leg (the proxy's connector).
 
-    @property
-    def concurrent(self) -> bool:
-        """True when the decode is sent together with the prefill instead of after it."""
-        ...
+    Built once per routing table (:meth:`KVConnector.route`); the I/O flow (pdserve.proxy) is
+    shared by all connectors, a connector only says whether its two legs run one after the other
+    or at once and whether a prefill's handoff may go to another decode.
+    """
 
-    @property
-    def reusable_handoff(self) -> bool:
-        """True when a prefill's handoff may go to another decode than the one it was made for."""
-        ...
+    name: str  # the routing table's connector.type, for logs
+    concurrent: bool  # the decode is sent together with the prefill instead of after it
+    reusable_handoff: bool  # a prefill's handoff may go to another decode than the one it was made for
 
     def ids(
-        self, base: str, prefill_leg: int, decode_leg: int, prefill: Slot, decode: Slot, uid: str
+        self, base: str, prefill_leg: int, decode_leg: int, prefill: Peer, decode: Peer, uid: str
     ) -> LegIds:
         """Ids of an attempt whose legs are the ``prefill_leg``-th and ``decode_leg``-th of the request."""
         ...
 
-    def prefill_leg(self, body: Mapping[str, Any], prefill: Slot, decode: Slot, ids: LegIds) -> LegPlan: ...
+    def prefill_leg(self, body: Mapping[str, Any], prefill: Peer, decode: Peer, ids: LegIds) -> LegPlan: ...
 
     def handoff_problems(self, answer: object) -> list[str]:
         """Missing or malformed fields in the prefill's ``kv_transfer_params`` (empty: usable)."""
@@ -68,8 +93,8 @@ class Connector(Protocol):
     def decode_leg(
         self,
         body: Mapping[str, Any],
-        prefill: Slot,
-        decode: Slot,
+        prefill: Peer,
+        decode: Peer,
         ids: LegIds,
         handoff: Mapping[str, Any] | None,
     ) -> LegPlan: ...

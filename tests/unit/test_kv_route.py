@@ -1,4 +1,4 @@
-"""Each connector's request rewriting, field by field (pure functions, no I/O)."""
+"""Each connector's route part: its request rewriting, field by field (pure functions, no I/O)."""
 
 from __future__ import annotations
 
@@ -7,11 +7,13 @@ from typing import Any
 
 import pytest
 
-from pdserve.proxy.connectors import CONNECTORS, LegIds, make_connector
-from pdserve.proxy.connectors.moriio import MoriioConnector
-from pdserve.proxy.connectors.nixl import NixlConnector
+from pdserve import kv
+from pdserve.kv.base import LegIds, Route
+from pdserve.kv.moriio import MoriioRoute as MoriioConnector
+from pdserve.kv.moriio import parse_request_id as parse_moriio_request_id
+from pdserve.kv.nixl import NixlRoute as NixlConnector
+from pdserve.kv.nixl import prefill_params as nixl_prefill_params
 from pdserve.routing import Connector, Instance, Slot
-from pdserve.wire.kv import nixl_prefill_params, parse_moriio_request_id
 
 UID = "0123456789abcdef0123456789abcdef"
 P_DP8 = Slot(Instance("p0", "http://p0:8000", 8, 1, True, kv_address="10.0.0.5:6301"), 5)
@@ -49,8 +51,12 @@ NIXL_ANSWER: dict[str, Any] = {
 }
 
 
+def make_connector(spec: Connector) -> Route:
+    return kv.by_table(spec.type).route(spec.transfer_mode)
+
+
 def test_registry_builds_connectors_from_the_table() -> None:
-    assert set(CONNECTORS) == {"nixl", "moriio"}
+    assert {"nixl", "moriio"} <= set(kv.table_types())
     assert isinstance(make_connector(Connector("nixl")), NixlConnector)
     moriio = make_connector(Connector("moriio", "WRITE"))
     assert isinstance(moriio, MoriioConnector) and moriio.concurrent
@@ -193,3 +199,45 @@ def test_moriio_decode_without_max_tokens_leaves_it_to_the_server() -> None:
     ids = c.ids("x", 1, 1, P_TP8, D_TP8, UID)
     plan = c.decode_leg({"messages": [{"role": "user", "content": "hi"}]}, P_TP8, D_TP8, ids, None)
     assert "max_tokens" not in plan.body
+
+
+# --- Mooncake -----------------------------------------------------------------------------------
+
+MOONCAKE_P_DP8 = Slot(Instance("p0", "http://p0:8000", 8, 1, True, kv_address="http://10.0.0.5:8998"), 5)
+MOONCAKE_P_TP8 = Slot(Instance("p1", "http://p1:8000", 1, 8, True, kv_address="http://10.0.0.6:8998"), 0)
+
+
+def test_mooncake_legs_name_the_prefill_engine_its_bootstrap_and_one_transfer() -> None:
+    c = make_connector(Connector("mooncake"))
+    assert not c.concurrent and c.reusable_handoff  # serial; the handoff names no decode
+    ids = c.ids("req-1", 1, 1, MOONCAKE_P_DP8, D_DP2, UID)
+    assert ids == LegIds("req-1-p1", "req-1-d1", transfer_id="req-1-p1")
+    # a replacement decode for the same prefill names the same transfer
+    assert c.ids("req-1", 1, 2, MOONCAKE_P_DP8, D_TP8, UID).transfer_id == "req-1-p1"
+    assert c.ids("req-1", 2, 2, MOONCAKE_P_DP8, D_TP8, UID).transfer_id == "req-1-p2"
+
+    original = copy.deepcopy(CLIENT)
+    plan = c.prefill_leg(CLIENT, MOONCAKE_P_DP8, D_DP2, ids)
+    assert plan.dp_rank == 5
+    expected = {k: v for k, v in CLIENT.items() if k not in ("stream_options", "min_tokens")}
+    transfer = {"do_remote_decode": True, "do_remote_prefill": False, "transfer_id": "req-1-p1"}
+    expected.update(max_tokens=1, max_completion_tokens=1, stream=False, kv_transfer_params=transfer)
+    assert plan.body == expected
+    assert c.handoff_problems(None) == []  # vLLM 0.32's prefill answers no kv_transfer_params
+
+    plan = c.decode_leg(CLIENT, MOONCAKE_P_DP8, D_DP2, ids, None)
+    assert plan.dp_rank == 1
+    assert plan.body == {
+        **CLIENT,
+        "kv_transfer_params": {
+            "do_remote_decode": False,
+            "do_remote_prefill": True,
+            "transfer_id": "req-1-p1",
+            "remote_engine_id": "p0_dp5",  # vLLM: <engine_id>_dp<global rank> under DP
+            "remote_bootstrap_addr": "http://10.0.0.5:8998",
+        },
+    }
+    assert original == CLIENT
+    tp8 = c.decode_leg(CLIENT, MOONCAKE_P_TP8, D_TP8, c.ids("r", 1, 1, MOONCAKE_P_TP8, D_TP8, UID), None)
+    assert tp8.dp_rank is None
+    assert tp8.body["kv_transfer_params"]["remote_engine_id"] == "p1"  # DP1: the engine id as rendered
