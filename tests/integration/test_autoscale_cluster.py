@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Iterator
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +55,7 @@ PROFILE = {
     "description": "a small engine for the autoscaler's cluster test",
     "source": "tests/integration/test_autoscale_cluster.py",
     "step": {"step_ms": 15.0, "prefill_token_ms": 0.15, "decode_seq_ms": 1.5, "context_ktoken_ms": 0.0},
+    "request": {"frontend_ms": 0.0},
     "kv_transfer": {"bytes_per_token": 1024, "bandwidth_gb_per_s": 10.0, "latency_ms": 1.0},
     "engine": {
         "block_size": 16,
@@ -64,21 +66,28 @@ PROFILE = {
 }
 
 
-def manifest(profile: Path, image: str | None = None, drain_seconds: int = 10) -> dict[str, Any]:
+def manifest(
+    profile: Path,
+    image: str | None = None,
+    drain_seconds: int = 10,
+    instances: int = 1,
+    sync_seconds: int = 2,
+    scale_down_window: int = 20,
+) -> dict[str, Any]:
     args = ["--profile", str(profile)]
     return sim_manifest(
         NAME,
         image=image,
-        prefill={"instances": 1, "args": args},
-        decode={"instances": 1, "args": args},
+        prefill={"instances": instances, "args": args},
+        decode={"instances": instances, "args": args},
         router={"replicas": 1},
         rollout={"maxUnavailable": 1, "drainSeconds": drain_seconds},
         autoscaling={
             "prefill": {"minInstances": 1, "maxInstances": 4},
             "decode": {"minInstances": 1, "maxInstances": 4},
             "objectives": {"ttftMilliseconds": TTFT_MS, "itlMilliseconds": ITL_MS, "windowSeconds": 10},
-            "syncPeriodSeconds": 2,
-            "behavior": {"scaleDown": {"stabilizationWindowSeconds": 20}},
+            "syncPeriodSeconds": sync_seconds,
+            "behavior": {"scaleDown": {"stabilizationWindowSeconds": scale_down_window}},
         },
     )
 
@@ -94,6 +103,11 @@ def scaled(operator: Operator, cluster: Cluster, tmp_path: Path) -> Iterator[tup
 def kubectl_apply(cluster: Cluster, doc: dict[str, Any]) -> str:
     """Client-side ``kubectl apply`` (the three-way merge with last-applied-configuration)."""
     return cluster.kubectl("apply", "-f", "-", input=json.dumps(doc))
+
+
+def started_from(cluster: Cluster) -> dict[str, int]:
+    auto = cluster.status(NAME).get("autoscaling") or {}
+    return {role: int((auto.get(role) or {}).get("startedFrom", 0)) for role in ("prefill", "decode")}
 
 
 def desired(cluster: Cluster) -> dict[str, int]:
@@ -117,7 +131,7 @@ def settled(cluster: Cluster) -> bool:
 
 
 def router(cluster: Cluster) -> str:
-    [ip] = ready_ips(cluster, "router")
+    [ip] = ready_ips(cluster, "router", NAME)
     return ip
 
 
@@ -139,12 +153,12 @@ def test_a_load_ramp_grows_both_roles_and_shrinks_them_back(
         lambda: (
             settled(cluster)
             and desired(cluster) == {"prefill": 1, "decode": 1}
-            and ready_ips(cluster, "router")
+            and ready_ips(cluster, "router", NAME)
         ),
         timeout=120,
         message="one instance of each role and the router Ready",
     )
-    targets = lambda: [f"{ip}:{ROUTER_PORT}" for ip in ready_ips(cluster, "router")]  # noqa: E731
+    targets = lambda: [f"{ip}:{ROUTER_PORT}" for ip in ready_ips(cluster, "router", NAME)]  # noqa: E731
     load = dict(max_tokens=MAX_TOKENS, prompt_words=PROMPT_WORDS)
     with Load(targets, concurrency=LOW, **load) as base:  # type: ignore[arg-type]
         time.sleep(8)
@@ -212,3 +226,51 @@ def test_a_load_ramp_grows_both_roles_and_shrinks_them_back(
     assert downs, events(cluster, NAME, "Scaled")
     condition = cluster.condition(NAME, "ScalingLimited")
     assert condition.get("status") == "False" and condition.get("reason") == "DesiredWithinRange"
+
+
+def test_applying_the_manifest_again_does_not_undo_the_autoscaler(scaled: tuple[Cluster, Path]) -> None:
+    """The manifest starts both roles at 2; with no traffic the autoscaler takes them to 1. The
+    same manifest applied again (client-side, then server-side), and one that changes a field
+    other than the counts (a new generation, a full reconcile), leave its counts, its pods and
+    the spec's start as they were. (The ramp test applies a new image over grown counts.)"""
+    cluster, profile = scaled
+    idle = dict(instances=2, sync_seconds=1, scale_down_window=0, drain_seconds=2)
+    doc = manifest(profile, **idle)  # type: ignore[arg-type]
+    kubectl_apply(cluster, doc)
+    eventually(
+        lambda: desired(cluster) == {"prefill": 1, "decode": 1} and settled(cluster),
+        timeout=90,
+        message="both roles shrunk from 2 to 1 with no traffic",
+    )
+    assert "no traffic" in cluster.status(NAME)["autoscaling"]["reason"]
+    before_pods = sorted(p["metadata"]["name"] for p in cluster.pods(NAME))
+    before_events = events(cluster, NAME, "Scaled")
+    generation = cluster.get("pdd", NAME)["metadata"]["generation"]  # type: ignore[index]
+
+    assert "unchanged" in kubectl_apply(cluster, doc)
+    assert "serverside-applied" in cluster.kubectl(
+        "apply", "--server-side", "--force-conflicts", "-f", "-", input=json.dumps(doc)
+    )
+    kubectl_apply(cluster, manifest(profile, **{**idle, "drain_seconds": 3}))  # type: ignore[arg-type]
+    body = cluster.get("pdd", NAME)
+    assert body is not None and body["metadata"]["generation"] == generation + 1
+    assert body["spec"]["prefill"]["instances"] == body["spec"]["decode"]["instances"] == 2
+    eventually(
+        lambda: cluster.status(NAME).get("observedGeneration") == generation + 1,
+        timeout=30,
+        message="the operator saw the new generation",
+    )
+    last = cluster.status(NAME)["autoscaling"]["lastDecisionTime"]
+    eventually(  # three more decisions (one a second) on the new generation
+        lambda: _seconds_since(cluster, last) >= 3, timeout=30, message="three more decisions"
+    )
+    assert desired(cluster) == {"prefill": 1, "decode": 1}
+    assert started_from(cluster) == {"prefill": 2, "decode": 2}
+    assert sorted(p["metadata"]["name"] for p in cluster.pods(NAME)) == before_pods
+    assert events(cluster, NAME, "Scaled") == before_events
+
+
+def _seconds_since(cluster: Cluster, first: str) -> float:
+    """Seconds from ``first`` to the last decision's lastDecisionTime."""
+    last = cluster.status(NAME)["autoscaling"]["lastDecisionTime"]
+    return (datetime.fromisoformat(last) - datetime.fromisoformat(first)).total_seconds()

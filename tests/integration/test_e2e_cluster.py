@@ -50,18 +50,20 @@ def manifest(
 # --- reading the cluster -------------------------------------------------------------------------
 
 
-def pods(cluster: Cluster, component: str) -> list[dict[str, Any]]:
-    """Live (not terminating) pods of the deployment: ``component`` is prefill, decode or router."""
-    selector = f"pdserve.io/deployment={NAME},app.kubernetes.io/component={component}"
+def pods(cluster: Cluster, component: str, name: str = NAME) -> list[dict[str, Any]]:
+    """Live (not terminating) pods of deployment ``name``: ``component`` is prefill, decode or router."""
+    selector = f"pdserve.io/deployment={name},app.kubernetes.io/component={component}"
     if component in ("prefill", "decode"):
-        selector = f"pdserve.io/deployment={NAME},pdserve.io/role={component}"
+        selector = f"pdserve.io/deployment={name},pdserve.io/role={component}"
     items = json.loads(cluster.kubectl("get", "pods", "-l", selector, "-o", "json"))["items"]
     return [p for p in items if not p["metadata"].get("deletionTimestamp")]
 
 
-def ready_ips(cluster: Cluster, component: str) -> list[str]:
+def ready_ips(cluster: Cluster, component: str, name: str = NAME) -> list[str]:
     return sorted(
-        p["status"]["podIP"] for p in pods(cluster, component) if pod_ready(p) and p["status"].get("podIP")
+        p["status"]["podIP"]
+        for p in pods(cluster, component, name)
+        if pod_ready(p) and p["status"].get("podIP")
     )
 
 

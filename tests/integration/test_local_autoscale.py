@@ -90,7 +90,7 @@ def test_pdserve_up_scales_with_the_load_and_fails_nothing(tmp_path: Path) -> No
         load: dict[str, Any] = {"max_tokens": MAX_TOKENS, "prompt_words": PROMPT_WORDS}
         peak = {"prefill": 1, "decode": 1}
         with Load(targets, concurrency=2, **load) as base:
-            with Load(targets, concurrency=8, **load) as extra:
+            with Load(targets, concurrency=12, **load) as extra:
 
                 def grown() -> bool:
                     now = table_counts(url) or peak

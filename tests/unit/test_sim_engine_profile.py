@@ -15,7 +15,7 @@ def packaged(name: str) -> dict[str, Any]:
     return dict(yaml.safe_load((PACKAGED / f"{name}.yaml").read_text()))
 
 
-@pytest.mark.parametrize("name", ["cpu-tiny-llama", "h200-llama-3.1-8b"])
+@pytest.mark.parametrize("name", packaged_names())
 def test_packaged_profiles_load_and_say_where_their_figures_come_from(name: str) -> None:
     assert name in packaged_names()
     profile = load(name)
