@@ -72,12 +72,15 @@ class Reporter:
 
     def __init__(self) -> None:
         self._t0 = time.monotonic()
+        self.scaling_lines: list[str] = []
 
     def event(self, text: str) -> None:
         print(f"[pdserve up {time.monotonic() - self._t0:6.1f}s] {text}", flush=True)
 
     def scaling(self, lines: Sequence[str]) -> None:
-        """The autoscaler's state after a decision (the live view shows it above the slots)."""
+        """The autoscaler's state after a decision (the live view shows it above the slots, the
+        summary lines after their figures)."""
+        self.scaling_lines = list(lines)
 
     def final(self, text: str) -> None:
         """The last word, once nothing is drawn any more (the live view prints it under its frame)."""

@@ -261,10 +261,6 @@ class LiveView(Reporter):
         super().__init__()
         self.out = out
         self.events: deque[str] = deque(maxlen=keep_events)
-        self.scaling_lines: list[str] = []
-
-    def scaling(self, lines: Sequence[str]) -> None:
-        self.scaling_lines = list(lines)
 
     def event(self, text: str) -> None:
         self.events.append(f"{time.monotonic() - self._t0:6.1f}s  {text.splitlines()[0] if text else text}")
@@ -306,13 +302,6 @@ class LiveView(Reporter):
 class SummaryLines(Reporter):
     """For a stdout that is not a terminal: events as lines, plus a summary every few seconds
     (with the autoscaler's measured latencies against its objectives, with spec.autoscaling)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.scaling_lines: list[str] = []
-
-    def scaling(self, lines: Sequence[str]) -> None:
-        self.scaling_lines = list(lines)
 
     async def run(self, router_url: str, stop: asyncio.Event) -> None:
         last = ""
