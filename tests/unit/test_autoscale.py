@@ -19,7 +19,7 @@ from pdserve.deployment.plan.autoscale import MIN_SAMPLES, Decision, Memory, Rol
 from pdserve.deployment.plan.behavior import History
 from pdserve.deployment.plan.signals import Signals
 from pdserve.deployment.spec.autoscaling import AutoscalingSpec, parse_autoscaling
-from pdserve.wire.load import bucket_of
+from pdserve.wire.load import bucket_of, mean
 
 
 def autoscaling(**overrides: Any) -> AutoscalingSpec:
@@ -440,3 +440,24 @@ def test_legs_piling_up_now_grow_a_role_before_the_window_shows_it() -> None:
     assert "legs in flight now" in grown.prefill.why and "rising traffic needs" in grown.prefill.why
     memory = replace(OLD, grown={"prefill": -5.0})  # grew 5 s ago: the latency-driven growth waits
     assert decide(autoscaling(), 0.0, states(3, 3), piling, memory).counts["prefill"] > 3
+
+
+def test_decode_legs_rising_grow_it_as_the_queue_model_says_not_in_proportion() -> None:
+    """Decode at 4, ITL at 0.6 of its objective on the KNOWN line (base 0.2: utilisation 2/3, a
+    need of 3.3). Twice the legs in flight now puts it at the objective with the same 4 (work in
+    flight ``u / (1 - u)`` doubles from 2 to 4, ``u`` from 0.67 to 0.8): it holds, where growing
+    in proportion to the legs would ask for 7. Four times the legs would miss it: it grows."""
+
+    def decode_legs(now_x: float) -> Signals:
+        base = signals(ttft_ms=1500, itl_ms=30, in_flight=0)  # 20 sequences per slot on average:
+        legs = {bucket_of(24.0): 200}  # 200 decode legs of 24 s over 60 s, 80 in flight
+        average = 200 / base.covered_seconds * mean(legs)  # type: ignore[operator]
+        latency = {**base.latency, "decode": legs}
+        return replace(base, latency=latency, in_flight={**base.in_flight, "decode": round(now_x * average)})
+
+    steady = decide(autoscaling(), 0.0, states(4, 4), decode_legs(1.0), KNOWN)
+    assert steady.counts["decode"] == 4
+    doubled = decide(autoscaling(), 0.0, states(4, 4), decode_legs(2.0), KNOWN)
+    assert doubled.counts["decode"] == 4, doubled.decode.why
+    surge = decide(autoscaling(), 0.0, states(4, 4), decode_legs(4.0), KNOWN)
+    assert surge.counts["decode"] > 4 and "rising traffic needs" in surge.decode.why

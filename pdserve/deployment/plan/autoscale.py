@@ -206,7 +206,7 @@ def decide(
             now_in_flight, average = _rising(signals, role)
             # beyond the count's own noise (a Poisson count's two standard deviations)
             if need is not None and average > 0 and now_in_flight > average + 2 * math.sqrt(average):
-                surge = _need_now(role, running, need, now_in_flight, average, _per_slot(1.0, state))
+                surge = _need_now(need, q, base[role], now_in_flight / average)
                 if surge > running * (1 + spec.behavior.scale_up.tolerance) and math.ceil(surge - 1e-9) > rec:
                     rec = math.ceil(surge - 1e-9)
                     rising.add(role)
@@ -411,14 +411,19 @@ def _recommend(spec: AutoscalingSpec, running: int, q: float, need: float | None
     return max(1, min(math.ceil(need - 1e-9), running)), shown
 
 
-def _need_now(role: str, running: int, need: float, now: float, average: float, per_slot: float) -> float:
-    """The need of the legs in flight now rather than on the window's average: for a decode in
-    proportion (its steps grow by a time per sequence); for a prefill through its queue's
-    utilisation ``N / (1 + N)`` per slot, which grows slower than the count near saturation."""
-    if role == "decode":
-        return need * now / average
-    before, after = average * per_slot, now * per_slot
-    return need * (after / (1 + after)) / (before / (1 + before))
+def _need_now(need: float, q: float, base: float | None, growth: float) -> float:
+    """The need of the legs in flight now, ``growth`` times the window's average, rather than of
+    the window. In the queue model a role holds ``x = u / (1 - u)`` (in units of its no-load
+    work) for its utilisation ``u = 1 - a / q``: the prefill's legs per slot, the decode's
+    sequences per slot times their share of a step. So ``x`` grows with the legs, and ``u``,
+    which the need is in proportion to, as ``x / (1 + x)``: slower than the legs near saturation
+    (the prefill's legs wait in its steps, the decode's sequences stay longer as steps lengthen)."""
+    a = min(base or 0.0, 0.95 * q, MAX_BASE)
+    if a <= 0:
+        return need * growth
+    before = 1 - a / q
+    x = before / (1 - before) * growth
+    return need * (x / (1 + x)) / before
 
 
 def _rising(signals: Signals, role: str) -> tuple[float, float]:
