@@ -310,7 +310,7 @@ class Reconciler:
             return
 
         # With spec.autoscaling the counts are the autoscaler's (it decides every syncPeriodSeconds).
-        with outcome.step("autoscale"):
+        with outcome.step("autoscale") if pdd.spec.autoscaling else contextlib.nullcontext():
             pdd, scaling = self._autoscaler.scale(pdd, body, pods, raw_pods, now)
         outcome.events += scaling.events
         # Draining pods whose routers all let go of them (or have none) go before drainSeconds.
