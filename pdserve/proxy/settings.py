@@ -438,7 +438,7 @@ class PrefixSettings(Checked):
         minimum=0,
         metavar="N",
         help="chunks each prefill slot's index holds (LRU); 0 sizes it from the engine's KV capacity "
-        "(vllm:cache_config_info: num_gpu_blocks x block_size tokens x --prefix-chars-per-token), "
+        "(num_gpu_blocks x block_size tokens of vllm:cache_config_info, x --prefix-chars-per-token), "
         f"{DEFAULT_INDEX_CHUNKS} until that is read",
     )
     chars_per_token: float = setting(
