@@ -66,31 +66,20 @@ from collections.abc import Mapping
 from typing import Any
 from urllib.parse import urlsplit
 
-from pdserve.kv.base import (
-    DECODE,
-    PREFILL,
-    ExtraProblem,
-    FieldCheck,
-    KVConnector,
+from pdserve.kv.base import KVConnector, Names
+from pdserve.kv.checks import PREFILL, FieldCheck, field_problems, is_true, nonempty_str
+from pdserve.kv.render import ExtraProblem, LocalRun, Pair, PodKV, Render, Rule, container_port
+from pdserve.kv.route import (
+    DECODE_LEG,
+    PREFILL_LEG,
+    Handoff,
     LegIds,
     LegPlan,
-    LocalRun,
-    Names,
-    Pair,
     Peer,
-    PodKV,
-    PullNotice,
-    Render,
-    Rule,
-    SimEngine,
-    Simulate,
-    container_port,
-    field_problems,
-    is_true,
-    leg_id,
-    nonempty_str,
+    SerialRoute,
     prefill_only,
 )
+from pdserve.kv.simulate import PullNotice, SimPrefill, Simulate, rank_after
 
 NAMES = Names(crd="MooncakeConnector", table="mooncake")
 
@@ -114,13 +103,12 @@ def bootstrap_address(host: str, port: int = BOOTSTRAP_PORT) -> str:
 
 
 def prefill_params(transfer_id: str) -> dict[str, Any]:
-    return {"do_remote_decode": True, "do_remote_prefill": False, "transfer_id": transfer_id}
+    return {**PREFILL_LEG, "transfer_id": transfer_id}
 
 
 def decode_params(transfer_id: str, remote_engine_id: str, bootstrap: str) -> dict[str, Any]:
     return {
-        "do_remote_decode": False,
-        "do_remote_prefill": True,
+        **DECODE_LEG,
         "transfer_id": transfer_id,
         "remote_engine_id": remote_engine_id,
         "remote_bootstrap_addr": bootstrap,
@@ -241,16 +229,10 @@ class MooncakeRender(Render):
 # --- route ----------------------------------------------------------------------------------------
 
 
-class MooncakeRoute:
+class MooncakeRoute(SerialRoute):
     name = NAMES.table
-    concurrent = False
-    reusable_handoff = True
 
-    def ids(
-        self, base: str, prefill_leg: int, decode_leg: int, prefill: Peer, decode: Peer, uid: str
-    ) -> LegIds:
-        prefill_id = leg_id(base, PREFILL, prefill_leg)
-        return LegIds(prefill_id, leg_id(base, DECODE, decode_leg), transfer_id=prefill_id)
+    transfer_is_prefill_id = True
 
     def prefill_leg(self, body: Mapping[str, Any], prefill: Peer, decode: Peer, ids: LegIds) -> LegPlan:
         out = prefill_only(body)
@@ -261,12 +243,7 @@ class MooncakeRoute:
         return []  # vLLM 0.32's prefill answers none: the router names the transfer itself
 
     def decode_leg(
-        self,
-        body: Mapping[str, Any],
-        prefill: Peer,
-        decode: Peer,
-        ids: LegIds,
-        handoff: Mapping[str, Any] | None,
+        self, body: Mapping[str, Any], prefill: Peer, decode: Peer, ids: LegIds, handoff: Handoff | None
     ) -> LegPlan:
         instance = prefill.instance
         out = dict(body)
@@ -296,14 +273,7 @@ class MooncakeSimulate(Simulate):
             return 2
         return 1 if leg == PREFILL and "transfer_id" in params else 0
 
-    def prefill_answer(
-        self,
-        engine: SimEngine,
-        params: Mapping[str, Any],
-        request_id: str,
-        prompt_tokens: int,
-        blocks: list[list[int]],
-    ) -> None:
+    def prefill_answer(self, prefill: SimPrefill, params: Mapping[str, Any]) -> None:
         """None, as vLLM 0.32: its prefill keeps the blocks for the decode that names the transfer."""
         return None
 
@@ -323,9 +293,7 @@ class MooncakeSimulate(Simulate):
     def engine_rank(self, engine_id: str, instance: str) -> int | None:
         if engine_id == instance:
             return 0
-        prefix = f"{instance}_dp"
-        rank = engine_id[len(prefix) :] if engine_id.startswith(prefix) else ""
-        return int(rank) if rank.isdigit() else None
+        return rank_after(engine_id, f"{instance}_dp")
 
 
 CONNECTOR = KVConnector(NAMES, MooncakeRender(), route, MooncakeSimulate())

@@ -43,32 +43,21 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from pdserve.kv.base import (
+from pdserve.kv.base import KVConnector, Names
+from pdserve.kv.checks import (
     DECODE,
     PREFILL,
-    ExtraProblem,
     FieldCheck,
-    KVConnector,
-    LegIds,
-    LegPlan,
-    LocalRun,
-    Names,
-    Pair,
-    Peer,
-    PodKV,
-    Render,
-    Rule,
-    SimEngine,
-    Simulate,
     block_ids,
-    container_port,
     field_problems,
     int_value,
     is_port,
     is_true,
     nonempty_str,
-    prefill_only,
 )
+from pdserve.kv.render import ExtraProblem, LocalRun, Pair, PodKV, Render, Rule, container_port
+from pdserve.kv.route import DECODE_LEG, PREFILL_LEG, Handoff, LegIds, LegPlan, Peer, prefill_only
+from pdserve.kv.simulate import SimPrefill, Simulate
 
 READ = "READ"
 WRITE = "WRITE"
@@ -130,8 +119,7 @@ def parse_request_id(request_id: str) -> MoriioRequestId | None:
 def prefill_params(transfer_id: str, decode_dp_size: int, decode_tp_size: int) -> dict[str, Any]:
     """``kv_transfer_params`` of a MoRIIO prefill request: the decode's shape travels with it."""
     return {
-        "do_remote_decode": True,
-        "do_remote_prefill": False,
+        **PREFILL_LEG,
         "remote_engine_id": None,
         "remote_block_ids": None,
         "transfer_id": transfer_id,
@@ -153,8 +141,7 @@ def decode_params(
     sends the decode concurrently, before that answer exists (``prefill_answer`` None).
     """
     params: dict[str, Any] = {
-        "do_remote_decode": False,
-        "do_remote_prefill": True,
+        **DECODE_LEG,
         "remote_engine_id": None,
         "remote_block_ids": None,
         "transfer_id": transfer_id,
@@ -163,7 +150,7 @@ def decode_params(
     }
     if prefill_answer is not None:
         params.update(prefill_answer)
-        params.update(do_remote_decode=False, do_remote_prefill=True, transfer_id=transfer_id)
+        params.update(DECODE_LEG, transfer_id=transfer_id)
         params["remote_dp_size"] = prefill_dp_size
         params["remote_tp_size"] = prefill_tp_size
     if prefill_dp_rank is not None:
@@ -341,12 +328,7 @@ class MoriioRoute:
         return prefill_answer_problems(answer) if self.transfer_mode == READ else []
 
     def decode_leg(
-        self,
-        body: Mapping[str, Any],
-        prefill: Peer,
-        decode: Peer,
-        ids: LegIds,
-        handoff: Mapping[str, Any] | None,
+        self, body: Mapping[str, Any], prefill: Peer, decode: Peer, ids: LegIds, handoff: Handoff | None
     ) -> LegPlan:
         out = dict(body)
         for key in ("max_tokens", "max_completion_tokens"):
@@ -385,21 +367,15 @@ class MoriioSimulate(Simulate):
             return 2
         return 1 if leg == DECODE and "transfer_id" in params else 0
 
-    def prefill_answer(
-        self,
-        engine: SimEngine,
-        params: Mapping[str, Any],
-        request_id: str,
-        prompt_tokens: int,
-        blocks: list[list[int]],
-    ) -> dict[str, Any]:
+    def prefill_answer(self, prefill: SimPrefill, params: Mapping[str, Any]) -> dict[str, Any]:
         """The transfer id echoed, with the engine and block ids READ needs."""
+        engine = prefill.engine
         return {
             "do_remote_prefill": True,
             "do_remote_decode": False,
             "transfer_id": str(params.get("transfer_id")),
-            "remote_engine_id": f"{engine.instance}-dp{engine.rank}",
-            "remote_block_ids": blocks,
+            "remote_engine_id": engine.engine_id,
+            "remote_block_ids": prefill.blocks,
             "remote_host": engine.kv_host,
             "remote_port": engine.kv_port,
             "remote_dp_rank": engine.rank,

@@ -5,7 +5,15 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Final, Protocol
+
+from pdserve.kv.checks import DECODE, PREFILL
+
+#: The flags that open every connector's ``kv_transfer_params``: which leg vLLM is given (a
+#: prefill's KV goes to a remote decode, a decode's comes from a remote prefill). Unpacked into
+#: each leg's params (``{**PREFILL_LEG, ...}``), never changed.
+PREFILL_LEG: Final[Mapping[str, bool]] = {"do_remote_decode": True, "do_remote_prefill": False}
+DECODE_LEG: Final[Mapping[str, bool]] = {"do_remote_decode": False, "do_remote_prefill": True}
 
 # --- route: the proxy's legs --------------------------------------------------------------------
 
@@ -58,6 +66,10 @@ def leg_id(base: str, role: str, number: int) -> str:
     return f"{base}-{role[0]}{number}"
 
 
+#: The ``kv_transfer_params`` a prefill answered, as a decode leg is given them.
+Handoff = Mapping[str, Any]
+
+
 @dataclass(frozen=True)
 class LegPlan:
     """One upstream request: its JSON body and the X-data-parallel-rank to send (None: none)."""
@@ -91,13 +103,26 @@ class Route(Protocol):
         ...
 
     def decode_leg(
-        self,
-        body: Mapping[str, Any],
-        prefill: Peer,
-        decode: Peer,
-        ids: LegIds,
-        handoff: Mapping[str, Any] | None,
+        self, body: Mapping[str, Any], prefill: Peer, decode: Peer, ids: LegIds, handoff: Handoff | None
     ) -> LegPlan: ...
+
+
+class SerialRoute:
+    """What the routes of NIXL and Mooncake share: the decode goes out once its prefill succeeded,
+    each leg has an id of its own, and any decode may take the prefill's handoff."""
+
+    name: str
+    concurrent = False
+    reusable_handoff = True
+    #: The prefill leg's id is also the transfer's (Mooncake: the decode names the transfer it pulls).
+    transfer_is_prefill_id = False
+
+    def ids(
+        self, base: str, prefill_leg: int, decode_leg: int, prefill: Peer, decode: Peer, uid: str
+    ) -> LegIds:
+        prefill_id = leg_id(base, PREFILL, prefill_leg)
+        transfer_id = prefill_id if self.transfer_is_prefill_id else None
+        return LegIds(prefill_id, leg_id(base, DECODE, decode_leg), transfer_id)
 
 
 def prefill_only(body: Mapping[str, Any]) -> dict[str, Any]:
