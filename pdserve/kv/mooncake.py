@@ -67,18 +67,9 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from pdserve.kv.base import KVConnector, Names
-from pdserve.kv.checks import PREFILL, FieldCheck, field_problems, is_true, nonempty_str
+from pdserve.kv.checks import DECODE, PREFILL, FieldCheck, field_problems, is_true, nonempty_str
 from pdserve.kv.render import ExtraProblem, LocalRun, Pair, PodKV, Render, Rule, container_port
-from pdserve.kv.route import (
-    DECODE_LEG,
-    PREFILL_LEG,
-    Handoff,
-    LegIds,
-    LegPlan,
-    Peer,
-    SerialRoute,
-    prefill_only,
-)
+from pdserve.kv.route import Handoff, LegIds, LegPlan, Peer, SerialRoute, leg_id, prefill_only
 from pdserve.kv.simulate import PullNotice, SimPrefill, Simulate, rank_after
 
 NAMES = Names(crd="MooncakeConnector", table="mooncake")
@@ -103,12 +94,13 @@ def bootstrap_address(host: str, port: int = BOOTSTRAP_PORT) -> str:
 
 
 def prefill_params(transfer_id: str) -> dict[str, Any]:
-    return {**PREFILL_LEG, "transfer_id": transfer_id}
+    return {"do_remote_decode": True, "do_remote_prefill": False, "transfer_id": transfer_id}
 
 
 def decode_params(transfer_id: str, remote_engine_id: str, bootstrap: str) -> dict[str, Any]:
     return {
-        **DECODE_LEG,
+        "do_remote_decode": False,
+        "do_remote_prefill": True,
         "transfer_id": transfer_id,
         "remote_engine_id": remote_engine_id,
         "remote_bootstrap_addr": bootstrap,
@@ -232,7 +224,12 @@ class MooncakeRender(Render):
 class MooncakeRoute(SerialRoute):
     name = NAMES.table
 
-    transfer_is_prefill_id = True
+    def ids(
+        self, base: str, prefill_leg: int, decode_leg: int, prefill: Peer, decode: Peer, uid: str
+    ) -> LegIds:
+        """The transfer id is the prefill leg's: the decode names the transfer it pulls."""
+        prefill_id = leg_id(base, PREFILL, prefill_leg)
+        return LegIds(prefill_id, leg_id(base, DECODE, decode_leg), transfer_id=prefill_id)
 
     def prefill_leg(self, body: Mapping[str, Any], prefill: Peer, decode: Peer, ids: LegIds) -> LegPlan:
         out = prefill_only(body)

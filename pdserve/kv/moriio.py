@@ -56,7 +56,7 @@ from pdserve.kv.checks import (
     nonempty_str,
 )
 from pdserve.kv.render import ExtraProblem, LocalRun, Pair, PodKV, Render, Rule, container_port
-from pdserve.kv.route import DECODE_LEG, PREFILL_LEG, Handoff, LegIds, LegPlan, Peer, prefill_only
+from pdserve.kv.route import Handoff, LegIds, LegPlan, Peer, prefill_only
 from pdserve.kv.simulate import SimPrefill, Simulate
 
 READ = "READ"
@@ -119,7 +119,8 @@ def parse_request_id(request_id: str) -> MoriioRequestId | None:
 def prefill_params(transfer_id: str, decode_dp_size: int, decode_tp_size: int) -> dict[str, Any]:
     """``kv_transfer_params`` of a MoRIIO prefill request: the decode's shape travels with it."""
     return {
-        **PREFILL_LEG,
+        "do_remote_decode": True,
+        "do_remote_prefill": False,
         "remote_engine_id": None,
         "remote_block_ids": None,
         "transfer_id": transfer_id,
@@ -141,7 +142,8 @@ def decode_params(
     sends the decode concurrently, before that answer exists (``prefill_answer`` None).
     """
     params: dict[str, Any] = {
-        **DECODE_LEG,
+        "do_remote_decode": False,
+        "do_remote_prefill": True,
         "remote_engine_id": None,
         "remote_block_ids": None,
         "transfer_id": transfer_id,
@@ -150,7 +152,7 @@ def decode_params(
     }
     if prefill_answer is not None:
         params.update(prefill_answer)
-        params.update(DECODE_LEG, transfer_id=transfer_id)
+        params.update(do_remote_decode=False, do_remote_prefill=True, transfer_id=transfer_id)
         params["remote_dp_size"] = prefill_dp_size
         params["remote_tp_size"] = prefill_tp_size
     if prefill_dp_rank is not None:

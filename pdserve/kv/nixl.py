@@ -41,7 +41,7 @@ from typing import Any
 from pdserve.kv.base import KVConnector, Names
 from pdserve.kv.checks import FieldCheck, block_ids, field_problems, is_port, is_true, nonempty_str
 from pdserve.kv.render import LocalRun, Pair, PodKV, Render, Rule, container_port
-from pdserve.kv.route import PREFILL_LEG, Handoff, LegIds, LegPlan, Peer, SerialRoute, prefill_only
+from pdserve.kv.route import Handoff, LegIds, LegPlan, Peer, SerialRoute, prefill_only
 from pdserve.kv.simulate import PullNotice, SimPrefill, Simulate, rank_after
 
 NAMES = Names(crd="NixlConnector", table="nixl")
@@ -74,7 +74,8 @@ _OWN_KEYS = (
 def prefill_params() -> dict[str, Any]:
     """``kv_transfer_params`` of a NIXL prefill request (vLLM's two-step protocol, step one)."""
     return {
-        **PREFILL_LEG,
+        "do_remote_decode": True,
+        "do_remote_prefill": False,
         "remote_engine_id": None,
         "remote_block_ids": None,
         "remote_host": None,

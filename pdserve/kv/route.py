@@ -5,15 +5,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Final, Protocol
+from typing import Any, Protocol
 
 from pdserve.kv.checks import DECODE, PREFILL
-
-#: The flags that open every connector's ``kv_transfer_params``: which leg vLLM is given (a
-#: prefill's KV goes to a remote decode, a decode's comes from a remote prefill). Unpacked into
-#: each leg's params (``{**PREFILL_LEG, ...}``), never changed.
-PREFILL_LEG: Final[Mapping[str, bool]] = {"do_remote_decode": True, "do_remote_prefill": False}
-DECODE_LEG: Final[Mapping[str, bool]] = {"do_remote_decode": False, "do_remote_prefill": True}
 
 # --- route: the proxy's legs --------------------------------------------------------------------
 
@@ -114,15 +108,11 @@ class SerialRoute:
     name: str
     concurrent = False
     reusable_handoff = True
-    #: The prefill leg's id is also the transfer's (Mooncake: the decode names the transfer it pulls).
-    transfer_is_prefill_id = False
 
     def ids(
         self, base: str, prefill_leg: int, decode_leg: int, prefill: Peer, decode: Peer, uid: str
     ) -> LegIds:
-        prefill_id = leg_id(base, PREFILL, prefill_leg)
-        transfer_id = prefill_id if self.transfer_is_prefill_id else None
-        return LegIds(prefill_id, leg_id(base, DECODE, decode_leg), transfer_id)
+        return LegIds(leg_id(base, PREFILL, prefill_leg), leg_id(base, DECODE, decode_leg))
 
 
 def prefill_only(body: Mapping[str, Any]) -> dict[str, Any]:
