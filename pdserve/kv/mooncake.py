@@ -69,7 +69,7 @@ from urllib.parse import urlsplit
 from pdserve.kv.base import KVConnector, Names
 from pdserve.kv.checks import DECODE, PREFILL, FieldCheck, field_problems, is_true, nonempty_str
 from pdserve.kv.render import ExtraProblem, LocalRun, Pair, PodKV, Render, Rule, container_port
-from pdserve.kv.route import Handoff, LegIds, LegPlan, Peer, SerialRoute, leg_id, prefill_only
+from pdserve.kv.route import HandoffParams, LegIds, LegPlan, Peer, SerialRoute, leg_id, prefill_only
 from pdserve.kv.simulate import PullNotice, SimPrefill, Simulate, rank_after
 
 NAMES = Names(crd="MooncakeConnector", table="mooncake")
@@ -240,7 +240,7 @@ class MooncakeRoute(SerialRoute):
         return []  # vLLM 0.32's prefill answers none: the router names the transfer itself
 
     def decode_leg(
-        self, body: Mapping[str, Any], prefill: Peer, decode: Peer, ids: LegIds, handoff: Handoff | None
+        self, body: Mapping[str, Any], prefill: Peer, decode: Peer, ids: LegIds, handoff: HandoffParams | None
     ) -> LegPlan:
         instance = prefill.instance
         out = dict(body)

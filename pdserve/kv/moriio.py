@@ -56,7 +56,7 @@ from pdserve.kv.checks import (
     nonempty_str,
 )
 from pdserve.kv.render import ExtraProblem, LocalRun, Pair, PodKV, Render, Rule, container_port
-from pdserve.kv.route import Handoff, LegIds, LegPlan, Peer, prefill_only
+from pdserve.kv.route import HandoffParams, LegIds, LegPlan, Peer, prefill_only
 from pdserve.kv.simulate import SimPrefill, Simulate
 
 READ = "READ"
@@ -330,7 +330,7 @@ class MoriioRoute:
         return prefill_answer_problems(answer) if self.transfer_mode == READ else []
 
     def decode_leg(
-        self, body: Mapping[str, Any], prefill: Peer, decode: Peer, ids: LegIds, handoff: Handoff | None
+        self, body: Mapping[str, Any], prefill: Peer, decode: Peer, ids: LegIds, handoff: HandoffParams | None
     ) -> LegPlan:
         out = dict(body)
         for key in ("max_tokens", "max_completion_tokens"):

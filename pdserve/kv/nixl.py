@@ -41,7 +41,7 @@ from typing import Any
 from pdserve.kv.base import KVConnector, Names
 from pdserve.kv.checks import FieldCheck, block_ids, field_problems, is_port, is_true, nonempty_str
 from pdserve.kv.render import LocalRun, Pair, PodKV, Render, Rule, container_port
-from pdserve.kv.route import Handoff, LegIds, LegPlan, Peer, SerialRoute, prefill_only
+from pdserve.kv.route import HandoffParams, LegIds, LegPlan, Peer, SerialRoute, prefill_only
 from pdserve.kv.simulate import PullNotice, SimPrefill, Simulate, rank_after
 
 NAMES = Names(crd="NixlConnector", table="nixl")
@@ -191,7 +191,7 @@ class NixlRoute(SerialRoute):
         return handoff_problems(answer)
 
     def decode_leg(
-        self, body: Mapping[str, Any], prefill: Peer, decode: Peer, ids: LegIds, handoff: Handoff | None
+        self, body: Mapping[str, Any], prefill: Peer, decode: Peer, ids: LegIds, handoff: HandoffParams | None
     ) -> LegPlan:
         out = dict(body)
         out["kv_transfer_params"] = dict(handoff) if handoff is not None else None

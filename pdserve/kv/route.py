@@ -61,7 +61,7 @@ def leg_id(base: str, role: str, number: int) -> str:
 
 
 #: The ``kv_transfer_params`` a prefill answered, as a decode leg is given them.
-Handoff = Mapping[str, Any]
+HandoffParams = Mapping[str, Any]
 
 
 @dataclass(frozen=True)
@@ -97,7 +97,7 @@ class Route(Protocol):
         ...
 
     def decode_leg(
-        self, body: Mapping[str, Any], prefill: Peer, decode: Peer, ids: LegIds, handoff: Handoff | None
+        self, body: Mapping[str, Any], prefill: Peer, decode: Peer, ids: LegIds, handoff: HandoffParams | None
     ) -> LegPlan: ...
 
 

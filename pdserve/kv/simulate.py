@@ -22,8 +22,8 @@ class SimEngine:
 
     @property
     def engine_id(self) -> str:
-        """The simulator's ``remote_engine_id``: names the instance and the DP rank that holds the
-        KV (real vLLM's NIXL and MoRIIO engine ids are a random uuid per engine)."""
+        """The simulator's ``remote_engine_id`` (NIXL, MoRIIO): names the instance and the DP rank
+        that holds the KV (real vLLM's NIXL engine id is a random uuid per engine)."""
         return f"{self.instance}-dp{self.rank}"
 
 
