@@ -51,6 +51,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from pdserve.argtypes import port
 from pdserve.deployment.spec.pddeployment import SpecError, load_manifest_file
 from pdserve.deployment.spec.tracing import with_endpoint
 from pdserve.deployment.validate import problems
@@ -78,7 +79,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("file", metavar="FILE", help="a YAML file holding one PDDeployment")
     parser.add_argument(
         "--port",
-        type=_port,
+        type=port,
         default=8000,
         help="the port clients use on 127.0.0.1: the router's, or with placement decode-sidecar the one "
         "that spreads requests over the sidecars (default: 8000)",
@@ -261,13 +262,6 @@ def _refuse(message: str) -> int:
     print(f"pdserve up: error: {message}", file=sys.stderr)
     print("pdserve up: nothing was started", file=sys.stderr)
     return EXIT_REFUSED
-
-
-def _port(text: str) -> int:
-    value = int(text)
-    if not 1 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"expected a port number 1-65535, got {text}")
-    return value
 
 
 def _free_port_ranges(sizes: list[int], first: int | None = None) -> list[int]:

@@ -466,14 +466,8 @@ class PrefixSettings(Checked):
 
     @property
     def options(self) -> PrefixOptions:
-        return PrefixOptions(
-            chunk_chars=self.chunk_chars,
-            min_match_chars=self.min_match_chars,
-            balance=self.balance,
-            index_chunks=self.index_chunks,
-            chars_per_token=self.chars_per_token,
-            unmatched=self.unmatched,
-        )
+        """The policy's options: these fields are PrefixOptions' own, each with its flag."""
+        return PrefixOptions(**{f.name: getattr(self, f.name) for f in fields(self)})
 
 
 @dataclass(frozen=True)
