@@ -2,16 +2,18 @@
 
 The CRD (``crds/pddeployments.pdserve.io.yaml``) is the one place where every field, default,
 bound and validation rule is written down; this turns it into a page a person reads, so the
-two cannot disagree; the commands listed in :data:`COMMANDS` get their options' table from
-their own argparse parsers the same way. ``--check`` exits 1 when the committed page is stale
+two cannot disagree; every command listed in :data:`COMMANDS` gets its options table from
+its own argparse parser the same way. ``--check`` exits 1 when the committed page is stale
 (the test suite runs it). Regenerate with ``hack/gen-reference`` or ``python -m pdserve.deployment.docgen``.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import json
+import os
 import sys
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -199,7 +201,24 @@ def render_reference(crd: Mapping[str, Any], source: str) -> str:
 #: Commands whose options the page lists, read from their own parsers: (command, module, the
 #: function that adds its arguments). Imported by name when the page is generated, as pdserve/cli.py
 #: does, so this module depends on no command at import time.
-COMMANDS = (("pdserve bench replay", "pdserve.loadgen.cli", "configure_replay"),)
+COMMANDS = (
+    ("pdserve proxy", "pdserve.proxy.cli", "configure"),
+    ("pdserve sim", "pdserve.sim.cli", "configure"),
+    ("pdserve up", "pdserve.local.cli", "configure"),
+    ("pdserve operator", "pdserve.operator.cli", "configure"),
+    ("pdserve render", "pdserve.deployment.cli", "configure"),
+    ("pdserve bench replay", "pdserve.loadgen.cli", "configure_replay"),
+)
+
+
+@contextlib.contextmanager
+def _environment_unset() -> Iterator[None]:
+    saved = dict(os.environ)
+    os.environ.clear()
+    try:
+        yield
+    finally:
+        os.environ.update(saved)
 
 
 def _commands() -> list[str]:
@@ -211,7 +230,9 @@ def _commands() -> list[str]:
     ]
     for command, module_name, function in COMMANDS:
         parser = argparse.ArgumentParser(prog=command, add_help=False)
-        getattr(importlib.import_module(module_name), function)(parser)
+        configure = getattr(importlib.import_module(module_name), function)
+        with _environment_unset():  # the defaults as written, not as this shell's variables set them
+            configure(parser)
         out += [f"### `{command}`", ""]
         # argparse's own groups (positionals, options) make one table; a titled group its own
         tables: dict[str, list[argparse.Action]] = {}

@@ -13,10 +13,10 @@ from four parts, one per job, so each floor asks only for the part it needs:
 * :class:`Simulate`: what a simulated engine answers and which handoffs it refuses.
 
 The parts are defined by job in ``render.py``, ``route.py`` and ``simulate.py`` (the checks
-every module shares in ``checks.py``); this module puts them together and names them all, so a
-connector module imports from one place. Everything here is pure and imports nothing of
-pdserve: routing/, deployment/, proxy/, sim/ and local/ look a connector up (:mod:`pdserve.kv`)
-and never compare its name.
+every module shares in ``checks.py``), and a connector module imports each from its part; this
+module puts them together and names what the other packages use of them. Everything here is
+pure and imports nothing of pdserve outside this package: routing/, deployment/, proxy/, sim/
+and local/ look a connector up (:mod:`pdserve.kv`) and never compare its name.
 """
 
 from __future__ import annotations
@@ -25,46 +25,17 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from pdserve.kv.checks import (
-    DECODE,
-    PREFILL,
-    FieldCheck,
-    block_ids,
-    field_problems,
-    int_value,
-    is_port,
-    is_true,
-    last_value,
-    nonempty_str,
-)
-from pdserve.kv.render import (
-    ConnectorRule,
-    ExtraProblem,
-    LocalRun,
-    Pair,
-    PodKV,
-    Render,
-    Rule,
-    Side,
-    container_port,
-)
-from pdserve.kv.route import Instance, LegIds, LegPlan, Peer, Route, leg_id, prefill_only
-from pdserve.kv.simulate import PullNotice, SimEngine, Simulate
+from pdserve.kv.checks import PREFILL, last_value
+from pdserve.kv.render import Pair, PodKV, Render, Rule, Side
+from pdserve.kv.route import LegIds, LegPlan, Route, prefill_only
+from pdserve.kv.simulate import PullNotice, SimEngine, SimPrefill, Simulate
 
 __all__ = [
-    "DECODE",
-    "PREFILL",
-    "ConnectorRule",
-    "ExtraProblem",
-    "FieldCheck",
-    "Instance",
     "KVConnector",
     "LegIds",
     "LegPlan",
-    "LocalRun",
     "Names",
     "Pair",
-    "Peer",
     "PodKV",
     "PullNotice",
     "Render",
@@ -73,16 +44,9 @@ __all__ = [
     "Rule",
     "Side",
     "SimEngine",
+    "SimPrefill",
     "Simulate",
-    "block_ids",
-    "container_port",
-    "field_problems",
-    "int_value",
-    "is_port",
-    "is_true",
     "last_value",
-    "leg_id",
-    "nonempty_str",
     "prefill_only",
     "transfer_config",
 ]

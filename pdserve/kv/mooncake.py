@@ -66,31 +66,11 @@ from collections.abc import Mapping
 from typing import Any
 from urllib.parse import urlsplit
 
-from pdserve.kv.base import (
-    DECODE,
-    PREFILL,
-    ExtraProblem,
-    FieldCheck,
-    KVConnector,
-    LegIds,
-    LegPlan,
-    LocalRun,
-    Names,
-    Pair,
-    Peer,
-    PodKV,
-    PullNotice,
-    Render,
-    Rule,
-    SimEngine,
-    Simulate,
-    container_port,
-    field_problems,
-    is_true,
-    leg_id,
-    nonempty_str,
-    prefill_only,
-)
+from pdserve.kv.base import KVConnector, Names
+from pdserve.kv.checks import DECODE, PREFILL, FieldCheck, field_problems, is_true, nonempty_str
+from pdserve.kv.render import ExtraProblem, LocalRun, Pair, PodKV, Render, Rule, container_port
+from pdserve.kv.route import HandoffParams, LegIds, LegPlan, Peer, SerialRoute, leg_id, prefill_only
+from pdserve.kv.simulate import PullNotice, SimPrefill, Simulate, rank_after
 
 NAMES = Names(crd="MooncakeConnector", table="mooncake")
 
@@ -241,14 +221,13 @@ class MooncakeRender(Render):
 # --- route ----------------------------------------------------------------------------------------
 
 
-class MooncakeRoute:
+class MooncakeRoute(SerialRoute):
     name = NAMES.table
-    concurrent = False
-    reusable_handoff = True
 
     def ids(
         self, base: str, prefill_leg: int, decode_leg: int, prefill: Peer, decode: Peer, uid: str
     ) -> LegIds:
+        """The transfer id is the prefill leg's: the decode names the transfer it pulls."""
         prefill_id = leg_id(base, PREFILL, prefill_leg)
         return LegIds(prefill_id, leg_id(base, DECODE, decode_leg), transfer_id=prefill_id)
 
@@ -261,12 +240,7 @@ class MooncakeRoute:
         return []  # vLLM 0.32's prefill answers none: the router names the transfer itself
 
     def decode_leg(
-        self,
-        body: Mapping[str, Any],
-        prefill: Peer,
-        decode: Peer,
-        ids: LegIds,
-        handoff: Mapping[str, Any] | None,
+        self, body: Mapping[str, Any], prefill: Peer, decode: Peer, ids: LegIds, handoff: HandoffParams | None
     ) -> LegPlan:
         instance = prefill.instance
         out = dict(body)
@@ -296,14 +270,7 @@ class MooncakeSimulate(Simulate):
             return 2
         return 1 if leg == PREFILL and "transfer_id" in params else 0
 
-    def prefill_answer(
-        self,
-        engine: SimEngine,
-        params: Mapping[str, Any],
-        request_id: str,
-        prompt_tokens: int,
-        blocks: list[list[int]],
-    ) -> None:
+    def prefill_answer(self, prefill: SimPrefill, params: Mapping[str, Any]) -> None:
         """None, as vLLM 0.32: its prefill keeps the blocks for the decode that names the transfer."""
         return None
 
@@ -323,9 +290,7 @@ class MooncakeSimulate(Simulate):
     def engine_rank(self, engine_id: str, instance: str) -> int | None:
         if engine_id == instance:
             return 0
-        prefix = f"{instance}_dp"
-        rank = engine_id[len(prefix) :] if engine_id.startswith(prefix) else ""
-        return int(rank) if rank.isdigit() else None
+        return rank_after(engine_id, f"{instance}_dp")
 
 
 CONNECTOR = KVConnector(NAMES, MooncakeRender(), route, MooncakeSimulate())

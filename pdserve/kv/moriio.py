@@ -43,32 +43,21 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from pdserve.kv.base import (
+from pdserve.kv.base import KVConnector, Names
+from pdserve.kv.checks import (
     DECODE,
     PREFILL,
-    ExtraProblem,
     FieldCheck,
-    KVConnector,
-    LegIds,
-    LegPlan,
-    LocalRun,
-    Names,
-    Pair,
-    Peer,
-    PodKV,
-    Render,
-    Rule,
-    SimEngine,
-    Simulate,
     block_ids,
-    container_port,
     field_problems,
     int_value,
     is_port,
     is_true,
     nonempty_str,
-    prefill_only,
 )
+from pdserve.kv.render import ExtraProblem, LocalRun, Pair, PodKV, Render, Rule, container_port
+from pdserve.kv.route import HandoffParams, LegIds, LegPlan, Peer, prefill_only
+from pdserve.kv.simulate import SimPrefill, Simulate
 
 READ = "READ"
 WRITE = "WRITE"
@@ -341,12 +330,7 @@ class MoriioRoute:
         return prefill_answer_problems(answer) if self.transfer_mode == READ else []
 
     def decode_leg(
-        self,
-        body: Mapping[str, Any],
-        prefill: Peer,
-        decode: Peer,
-        ids: LegIds,
-        handoff: Mapping[str, Any] | None,
+        self, body: Mapping[str, Any], prefill: Peer, decode: Peer, ids: LegIds, handoff: HandoffParams | None
     ) -> LegPlan:
         out = dict(body)
         for key in ("max_tokens", "max_completion_tokens"):
@@ -385,21 +369,15 @@ class MoriioSimulate(Simulate):
             return 2
         return 1 if leg == DECODE and "transfer_id" in params else 0
 
-    def prefill_answer(
-        self,
-        engine: SimEngine,
-        params: Mapping[str, Any],
-        request_id: str,
-        prompt_tokens: int,
-        blocks: list[list[int]],
-    ) -> dict[str, Any]:
+    def prefill_answer(self, prefill: SimPrefill, params: Mapping[str, Any]) -> dict[str, Any]:
         """The transfer id echoed, with the engine and block ids READ needs."""
+        engine = prefill.engine
         return {
             "do_remote_prefill": True,
             "do_remote_decode": False,
             "transfer_id": str(params.get("transfer_id")),
-            "remote_engine_id": f"{engine.instance}-dp{engine.rank}",
-            "remote_block_ids": blocks,
+            "remote_engine_id": engine.engine_id,
+            "remote_block_ids": prefill.blocks,
             "remote_host": engine.kv_host,
             "remote_port": engine.kv_port,
             "remote_dp_rank": engine.rank,

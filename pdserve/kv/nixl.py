@@ -38,32 +38,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from pdserve.kv.base import (
-    DECODE,
-    PREFILL,
-    FieldCheck,
-    KVConnector,
-    LegIds,
-    LegPlan,
-    LocalRun,
-    Names,
-    Pair,
-    Peer,
-    PodKV,
-    PullNotice,
-    Render,
-    Rule,
-    SimEngine,
-    Simulate,
-    block_ids,
-    container_port,
-    field_problems,
-    is_port,
-    is_true,
-    leg_id,
-    nonempty_str,
-    prefill_only,
-)
+from pdserve.kv.base import KVConnector, Names
+from pdserve.kv.checks import FieldCheck, block_ids, field_problems, is_port, is_true, nonempty_str
+from pdserve.kv.render import LocalRun, Pair, PodKV, Render, Rule, container_port
+from pdserve.kv.route import HandoffParams, LegIds, LegPlan, Peer, SerialRoute, prefill_only
+from pdserve.kv.simulate import PullNotice, SimPrefill, Simulate, rank_after
 
 NAMES = Names(crd="NixlConnector", table="nixl")
 
@@ -200,15 +179,8 @@ class NixlRender(Render):
 # --- route ----------------------------------------------------------------------------------------
 
 
-class NixlRoute:
+class NixlRoute(SerialRoute):
     name = NAMES.table
-    concurrent = False
-    reusable_handoff = True
-
-    def ids(
-        self, base: str, prefill_leg: int, decode_leg: int, prefill: Peer, decode: Peer, uid: str
-    ) -> LegIds:
-        return LegIds(leg_id(base, PREFILL, prefill_leg), leg_id(base, DECODE, decode_leg))
 
     def prefill_leg(self, body: Mapping[str, Any], prefill: Peer, decode: Peer, ids: LegIds) -> LegPlan:
         out = prefill_only(body)
@@ -219,12 +191,7 @@ class NixlRoute:
         return handoff_problems(answer)
 
     def decode_leg(
-        self,
-        body: Mapping[str, Any],
-        prefill: Peer,
-        decode: Peer,
-        ids: LegIds,
-        handoff: Mapping[str, Any] | None,
+        self, body: Mapping[str, Any], prefill: Peer, decode: Peer, ids: LegIds, handoff: HandoffParams | None
     ) -> LegPlan:
         out = dict(body)
         out["kv_transfer_params"] = dict(handoff) if handoff is not None else None
@@ -238,12 +205,6 @@ def route(mode: str | None) -> NixlRoute:
 # --- simulate -------------------------------------------------------------------------------------
 
 
-def engine_id(engine: SimEngine) -> str:
-    """The simulator's ``remote_engine_id``: names the instance and the DP rank that holds the KV
-    (real vLLM's is a random uuid per engine)."""
-    return f"{engine.instance}-dp{engine.rank}"
-
-
 class NixlSimulate(Simulate):
     host_env = (HOST_ENV, "VLLM_HOST_IP")
     port_env = PORT_ENV
@@ -253,27 +214,21 @@ class NixlSimulate(Simulate):
     def recognises(self, params: Mapping[str, Any], leg: str) -> int:
         return 2 if any(key in params for key in _OWN_KEYS) else 0
 
-    def prefill_answer(
-        self,
-        engine: SimEngine,
-        params: Mapping[str, Any],
-        request_id: str,
-        prompt_tokens: int,
-        blocks: list[list[int]],
-    ) -> dict[str, Any]:
+    def prefill_answer(self, prefill: SimPrefill, params: Mapping[str, Any]) -> dict[str, Any]:
         """What real vLLM's NixlConnector returns from a prefill with ``do_remote_decode``."""
+        engine = prefill.engine
         return {
             "do_remote_prefill": True,
             "do_remote_decode": False,
-            "remote_block_ids": blocks,
-            "remote_engine_id": engine_id(engine),
-            "remote_request_id": request_id,
+            "remote_block_ids": prefill.blocks,
+            "remote_engine_id": engine.engine_id,
+            "remote_request_id": prefill.request_id,
             "remote_host": engine.kv_host,
             "remote_port": engine.kv_port,
             "tp_size": engine.tp_size,
             "dcp_size": 1,
             "pp_size": 1,
-            "remote_num_tokens": prompt_tokens,
+            "remote_num_tokens": prefill.prompt_tokens,
             "remote_blocks_expiry_time": None,
             "transfer_mode": "pull",
             "remote_prefill_cached_tokens": 0,
@@ -299,9 +254,7 @@ class NixlSimulate(Simulate):
         )
 
     def engine_rank(self, engine_id: str, instance: str) -> int | None:
-        prefix = f"{instance}-dp"
-        rank = engine_id[len(prefix) :] if engine_id.startswith(prefix) else ""
-        return int(rank) if rank.isdigit() else None
+        return rank_after(engine_id, f"{instance}-dp")
 
 
 CONNECTOR = KVConnector(NAMES, NixlRender(), route, NixlSimulate())

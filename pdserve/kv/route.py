@@ -7,6 +7,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from pdserve.kv.checks import DECODE, PREFILL
+
 # --- route: the proxy's legs --------------------------------------------------------------------
 
 
@@ -58,6 +60,10 @@ def leg_id(base: str, role: str, number: int) -> str:
     return f"{base}-{role[0]}{number}"
 
 
+#: The ``kv_transfer_params`` a prefill answered, as a decode leg is given them.
+HandoffParams = Mapping[str, Any]
+
+
 @dataclass(frozen=True)
 class LegPlan:
     """One upstream request: its JSON body and the X-data-parallel-rank to send (None: none)."""
@@ -91,13 +97,22 @@ class Route(Protocol):
         ...
 
     def decode_leg(
-        self,
-        body: Mapping[str, Any],
-        prefill: Peer,
-        decode: Peer,
-        ids: LegIds,
-        handoff: Mapping[str, Any] | None,
+        self, body: Mapping[str, Any], prefill: Peer, decode: Peer, ids: LegIds, handoff: HandoffParams | None
     ) -> LegPlan: ...
+
+
+class SerialRoute:
+    """What the routes of NIXL and Mooncake share: the decode goes out once its prefill succeeded,
+    each leg has an id of its own, and any decode may take the prefill's handoff."""
+
+    name: str
+    concurrent = False
+    reusable_handoff = True
+
+    def ids(
+        self, base: str, prefill_leg: int, decode_leg: int, prefill: Peer, decode: Peer, uid: str
+    ) -> LegIds:
+        return LegIds(leg_id(base, PREFILL, prefill_leg), leg_id(base, DECODE, decode_leg))
 
 
 def prefill_only(body: Mapping[str, Any]) -> dict[str, Any]:

@@ -20,6 +20,29 @@ class SimEngine:
     kv_host: str
     kv_port: int
 
+    @property
+    def engine_id(self) -> str:
+        """The simulator's ``remote_engine_id`` (NIXL, MoRIIO): names the instance and the DP rank
+        that holds the KV (real vLLM's NIXL engine id is a random uuid per engine)."""
+        return f"{self.instance}-dp{self.rank}"
+
+
+@dataclass(frozen=True)
+class SimPrefill:
+    """A prefill leg a simulated engine ran: the engine, vLLM's internal request id, the prompt's
+    length in tokens and the KV blocks the engine holds for the decode."""
+
+    engine: SimEngine
+    request_id: str
+    prompt_tokens: int
+    blocks: list[list[int]]
+
+
+def rank_after(engine_id: str, prefix: str) -> int | None:
+    """The DP rank an engine id ``<prefix><rank>`` names (None: not such an id)."""
+    rank = engine_id[len(prefix) :] if engine_id.startswith(prefix) else ""
+    return int(rank) if rank.isdigit() else None
+
 
 @dataclass(frozen=True)
 class PullNotice:
@@ -49,14 +72,7 @@ class Simulate:
         2 a key only this connector sends, 1 its shape without such a key, 0 not its."""
         return 0
 
-    def prefill_answer(
-        self,
-        engine: SimEngine,
-        params: Mapping[str, Any],
-        request_id: str,
-        prompt_tokens: int,
-        blocks: list[list[int]],
-    ) -> dict[str, Any] | None:
+    def prefill_answer(self, prefill: SimPrefill, params: Mapping[str, Any]) -> dict[str, Any] | None:
         """The ``kv_transfer_params`` a prefill answers with (None: vLLM answers none)."""
         return None
 

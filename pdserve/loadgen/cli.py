@@ -22,32 +22,13 @@ from collections.abc import Coroutine
 from pathlib import Path
 from typing import Any, TypeVar
 
+from pdserve.argtypes import non_negative_float, positive_float, positive_int
+
 T = TypeVar("T")
 
 EXIT_FAILED = 1
 EXIT_BAD_INPUT = 2
 POISSON = "poisson"
-
-
-def _positive(text: str) -> float:
-    value = float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
-    return value
-
-
-def _non_negative(text: str) -> float:
-    value = float(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
-    return value
-
-
-def _count(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {text}")
-    return value
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -89,11 +70,11 @@ def configure_replay(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--speedup",
-        type=_positive,
+        type=positive_float,
         default=1.0,
         help="compress the trace's time: 10 sends in 100 s what it spreads over 1000 s (default: 1)",
     )
-    p.add_argument("--limit", type=_count, help="replay only the first N requests (by timestamp)")
+    p.add_argument("--limit", type=positive_int, help="replay only the first N requests (by timestamp)")
     p.add_argument(
         "--output",
         type=Path,
@@ -101,11 +82,11 @@ def configure_replay(p: argparse.ArgumentParser) -> None:
         help="write results.json, results.md, results.png and requests.jsonl there",
     )
     p.add_argument(
-        "--slo-ttft-ms", type=_positive, help="goodput: a request's time to first token at most this"
+        "--slo-ttft-ms", type=positive_float, help="goodput: a request's time to first token at most this"
     )
     p.add_argument(
         "--slo-itl-ms",
-        type=_positive,
+        type=positive_float,
         help="goodput: a request's mean inter-token latency (TPOT) at most this",
     )
     p.add_argument(
@@ -122,14 +103,14 @@ def configure_replay(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--metrics-interval",
-        type=_non_negative,
+        type=non_negative_float,
         default=1.0,
         metavar="S",
         help="read the engines' metrics every S seconds for the load plot; 0: only before and after",
     )
     p.add_argument(
         "--timeout",
-        type=_positive,
+        type=positive_float,
         default=600.0,
         metavar="S",
         help="a request not fully answered after S seconds fails as a timeout (default: 600)",
@@ -148,10 +129,12 @@ def configure_replay(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar on stderr")
     poisson = p.add_argument_group("poisson workload (TRACE `poisson`)")
-    poisson.add_argument("--rate", type=_positive, default=10.0, help="requests per second (default: 10)")
-    poisson.add_argument("--num-requests", type=_count, default=1000, help="default: 1000")
-    poisson.add_argument("--input-len", type=_count, default=2048, help="prompt tokens (default: 2048)")
-    poisson.add_argument("--output-len", type=_count, default=128, help="output tokens (default: 128)")
+    poisson.add_argument(
+        "--rate", type=positive_float, default=10.0, help="requests per second (default: 10)"
+    )
+    poisson.add_argument("--num-requests", type=positive_int, default=1000, help="default: 1000")
+    poisson.add_argument("--input-len", type=positive_int, default=2048, help="prompt tokens (default: 2048)")
+    poisson.add_argument("--output-len", type=positive_int, default=128, help="output tokens (default: 128)")
     poisson.add_argument(
         "--range-ratio",
         type=float,

@@ -52,6 +52,7 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
+from pdserve.argtypes import port
 from pdserve.deployment.plan.autoscale import ROLES
 from pdserve.deployment.plan.scaling import with_counts
 from pdserve.deployment.spec.pddeployment import PDDeployment, SpecError, load_manifest_file
@@ -82,7 +83,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("file", metavar="FILE", help="a YAML file holding one PDDeployment")
     parser.add_argument(
         "--port",
-        type=_port,
+        type=port,
         default=8000,
         help="the port clients use on 127.0.0.1: the router's, or with placement decode-sidecar the one "
         "that spreads requests over the sidecars (default: 8000)",
@@ -278,13 +279,6 @@ def _refuse(message: str) -> int:
     print(f"pdserve up: error: {message}", file=sys.stderr)
     print("pdserve up: nothing was started", file=sys.stderr)
     return EXIT_REFUSED
-
-
-def _port(text: str) -> int:
-    value = int(text)
-    if not 1 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"expected a port number 1-65535, got {text}")
-    return value
 
 
 def _free_port_ranges(sizes: list[int], first: int | None = None) -> list[int]:

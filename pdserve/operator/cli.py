@@ -38,6 +38,7 @@ import os
 import sys
 from typing import TYPE_CHECKING
 
+from pdserve.argtypes import positive_float
 from pdserve.deployment.spec.pddeployment import DEFAULT_IMAGE
 from pdserve.listen import unavailable
 from pdserve.operator.handlers import OperatorOptions
@@ -90,13 +91,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--verbose", action="store_true", help="debug logging (default: info)")
     parser.add_argument(
         "--resync-seconds",
-        type=_positive,
+        type=positive_float,
         default=30.0,
         help="reconcile every PDDeployment at least this often (default: %(default)g)",
     )
     parser.add_argument(
         "--debounce-ms",
-        type=_positive,
+        type=positive_float,
         default=50.0,
         help="fold triggers arriving within this window into one reconcile (default: %(default)g)",
     )
@@ -286,10 +287,3 @@ def _check_tracing(endpoint: str) -> None:
         check_available()
     except (EndpointError, TracingUnavailable) as exc:
         raise SystemExit(f"pdserve operator: --otlp-traces-endpoint: {exc}") from None
-
-
-def _positive(text: str) -> float:
-    value = float(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text}")
-    return value

@@ -438,7 +438,7 @@ class PrefixSettings(Checked):
         minimum=0,
         metavar="N",
         help="chunks each prefill slot's index holds (LRU); 0 sizes it from the engine's KV capacity "
-        "(vllm:cache_config_info: num_gpu_blocks x block_size tokens x --prefix-chars-per-token), "
+        "(num_gpu_blocks x block_size tokens of vllm:cache_config_info, x --prefix-chars-per-token), "
         f"{DEFAULT_INDEX_CHUNKS} until that is read",
     )
     chars_per_token: float = setting(
@@ -466,14 +466,8 @@ class PrefixSettings(Checked):
 
     @property
     def options(self) -> PrefixOptions:
-        return PrefixOptions(
-            chunk_chars=self.chunk_chars,
-            min_match_chars=self.min_match_chars,
-            balance=self.balance,
-            index_chunks=self.index_chunks,
-            chars_per_token=self.chars_per_token,
-            unmatched=self.unmatched,
-        )
+        """The policy's options: these fields are PrefixOptions' own, each with its flag."""
+        return PrefixOptions(**{f.name: getattr(self, f.name) for f in fields(self)})
 
 
 @dataclass(frozen=True)

@@ -43,6 +43,7 @@ from collections.abc import Coroutine
 from typing import Any
 
 from pdserve import kv
+from pdserve.argtypes import non_negative_float, positive_int
 from pdserve.listen import unavailable
 from pdserve.sim.engine import flags as engine_flags
 from pdserve.sim.faults import FaultSpecError, parse_faults
@@ -63,19 +64,19 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "requests, both serves either; every role serves plain requests (default: both)",
     )
     parser.add_argument(
-        "--dp-size", type=_positive_int, default=1, help="number of data-parallel engine ranks (default: 1)"
+        "--dp-size", type=positive_int, default=1, help="number of data-parallel engine ranks (default: 1)"
     )
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
     parser.add_argument("--port", type=int, default=8000, help="port to listen on (default: 8000)")
     parser.add_argument(
-        "--ttft-ms", type=_non_negative_float, default=20.0, help="time to first token in ms (default: 20)"
+        "--ttft-ms", type=non_negative_float, default=20.0, help="time to first token in ms (default: 20)"
     )
     parser.add_argument(
-        "--itl-ms", type=_non_negative_float, default=5.0, help="inter-token latency in ms (default: 5)"
+        "--itl-ms", type=non_negative_float, default=5.0, help="inter-token latency in ms (default: 5)"
     )
     parser.add_argument(
         "--tokens",
-        type=_positive_int,
+        type=positive_int,
         default=16,
         help="tokens generated per request; a request's max_tokens caps it (default: 16)",
     )
@@ -109,13 +110,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--tp-size",
-        type=_positive_int,
+        type=positive_int,
         default=1,
         help="tensor-parallel size reported as tp_size (default: 1)",
     )
     parser.add_argument(
         "--max-model-len",
-        type=_positive_int,
+        type=positive_int,
         default=4096,
         help="max_model_len in /v1/models (default: 4096)",
     )
@@ -134,7 +135,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="seed of the fault dice, for reproducible runs (default: random)",
     )
     parser.add_argument(
-        "--backlog", type=_positive_int, default=4096, help="listen backlog of the socket (default: 4096)"
+        "--backlog", type=positive_int, default=4096, help="listen backlog of the socket (default: 4096)"
     )
     tracing = parser.add_argument_group("tracing (vLLM's flags and behaviour, docs/operations.md#tracing)")
     tracing.add_argument(
@@ -157,7 +158,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--data-parallel-size-local",
-        type=_positive_int,
+        type=positive_int,
         default=None,
         help="DP ranks of this node (default: --dp-size, a single-node server)",
     )
@@ -185,7 +186,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="no OpenAI API: engines only (the leader forwards their ranks; /sim/* stays on --port)",
     )
     group.add_argument(
-        "--nnodes", type=_positive_int, default=1, help="nodes of a TP/PP-across-nodes group (default: 1)"
+        "--nnodes", type=positive_int, default=1, help="nodes of a TP/PP-across-nodes group (default: 1)"
     )
     group.add_argument("--node-rank", type=int, default=0, help="this node's index in --nnodes (default: 0)")
     group.add_argument("--master-addr", default=None, help="node 0's address (--nnodes > 1)")
@@ -295,17 +296,3 @@ def _run_event_loop(main: Coroutine[Any, Any, int | None]) -> int | None:
     except ImportError:  # pragma: no cover - uvloop is a dependency except on Windows
         return asyncio.run(main)
     return uvloop.run(main)
-
-
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text}")
-    return value
-
-
-def _non_negative_float(text: str) -> float:
-    value = float(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text}")
-    return value

@@ -26,7 +26,7 @@ import aiohttp
 from aiohttp import web
 
 from pdserve import kv
-from pdserve.kv.base import KVConnector, SimEngine
+from pdserve.kv.base import KVConnector, SimEngine, SimPrefill
 from pdserve.sim import payloads, validation
 from pdserve.sim.engine.request import Kind, Request
 from pdserve.sim.engine.runtime import Engines, EngineSetup
@@ -595,7 +595,8 @@ class Simulator:
         )
         params = job.body["kv_transfer_params"]
         simulate = job.connector.simulate
-        return simulate.prefill_answer(engine, params, job.engine_request_id, job.prompt_tokens, blocks)
+        prefill = SimPrefill(engine, job.engine_request_id, job.prompt_tokens, blocks)
+        return simulate.prefill_answer(prefill, params)
 
     async def _run(self, request: web.Request, job: Job, fault: Fault | None) -> web.StreamResponse:
         kind = fault.kind if fault is not None else None

@@ -29,17 +29,22 @@ _TRUE = {"1", "on", "t", "true", "y", "yes"}
 _FALSE = {"0", "off", "f", "false", "n", "no"}
 
 
+def _parsed(text: str, convert: Callable[[str], object], problem: tuple[str, str]) -> tuple[str, str] | None:
+    """Lax mode takes a number in a string when it parses, white space around it allowed."""
+    try:
+        convert(text.strip())
+    except ValueError:
+        return problem
+    return None
+
+
 def _int(value: object) -> tuple[str, str] | None:
     if isinstance(value, int):  # bool too: pydantic takes True as 1
         return None
     if isinstance(value, float):
         return None if value.is_integer() else ("int_from_float", "got a number with a fractional part")
     if isinstance(value, str):
-        try:
-            int(value.strip())
-            return None
-        except ValueError:
-            return "int_parsing", "unable to parse string as an integer"
+        return _parsed(value, int, ("int_parsing", "unable to parse string as an integer"))
     return "int_type", ""
 
 
@@ -47,11 +52,7 @@ def _float(value: object) -> tuple[str, str] | None:
     if isinstance(value, int | float):
         return None
     if isinstance(value, str):
-        try:
-            float(value.strip())
-            return None
-        except ValueError:
-            return "float_parsing", "unable to parse string as a number"
+        return _parsed(value, float, ("float_parsing", "unable to parse string as a number"))
     return "float_type", ""
 
 

@@ -4,9 +4,9 @@
 ``vllm serve`` of the tiny model on one core, the flags the profile describes; the load of
 :mod:`tests.e2e_vllm.loadgen`; then least squares: the time to the first token against the
 prompt length gives ``prefill_token_ms`` (slope) and the cost of a one-token step (intercept),
-the inter-token latency against the batch size gives ``decode_seq_ms`` (slope) and ``step_ms``
-(intercept). The figures go into pdserve/sim/engine/profiles/cpu-tiny-llama.yaml with the
-measurements they came from.
+the time per decode step of closed-loop clients against their number gives ``decode_seq_ms``
+(slope) and ``step_ms`` (intercept). The figures go into
+pdserve/sim/engine/profiles/cpu-tiny-llama.yaml with the measurements they came from.
 
 ``python -m tests.e2e_vllm check-profile`` (part of ``make e2e-vllm``): the same load against
 real vLLM and against ``pdserve sim --profile cpu-tiny-llama``: the simulator's time to first
@@ -49,8 +49,9 @@ VLLM_FLAGS = [
     "--enable-prompt-tokens-details",
 ]  # fmt: skip
 TTFT_LENGTHS = [16, 64, 128, 256, 384, 496]
-TPOT_BATCHES = [1, 2, 4, 8, 16]
-CLIENTS = [1, 4, 16]
+CLIENTS = [1, 4, 8, 16]
+#: The closed loop's requests: a prompt length that is also a TTFT point, and the tokens out.
+LOOP_PROMPT, LOOP_TOKENS = 64, 32
 TOLERANCE = 0.25
 
 
@@ -106,9 +107,6 @@ def _wait_health(url: str, proc: subprocess.Popen[bytes], timeout: float) -> Non
     raise AssertionError(f"{url} not healthy after {timeout:.0f} s")
 
 
-TPOT_TOKENS = 64
-
-
 def measure(urls: dict[str, str]) -> dict[str, dict[str, Any]]:
     """The load on every engine of ``urls``, side by side (taking turns at every shot)."""
     return asyncio.run(_measure(urls))
@@ -122,23 +120,16 @@ async def _measure(urls: dict[str, str]) -> dict[str, dict[str, Any]]:
                 await load.stream(load.ids(n), 2)
             await load.wall(4, 8)
 
-        async def tpot(load: Load, c: int) -> float:
-            return max(await load.wall(c, TPOT_TOKENS) - await load.wall(c, 2), 0.0) / (TPOT_TOKENS - 2)
-
         ttft = await side_by_side(loads, TTFT_LENGTHS, Load.ttft, 9)
         _say("ttft", ttft, "{} tok {:.1f} ms", 1000)
-        per_token = await side_by_side(loads, TPOT_BATCHES, tpot, 5)
-        _say("tpot", per_token, "batch {} {:.2f} ms", 1000)
 
         async def seconds_per_request(load: Load, c: int) -> float:  # lower is less disturbed
-            return 1 / await load.throughput(c)
+            return 1 / await load.throughput(c, prompt=LOOP_PROMPT, tokens=LOOP_TOKENS)
 
         spent = await side_by_side(loads, CLIENTS, seconds_per_request, 4)
         rates = {name: {c: 1 / t for c, t in table.items()} for name, table in spent.items()}
         _say("throughput", rates, "{} clients {:.1f} req/s", 1)
-    return {
-        name: {"ttft_s": ttft[name], "tpot_s": per_token[name], "req_per_s": rates[name]} for name in urls
-    }
+    return {name: {"ttft_s": ttft[name], "req_per_s": rates[name]} for name in urls}
 
 
 def _say(what: str, table: dict[str, dict[int, float]], fmt: str, scale: float) -> None:
@@ -146,9 +137,19 @@ def _say(what: str, table: dict[str, dict[int, float]], fmt: str, scale: float) 
         say(f"{name} {what}: " + ", ".join(fmt.format(x, y * scale) for x, y in points.items()))
 
 
+def step_seconds(measured: dict[str, Any]) -> dict[int, float]:
+    """Seconds per decode step with ``c`` clients in the closed loop: a request's time (``c`` over
+    the rate) less its first token's, over the tokens after the first. The closed loop keeps
+    about ``c`` sequences decoding; its many requests average out what a single timed batch of
+    streams does not (and real vLLM's API server, busy with every stream's chunks, is in it)."""
+    first = measured["ttft_s"][LOOP_PROMPT]
+    return {c: (c / rate - first) / (LOOP_TOKENS - 1) for c, rate in measured["req_per_s"].items()}
+
+
 @dataclass(frozen=True)
 class Lines:
-    """The measured straight lines: TTFT = ttft0 + per_token * P, TPOT = tpot0 + per_seq * c (ms)."""
+    """The measured straight lines: TTFT = ttft0 + per_token * P, a decode step = tpot0 + per_seq * c
+    (ms)."""
 
     ttft0: float
     per_token: float
@@ -158,7 +159,7 @@ class Lines:
     @classmethod
     def of(cls, measured: dict[str, Any]) -> Lines:
         ttft0, per_token = linear_fit(measured["ttft_s"])
-        tpot0, per_seq = linear_fit(measured["tpot_s"])
+        tpot0, per_seq = linear_fit(step_seconds(measured))
         return cls(ttft0 * 1000, per_token * 1000, tpot0 * 1000, per_seq * 1000)
 
 
@@ -212,13 +213,16 @@ def fit_profile(work: Path) -> dict[str, Any]:
         + ", ".join(f"{n}: {t * 1000:.1f} ms" for n, t in m["ttft_s"].items())
         + f" (= {real.ttft0:.2f} ms + {real.per_token:.4f} ms/token; the simulator's own "
         f"{floor.ttft0:.2f} ms + {floor.per_token:.4f} ms/token): intercept frontend_ms + step_ms, "
-        "slope prefill_token_ms; the time per output token over concurrent streams, vLLM "
-        + ", ".join(f"batch {c}: {t * 1000:.2f} ms" for c, t in m["tpot_s"].items())
+        "slope prefill_token_ms; the time per decode step of clients in a closed loop "
+        f"({LOOP_PROMPT}-token prompts, {LOOP_TOKENS} tokens out: a request's time less its first "
+        "token's, over the tokens after it), vLLM "
+        + ", ".join(
+            f"{c} clients {r:.1f} req/s = {s * 1000:.2f} ms"
+            for (c, r), s in zip(m["req_per_s"].items(), step_seconds(m).values(), strict=True)
+        )
         + f" (= {real.tpot0:.2f} ms + {real.per_seq:.4f} ms/sequence; the simulator's own "
         f"{floor.tpot0:.2f} ms + {floor.per_seq:.4f} ms/sequence): intercept step_ms, slope "
-        "decode_seq_ms. vLLM's throughput meanwhile, 64-token prompts and 32 tokens out: "
-        + ", ".join(f"{c} clients {r:.1f} req/s" for c, r in m["req_per_s"].items())
-        + "."
+        "decode_seq_ms."
     )
     write_profile(PROFILE, figures, source)
     say(f"wrote {PROFILE.relative_to(REPO)}")

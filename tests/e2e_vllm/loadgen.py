@@ -6,11 +6,10 @@ round, so the moods of a shared machine fall on all of them alike and their rati
 
 - ``ttft``: one request alone, a new prompt (no cache hit), ``max_tokens`` 1: the time to the
   first chunk, against the prompt's length.
-- ``tpot``: ``c`` streams at once with short prompts: the time per output token, from the wall
-  time of ``c`` long streams less that of ``c`` short ones (real vLLM on CPU sends several tokens
-  in one write when its API server falls behind, so gaps between chunks mean little), against
-  the batch size ``c``.
-- ``throughput``: ``c`` clients in a closed loop: completed requests per second.
+- ``throughput``: ``c`` clients in a closed loop: completed requests per second (the time per
+  decode step is taken from it: real vLLM on CPU sends several tokens in one write when its API
+  server falls behind, so gaps between chunks mean little).
+- ``wall``: ``c`` streams at once (the warm-up).
 - ``send_each``: prompts one at a time (shared prefixes: the prefix-cache counters move).
 """
 

@@ -165,14 +165,17 @@ def test_routing_served_counts_the_streams_of_every_worker(stack: PDStack) -> No
 def test_the_per_slot_limit_is_the_routers_not_each_workers(stack: PDStack) -> None:
     s = stack.sims
     stack.route([s["p0"]], [s["d0"]])
-    s["d0"].faults({"kind": "slow-first-byte", "ms": 600, "roles": ["decode"]})  # type: ignore[arg-type]
+    # A first byte slow enough that the six requests all arrive within the first round, even when a
+    # loaded machine starts their connections late (at 600 ms a straggler once found room: no wait).
+    first_byte = 1.5
+    s["d0"].faults({"kind": "slow-first-byte", "ms": round(first_byte * 1000), "roles": ["decode"]})  # type: ignore[arg-type]
     args = proxy_args(stack.routing_file, "--host", "127.0.0.1", "--workers", str(WORKERS))
     proc = stack.group.start("proxy-limit", [*args, "--max-per-slot", "1"], health="/ready")
     try:
         started = time.monotonic()
         assert asyncio.run(_many(proc.url, 6)) == [200] * 6  # 3 decode ranks, one leg each at a time
         elapsed = time.monotonic() - started
-        assert elapsed >= 2 * 0.6 - 0.05, elapsed  # 6 legs over 3 ranks, one at a time: two rounds
+        assert elapsed >= 2 * first_byte - 0.05, elapsed  # 6 legs over 3 ranks, one at a time: two rounds
         waited = proxy_metric(proc.url, "pdserve_proxy_admission_wait_seconds_count")
         assert waited >= 3  # whichever worker took them, the second round waited for room
     finally:

@@ -281,7 +281,10 @@ def test_a_profile_with_a_missing_or_negative_figure_is_refused(tmp_path: Path) 
 
 
 async def test_moriio_prefill_leg_frees_at_the_end_and_still_names_blocks(procs: ProcessGroup) -> None:
-    prefill = procs.start("prefill", ["sim", *CPU, "--role", "prefill", "--kv-port", str(free_port())])
+    prefill = procs.start(
+        "prefill",
+        ["sim", *CPU, "--role", "prefill", "--kv-connector", "moriio", "--kv-port", str(free_port())],
+    )
     params = {"do_remote_decode": True, "transfer_id": "t-1"}
     status, answer = await post(
         prefill.url + "/v1/completions", {"prompt": words(200), "max_tokens": 1, "kv_transfer_params": params}

@@ -131,9 +131,10 @@ PACKAGE = Path(__file__).resolve().parents[2] / "pdserve"
 
 #: Lowest first. A package imports its own modules, packages of lower floors, and its peers only
 #: on the ground floor (the contract, the wire formats and the connectors know no service; nor
-#: does ``listen``, the commands' check of the ports they are given).
+#: do ``listen``, the commands' check of the ports they are given, and ``argtypes``, their flags'
+#: value types).
 FLOORS: tuple[frozenset[str], ...] = (
-    frozenset({"routing", "wire", "kv", "listen", "tracing"}),
+    frozenset({"routing", "wire", "kv", "listen", "argtypes", "tracing"}),
     frozenset({"deployment"}),
     frozenset({"proxy", "sim"}),
     frozenset({"operator", "local", "loadgen"}),  # loadgen: a client (pdserve bench), above what it loads

@@ -10,15 +10,14 @@ import pytest
 
 from pdserve import kv
 from pdserve.kv import mooncake, moriio, nixl
-from pdserve.kv.base import SimEngine
+from pdserve.kv.base import SimEngine, SimPrefill
 
 ENGINE = SimEngine(instance="sim-a", rank=1, dp_size=2, tp_size=1, kv_host="127.0.0.1", kv_port=5600)
 
 
 def test_nixl_prefill_answer_is_a_complete_handoff() -> None:
-    answer = nixl.CONNECTOR.simulate.prefill_answer(
-        ENGINE, nixl.prefill_params(), "cmpl-r-0-01234567", 20, [[1, 2]]
-    )
+    prefill = SimPrefill(ENGINE, "cmpl-r-0-01234567", 20, [[1, 2]])
+    answer = nixl.CONNECTOR.simulate.prefill_answer(prefill, nixl.prefill_params())
     assert answer is not None
     assert nixl.handoff_problems(answer) == []
     assert nixl.CONNECTOR.simulate.handoff_problems(answer) == []
@@ -35,7 +34,7 @@ def test_nixl_prefill_answer_is_a_complete_handoff() -> None:
 
 def test_moriio_prefill_answer_feeds_a_read_decode() -> None:
     params = {"do_remote_decode": True, "transfer_id": "tid", "remote_dp_size": 1}
-    answer = moriio.CONNECTOR.simulate.prefill_answer(ENGINE, params, "r", 3, [[1]])
+    answer = moriio.CONNECTOR.simulate.prefill_answer(SimPrefill(ENGINE, "r", 3, [[1]]), params)
     assert answer is not None and answer["transfer_id"] == "tid"
     decode = {**answer, "do_remote_prefill": True}
     assert moriio.CONNECTOR.simulate.handoff_problems(decode) == []
@@ -95,7 +94,7 @@ def test_the_record_names_moriio_peers_for_every_request() -> None:
 
 def test_mooncake_prefill_answers_nothing_and_the_decode_needs_engine_bootstrap_and_transfer() -> None:
     simulate = mooncake.CONNECTOR.simulate
-    assert simulate.prefill_answer(ENGINE, mooncake.prefill_params("t"), "r", 3, [[1]]) is None
+    assert simulate.prefill_answer(SimPrefill(ENGINE, "r", 3, [[1]]), mooncake.prefill_params("t")) is None
     good = mooncake.decode_params("t", "p0_dp1", "http://10.0.0.5:8998")
     assert simulate.handoff_problems(good) == []
     assert simulate.handoff_problems({**good, "remote_bootstrap_addr": "10.0.0.5:8998"}) == [

@@ -59,7 +59,7 @@ from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from enum import StrEnum
 
-from pdserve.deployment.spec.pddeployment import PDDeployment
+from pdserve.deployment.spec.pddeployment import PDDeployment, RolloutSpec
 from pdserve.routing.table import Role
 
 
@@ -120,19 +120,12 @@ class RolePlan:
         return tuple(a for a in self.actions if a.kind is not kind)
 
 
-@dataclass(frozen=True)
-class RolloutPolicy:
-    """The knobs of :func:`plan_role` (``spec.rollout`` and ``spec.nodeLossSeconds``)."""
-
-    max_unavailable: int = 1
-    max_surge: int = 1
-    drain_seconds: float = 30.0
-    node_loss_seconds: float = 300.0
+#: The knobs of :func:`plan_role` are the spec's own (``spec.rollout``), defaults included.
+RolloutPolicy = RolloutSpec
 
 
 def rollout_policy(pdd: PDDeployment) -> RolloutPolicy:
-    r = pdd.spec.rollout
-    return RolloutPolicy(r.max_unavailable, r.max_surge, r.drain_seconds, r.node_loss_seconds)
+    return pdd.spec.rollout
 
 
 def plan_role(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from pdserve.argtypes import positive_int
 from pdserve.sim.engine.profile import ProfileError, load, packaged_names
 from pdserve.sim.engine.runtime import EngineSetup
 from pdserve.sim.engine.scheduler import EngineConfig
@@ -27,12 +28,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="time answers with a per-rank step engine and this performance profile (a YAML file, or "
         f"a packaged one: {', '.join(packaged_names())}); without it: fixed --ttft-ms/--itl-ms",
     )
-    g.add_argument("--max-num-seqs", type=_positive_int, default=None, help="running sequences per rank")
+    g.add_argument("--max-num-seqs", type=positive_int, default=None, help="running sequences per rank")
     g.add_argument(
-        "--max-num-batched-tokens", type=_positive_int, default=None, help="token budget of one step"
+        "--max-num-batched-tokens", type=positive_int, default=None, help="token budget of one step"
     )
-    g.add_argument("--block-size", type=_positive_int, default=None, help="tokens per KV block")
-    g.add_argument("--num-gpu-blocks-override", type=_positive_int, default=None, help="KV blocks per rank")
+    g.add_argument("--block-size", type=positive_int, default=None, help="tokens per KV block")
+    g.add_argument("--num-gpu-blocks-override", type=positive_int, default=None, help="KV blocks per rank")
     g.add_argument(
         "--enable-prefix-caching",
         action=argparse.BooleanOptionalAction,
@@ -93,10 +94,3 @@ def ignored_without_profile(args: argparse.Namespace) -> list[str]:
 
 
 __all__ = ["EngineFlagError", "ProfileError", "configure", "engine_setup", "ignored_without_profile"]
-
-
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text}")
-    return value
