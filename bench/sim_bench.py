@@ -17,8 +17,8 @@ run in rounds, each round in the reverse order of the previous one. CPU is the s
 process's CPU time over the load (psutil); per chunk = per request / (tokens + 1) of the
 256-token streams (an SSE event per token, and [DONE]).
 Results: a table on stdout and bench/results/sim-<timestamp>.json and sim-latest.md. A benchmark,
-not a test: it prints figures side by side and asserts nothing. Run it under
-``flock /work/locks/bench.lock`` on a shared machine.
+not a test: it prints figures side by side and asserts nothing. On a shared machine, run it
+when no other benchmark does.
 """
 
 from __future__ import annotations

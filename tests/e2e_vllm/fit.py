@@ -1,6 +1,6 @@
 """Fit the simulator's ``cpu-tiny-llama`` profile to real vLLM on CPU, and check it.
 
-``python -m tests.e2e_vllm fit-profile`` (under ``flock /work/locks/vllm.lock``): one real
+``python -m tests.e2e_vllm fit-profile`` (alone on the machine, as far as it can be): one real
 ``vllm serve`` of the tiny model on one core, the flags the profile describes; the load of
 :mod:`tests.e2e_vllm.loadgen`; then least squares: the time to the first token against the
 prompt length gives ``prefill_token_ms`` (slope) and the cost of a one-token step (intercept),
