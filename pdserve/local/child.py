@@ -36,6 +36,8 @@ class Child:
     tree: ProcessTree | None = None
     healthy_once: bool = False
     owner_checked: bool = False  # the listener on its port was seen to be one of its processes
+    ready: bool = False  # in the routing table as ready (the runner's last readiness answer)
+    failed_probes: int = 0  # failed /health answers in a row since it was last ready
     failed_starts: int = 0
     exited_at: float | None = None  # when the exit of the main process was noticed
     restart_at: float = 0.0

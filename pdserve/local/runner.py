@@ -56,6 +56,9 @@ from pdserve.routing import Role, RoutingTable
 
 #: How often engines' /health is polled (a pod readiness probe is 2-5 s; locally we can be quicker).
 POLL_SECONDS = 0.25
+#: Failed /health answers in a row that take a ready engine out of the table (the engine pods'
+#: readinessProbe failureThreshold); an engine whose process exits leaves at once.
+READINESS_FAILURES = 3
 #: An engine that exits this many times in a row without ever answering /health fails the run.
 MAX_FAILED_STARTS = 3
 MAX_RESTART_DELAY = 30.0
@@ -65,6 +68,16 @@ LEFTOVER_GRACE = 2.0
 TREE_REFRESH_SECONDS = 1.0
 #: After this long waiting for an engine's ports, the runner says who holds them.
 PORT_WAIT_WARNING = 5.0
+
+
+def readiness(ready: bool, failures: int, answered: bool) -> tuple[bool, int]:
+    """(ready, failed answers in a row) after one /health answer of a running engine: an answer
+    makes it ready; a ready engine leaves at the READINESS_FAILURES-th failure in a row; one that
+    was not ready stays out until it answers."""
+    if answered:
+        return True, 0
+    failures += 1
+    return ready and failures < READINESS_FAILURES, failures
 
 
 class Reporter:
@@ -268,12 +281,23 @@ class LocalRunner:
                 child.start()
 
     async def _healthy(self, session: aiohttp.ClientSession, engine: EngineProcess) -> bool:
-        """/health answered 200 while the engine's main process runs, by one of its own processes."""
+        """Whether the engine is ready: its main process runs and /health answers 200 from one of its
+        own processes. A ready engine stays ready through fewer than :data:`READINESS_FAILURES` failed
+        answers in a row, as a pod's readiness probe does: real vLLM on a busy core can be late with
+        one answer, and leaving the table for it turns requests away (503) for nothing."""
         child = self.engines[engine.name]
         if not child.running or child.exited_at is not None or not self._runs(engine):
+            child.ready, child.failed_probes = False, 0
             return False
         if not engine.serves_http:
             return True  # a --headless node answers no HTTP; its leader's /health covers the group
+        answered = await self._answers_health(session, engine, child)
+        child.ready, child.failed_probes = readiness(child.ready, child.failed_probes, answered)
+        return child.ready
+
+    async def _answers_health(
+        self, session: aiohttp.ClientSession, engine: EngineProcess, child: Child
+    ) -> bool:
         try:
             async with session.get(engine.url + "/health") as resp:
                 ok = resp.status == 200
