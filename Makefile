@@ -103,10 +103,10 @@ $(VENV)/.demo-installed: pyproject.toml
 
 ## Opt-in (not in `make test`): real vLLM for CPU behind `pdserve up` (cached venv of several GB
 ## under ~/.cache/pdserve; see docs/testing.md). One e2e at a time: it needs about 8 GB.
-## Then the simulator's cpu-tiny-llama profile against one real vLLM (docs/simulator.md).
+## Then the simulator's model against real vLLM: a profile fitted on this machine, checked on a second run (docs/simulator.md).
 e2e-vllm: install
 	$(PY) -m tests.e2e_vllm run
-	$(PY) -m tests.e2e_vllm check-profile
+	$(PY) -m tests.e2e_vllm fit-and-check
 
 ## Re-record tests/fixtures/vllm-<version>/ from real vLLM (the same setup as e2e-vllm).
 record-vllm-fixtures: install

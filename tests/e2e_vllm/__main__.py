@@ -1,5 +1,5 @@
-"""python -m tests.e2e_vllm [run|record|install|fit-profile|check-profile] — see docs/testing.md,
-"Real vLLM (make e2e-vllm)", and docs/simulator.md, "Fitting a profile".
+"""python -m tests.e2e_vllm [run|record|install|fit-profile|check-profile|fit-and-check] — see
+docs/testing.md, "Real vLLM (make e2e-vllm)", and docs/simulator.md, "Fitting a profile".
 
 run            the whole e2e (default); figures printed at the end, exit 1 on a failed check
 record         re-record tests/fixtures/vllm-<version>/ from real vLLM (one command per version)
@@ -7,6 +7,7 @@ install        only the cached vLLM virtualenv and the tiny model
 prefix         only the prefill-policy check (step 8 of run: prefix-affinity against the flat interleave)
 fit-profile    measure real vLLM on CPU and write the simulator's cpu-tiny-llama profile
 check-profile  the same load on real vLLM and on `pdserve sim --profile cpu-tiny-llama`: within 25 %
+fit-and-check  fit a profile to this machine's real vLLM (a file of the run), then check-profile with it
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ def main(argv: list[str] | None = None) -> int:
         "command",
         nargs="?",
         default="run",
-        choices=("run", "record", "install", "prefix", "fit-profile", "check-profile"),
+        choices=("run", "record", "install", "prefix", "fit-profile", "check-profile", "fit-and-check"),
     )
     parser.add_argument("--out", type=Path, default=None, help="keep logs and recordings here")
     args = parser.parse_args(argv)
@@ -41,14 +42,19 @@ def main(argv: list[str] | None = None) -> int:
             ensure_venv()
             ensure_model()
             return 0
-        if args.command in ("fit-profile", "check-profile"):
+        if args.command in ("fit-profile", "check-profile", "fit-and-check"):
             import tempfile
 
-            from tests.e2e_vllm.fit import check_profile, fit_profile
+            from tests.e2e_vllm.fit import check_profile, fit_and_check, fit_profile
 
             work = args.out or Path(tempfile.mkdtemp(prefix="pdserve-e2e-profile-"))
             work.mkdir(parents=True, exist_ok=True)
-            result = (fit_profile if args.command == "fit-profile" else check_profile)(work)
+            command = {
+                "fit-profile": fit_profile,
+                "check-profile": check_profile,
+                "fit-and-check": fit_and_check,
+            }
+            result = command[args.command](work)
             say("done")
             print(json.dumps(result, indent=1), flush=True)
             return 0

@@ -193,8 +193,8 @@ def write_profile(path: Path, figures: dict[str, float], source: str) -> None:
     path.write_text(header + yaml.safe_dump(data, sort_keys=False, width=100))
 
 
-def fit_profile(work: Path) -> dict[str, Any]:
-    """vLLM beside the simulator with a profile of zeros, then :func:`fitted`."""
+def fit_profile(work: Path, target: Path = PROFILE) -> dict[str, Any]:
+    """vLLM beside the simulator with a profile of zeros, then :func:`fitted`, written to ``target``."""
     ensure_venv()
     zero = work / "zero.yaml"
     write_profile(zero, ZERO, "all costs zero: the simulator's own time")
@@ -224,17 +224,18 @@ def fit_profile(work: Path) -> dict[str, Any]:
         f"{floor.tpot0:.2f} ms + {floor.per_seq:.4f} ms/sequence): intercept step_ms, slope "
         "decode_seq_ms."
     )
-    write_profile(PROFILE, figures, source)
-    say(f"wrote {PROFILE.relative_to(REPO)}")
+    write_profile(target, figures, source)
+    say(f"wrote {target.relative_to(REPO) if target.is_relative_to(REPO) else target}")
     return {"measured": both, "vllm_lines": real.__dict__, "sim_own_lines": floor.__dict__, "fitted": figures}
 
 
-def check_profile(work: Path) -> dict[str, Any]:
-    """Real vLLM and the simulator under the same load, side by side; a Failed when off."""
+def check_profile(work: Path, profile: str = "cpu-tiny-llama") -> dict[str, Any]:
+    """Real vLLM and the simulator with ``profile`` under the same load, side by side; a Failed when
+    off."""
     ensure_venv()
     prompts = shared_prefixes(seed=11, groups=3, per_group=4, prefix=256, suffix=40)
     prefix: dict[str, dict[str, float]] = {}
-    with vllm_server(work / "vllm.log") as vllm, sim_server(work / "sim.log") as sim_url:
+    with vllm_server(work / "vllm.log") as vllm, sim_server(work / "sim.log", profile) as sim_url:
         urls = {"vllm": vllm, "sim": sim_url}
         results = measure(urls)
         for name, url in urls.items():
@@ -264,6 +265,32 @@ def check_profile(work: Path) -> dict[str, Any]:
     say(f"sim / vLLM: {ratios}; prefix hit share: {share}")
     check(not problems, "the profile does not predict real vLLM:\n  " + "\n  ".join(problems))
     return {"vllm": real, "sim": sim, "sim_over_vllm": ratios, "prefix": prefix}
+
+
+def fit_and_check(work: Path) -> dict[str, Any]:
+    """The model on this machine: a profile fitted here (to a file of the run, the committed one
+    untouched), then checked against a second, separate run of real vLLM. The committed
+    ``cpu-tiny-llama`` describes this project's test machines; vLLM's speed on another machine, or
+    on a busier or quieter one, is not its, but the model must predict a profile fitted to it."""
+    fitted_file = work / "fitted-here.yaml"
+    for part in ("fit", "check"):
+        (work / part).mkdir(parents=True, exist_ok=True)
+    fit = fit_profile(work / "fit", target=fitted_file)
+    committed = yaml.safe_load(PROFILE.read_text())
+    here = yaml.safe_load(fitted_file.read_text())
+    say(
+        "fitted here against the committed cpu-tiny-llama: "
+        + ", ".join(
+            f"{k} {here[s][k]} vs {committed[s][k]}"
+            for s, keys in (
+                ("step", ("step_ms", "prefill_token_ms", "decode_seq_ms")),
+                ("request", ("frontend_ms",)),
+            )
+            for k in keys
+        )
+    )
+    check = check_profile(work / "check", str(fitted_file))
+    return {"fitted_here": fit["fitted"], "committed": {**committed["step"], **committed["request"]}, **check}
 
 
 async def _send_each(url: str, prompts: list[list[int]]) -> None:
