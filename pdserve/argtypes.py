@@ -61,7 +61,7 @@ class Flag:
     choices: tuple[str, ...] | None = None
     metavar: str | None = None
     minimum: float | None = None  # checked by the settings class (pdserve.proxy.settings)
-    action: str | type[argparse.Action] | None = None  # argparse's: store_true, append, ...
+    action: str | Callable[..., argparse.Action] | None = None  # argparse's: store_true, append, ...
     nargs: str | None = None
 
     @property
@@ -79,7 +79,7 @@ def setting(
     choices: tuple[str, ...] | None = None,
     metavar: str | None = None,
     minimum: float | None = None,
-    action: str | type[argparse.Action] | None = None,
+    action: str | Callable[..., argparse.Action] | None = None,
     nargs: str | None = None,
 ) -> Any:
     """A settings field with its flag: the one place its default is written."""
@@ -145,10 +145,17 @@ def _env_default(parser: argparse.ArgumentParser, flag: Flag, default: Any) -> A
         parser.error(f"{flag.env}={raw!r} (the default of {flag.names[0]}): expected {kind}")
 
 
-def flag_values(args: argparse.Namespace, settings_class: type) -> dict[str, Any]:
-    """The parsed flags of one settings dataclass, by field name; an empty string is no value."""
+def flag_values(args: argparse.Namespace, settings_class: type, into: type | None = None) -> dict[str, Any]:
+    """The parsed flags of one settings dataclass, by field name; an empty string is no value.
+
+    With ``into`` (a dataclass), only the fields it has too: the flags that configure it, as its
+    keyword arguments.
+    """
+    wanted = {f.name for f in fields(into)} if into is not None else None
     out = {}
     for name, flag, default in flags_of(settings_class):
+        if wanted is not None and name not in wanted:
+            continue
         value = getattr(args, flag.dest)
         out[name] = None if value == "" and default is None else value
     return out
