@@ -66,8 +66,10 @@ class Flag:
 
     @property
     def dest(self) -> str:
-        """Where argparse puts the value: the first name's (unique in a command, unlike field names)."""
-        return self.names[0].lstrip("-").replace("-", "_")
+        """Where argparse puts the value: the first long name's (unique in a command, unlike field
+        names)."""
+        name = next((n for n in self.names if n.startswith("--")), self.names[0])
+        return name.lstrip("-").replace("-", "_")
 
 
 def setting(
