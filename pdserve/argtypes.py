@@ -57,7 +57,7 @@ class Flag:
     names: tuple[str, ...]  # a positional argument: its one name, without dashes
     help: str
     env: str | None = None  # gives the default; a flag wins
-    type: Callable[[str], Any] | None = None  # None: the default's type
+    type: Callable[[str], Any] | None = None  # None: the default's type (a string for None)
     choices: tuple[str, ...] | None = None
     metavar: str | None = None
     minimum: float | None = None  # checked by the settings class (pdserve.proxy.settings)
@@ -122,7 +122,7 @@ def _arguments(
     given = {
         "dest": flag.dest if flag.names[0].startswith("-") else None,  # a positional names its own
         "default": list(default) if flag.action == "append" else _env_default(parser, flag, default),
-        "type": flag.type or (type(default) if default is not None and flag.action is None else None),
+        "type": _value_type(flag, default) if flag.action is None else flag.type,
         "choices": flag.choices,
         "metavar": flag.metavar,
         "action": flag.action,
@@ -132,12 +132,16 @@ def _arguments(
     return {key: value for key, value in given.items() if value is not None or key == "default"}
 
 
+def _value_type(flag: Flag, default: Any) -> Callable[[str], Any]:
+    return flag.type or (str if default is None else type(default))
+
+
 def _env_default(parser: argparse.ArgumentParser, flag: Flag, default: Any) -> Any:
     """The flag's default: its environment variable's value when set and not empty."""
     raw = os.environ.get(flag.env) if flag.env else None
     if not raw:
         return default
-    convert = flag.type or type(default)
+    convert = _value_type(flag, default)
     try:
         return convert(raw)
     except ValueError:

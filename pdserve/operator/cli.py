@@ -123,7 +123,6 @@ class OperatorFlags:
         None,
         "--otlp-traces-endpoint",
         env="PDSERVE_OPERATOR_OTLP_TRACES_ENDPOINT",
-        type=str,
         metavar="URL",
         help="export every reconcile pass as a span, a rollout's passes as one trace, to this OTLP "
         "receiver: http(s)://HOST:PORT/v1/traces or grpc://HOST:PORT (default: "
@@ -158,7 +157,6 @@ class ElectionFlags:
     lease_duration: int = setting(
         LEASE_DURATION,
         "--lease-duration",
-        type=int,
         metavar="S",
         help="seconds a follower waits, after the lease last changed, before taking it over "
         f"(default: {LEASE_DURATION})",
@@ -166,7 +164,6 @@ class ElectionFlags:
     renew_deadline: float = setting(
         RENEW_DEADLINE,
         "--renew-deadline",
-        type=float,
         metavar="S",
         help="the leader stops writing, and exits, when it has not renewed for this long "
         f"(default: {RENEW_DEADLINE:g})",
@@ -174,7 +171,6 @@ class ElectionFlags:
     retry_period: float = setting(
         RETRY_PERIOD,
         "--retry-period",
-        type=float,
         metavar="S",
         help=f"seconds between renewals and acquisition attempts (default: {RETRY_PERIOD:g})",
     )

@@ -71,7 +71,6 @@ class ListenSettings(Checked):
         None,
         "--admin-host",
         env="PDSERVE_PROXY_ADMIN_HOST",
-        type=str,
         help="address of the admin port; unset: --host's. E.g. --host 127.0.0.1 --admin-host 0.0.0.0 "
         "keeps the API to the pod while probes and scrapers reach the admin port",
     )
@@ -180,7 +179,6 @@ class SidecarSettings(Checked):
         None,
         "--local-decode",
         env="PDSERVE_LOCAL_DECODE",
-        type=str,
         metavar="URL",
         help="decode-sidecar mode: send every decode leg to this engine (http://$(POD_IP):8000 in a decode "
         "pod: its own engine) and walk its DP ranks here; prefills come from the routing table. /ready "
@@ -350,7 +348,6 @@ class RequestSettings(Checked):
         None,
         "--api-key",
         env="PDSERVE_PROXY_API_KEY",
-        type=str,
         help="if set, clients must send 'Authorization: Bearer <key>' (401 otherwise); /health, /ready "
         "and /metrics stay open",
     )
@@ -358,7 +355,6 @@ class RequestSettings(Checked):
         None,
         "--backend-api-key",
         env="PDSERVE_BACKEND_API_KEY",
-        type=str,
         help="key sent to the vLLM backends; without it the client's Authorization header is forwarded",
     )
 
@@ -438,7 +434,6 @@ class TracingSettings(Checked):
         None,
         "--otlp-traces-endpoint",
         env="PDSERVE_PROXY_OTLP_TRACES_ENDPOINT",
-        type=str,
         metavar="URL",
         help="send a trace of every sampled request here: http(s)://HOST:PORT/v1/traces for OTLP over "
         "HTTP, grpc://HOST:PORT for OTLP over gRPC (grpcs:// with TLS); the SDK's OTEL_* variables "
@@ -489,7 +484,6 @@ class ProxySettings(Checked):
         None,
         "--prefill-policy",
         env="PDSERVE_PROXY_PREFILL_POLICY",
-        type=str,
         choices=PREFILL_POLICIES,
         help="the prefill slots' choice, when it differs from --policy's: prefix-affinity sends a prompt to "
         "the slot that already holds its longest prefix, among the slots whose load stays within "
