@@ -139,6 +139,7 @@ FAMILIES: dict[str, Family] = {
         (*_ROLE, "reason"),
     ),
 }
+# Typed module constants for the callers (metrics.RECONCILES...); FAMILIES says what each is.
 _METRICS = register(FAMILIES, REGISTRY)
 RECONCILES: Counter = _METRICS["RECONCILES"]
 RECONCILE_ERRORS: Counter = _METRICS["RECONCILE_ERRORS"]

@@ -254,6 +254,7 @@ class ProxyMetrics:
         self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
         self._unpaired_labels: set[tuple[str, str]] = set()
         self.registry = CollectorRegistry(auto_describe=True)
+        # Typed attributes for the callers (the hot path counts through them); FAMILIES says what each is.
         m = register(FAMILIES, self.registry)
         self.requests: Counter = m["requests"]
         self.upstream: Counter = m["upstream"]
