@@ -101,6 +101,14 @@ def _verbatim(flag: Flag, default: Any) -> str:
     return flag.help
 
 
+def stating_default(flag: Flag, default: Any) -> str:
+    """The help, then ``(default: VALUE)``: where there is a value to show, and the help does not
+    word the default itself."""
+    if default is None or default is False or default == () or "default" in flag.help:
+        return flag.help
+    return f"{flag.help} (default: {f'{default:g}' if isinstance(default, float) else default})"
+
+
 def add_flags(
     parser: argparse.ArgumentParser,
     settings_class: type,

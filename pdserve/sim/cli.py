@@ -44,7 +44,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from pdserve import kv
-from pdserve.argtypes import add_flags, flag_values, non_negative_float, positive_int, setting
+from pdserve.argtypes import (
+    add_flags,
+    flag_values,
+    non_negative_float,
+    positive_int,
+    setting,
+    stating_default,
+)
 from pdserve.listen import unavailable
 from pdserve.sim.engine import flags as engine_flags
 from pdserve.sim.faults import FaultSpecError, parse_faults
@@ -65,28 +72,20 @@ class SimFlags:
         "--role",
         choices=ROLES,
         help="P/D role: prefill serves do_remote_decode requests, decode serves do_remote_prefill "
-        "requests, both serves either; every role serves plain requests (default: both)",
+        "requests, both serves either; every role serves plain requests",
     )
-    dp_size: int = setting(
-        1, "--dp-size", type=positive_int, help="number of data-parallel engine ranks (default: 1)"
-    )
-    host: str = setting("127.0.0.1", "--host", help="address to listen on (default: 127.0.0.1)")
-    port: int = setting(8000, "--port", help="port to listen on (default: 8000)")
-    ttft_ms: float = setting(
-        20.0, "--ttft-ms", type=non_negative_float, help="time to first token in ms (default: 20)"
-    )
-    itl_ms: float = setting(
-        5.0, "--itl-ms", type=non_negative_float, help="inter-token latency in ms (default: 5)"
-    )
+    dp_size: int = setting(1, "--dp-size", type=positive_int, help="number of data-parallel engine ranks")
+    host: str = setting("127.0.0.1", "--host", help="address to listen on")
+    port: int = setting(8000, "--port", help="port to listen on")
+    ttft_ms: float = setting(20.0, "--ttft-ms", type=non_negative_float, help="time to first token in ms")
+    itl_ms: float = setting(5.0, "--itl-ms", type=non_negative_float, help="inter-token latency in ms")
     tokens: int = setting(
         16,
         "--tokens",
         type=positive_int,
-        help="tokens generated per request; a request's max_tokens caps it (default: 16)",
+        help="tokens generated per request; a request's max_tokens caps it",
     )
-    model: str = setting(
-        "sim-model", "--model", help="served model name; other names get 404 (default: sim-model)"
-    )
+    model: str = setting("sim-model", "--model", help="served model name; other names get 404")
     instance_name: str | None = setting(
         None,
         "--instance-name",
@@ -97,7 +96,7 @@ class SimFlags:
         "--kv-connector",
         choices=(AUTO, *kv.table_types()),
         help="the KV connector this engine plays, as the routing table names it (vLLM's "
-        "--kv-transfer-config); auto recognises it from each request's kv_transfer_params (default: auto)",
+        "--kv-transfer-config); auto recognises it from each request's kv_transfer_params",
     )
     kv_host: str | None = setting(
         None,
@@ -111,11 +110,9 @@ class SimFlags:
         help=f"side-channel port reported in a prefill's answer (NIXL: remote_port; default: "
         f"{kv.DEFAULT.simulate.default_port})",
     )
-    tp_size: int = setting(
-        1, "--tp-size", type=positive_int, help="tensor-parallel size reported as tp_size (default: 1)"
-    )
+    tp_size: int = setting(1, "--tp-size", type=positive_int, help="tensor-parallel size reported as tp_size")
     max_model_len: int = setting(
-        4096, "--max-model-len", type=positive_int, help="max_model_len in /v1/models (default: 4096)"
+        4096, "--max-model-len", type=positive_int, help="max_model_len in /v1/models"
     )
     fault: tuple[str, ...] = setting(
         (),
@@ -128,9 +125,7 @@ class SimFlags:
     seed: int | None = setting(
         None, "--seed", type=int, help="seed of the fault dice, for reproducible runs (default: random)"
     )
-    backlog: int = setting(
-        4096, "--backlog", type=positive_int, help="listen backlog of the socket (default: 4096)"
-    )
+    backlog: int = setting(4096, "--backlog", type=positive_int, help="listen backlog of the socket")
 
 
 @dataclass(frozen=True)
@@ -165,9 +160,7 @@ class GroupFlags:
         type=positive_int,
         help="DP ranks of this node (default: --dp-size, a single-node server)",
     )
-    start_rank: int = setting(
-        0, "--data-parallel-start-rank", help="global rank of this node's first rank (default: 0)"
-    )
+    start_rank: int = setting(0, "--data-parallel-start-rank", help="global rank of this node's first rank")
     data_parallel_address: str | None = setting(None, "--data-parallel-address", help="the leader's address")
     data_parallel_rpc_port: int | None = setting(
         None,
@@ -187,22 +180,20 @@ class GroupFlags:
         action="store_true",
         help="no OpenAI API: engines only (the leader forwards their ranks; /sim/* stays on --port)",
     )
-    nnodes: int = setting(
-        1, "--nnodes", type=positive_int, help="nodes of a TP/PP-across-nodes group (default: 1)"
-    )
-    node_rank: int = setting(0, "--node-rank", help="this node's index in --nnodes (default: 0)")
+    nnodes: int = setting(1, "--nnodes", type=positive_int, help="nodes of a TP/PP-across-nodes group")
+    node_rank: int = setting(0, "--node-rank", help="this node's index in --nnodes")
     master_addr: str | None = setting(None, "--master-addr", help="node 0's address (--nnodes > 1)")
     master_port: int | None = setting(None, "--master-port", type=int, help="node 0's port (--nnodes > 1)")
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    add_flags(parser, SimFlags)
+    add_flags(parser, SimFlags, describe=stating_default)
     tracing = parser.add_argument_group("tracing (vLLM's flags and behaviour, docs/operations.md#tracing)")
     add_flags(parser, TracingFlags, tracing)
     group = parser.add_argument_group(
         "multi-node groups (one process per node, flags as vLLM's; docs/simulator.md)"
     )
-    add_flags(parser, GroupFlags, group)
+    add_flags(parser, GroupFlags, group, describe=stating_default)
     engine_flags.configure(parser)
 
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass, fields
 
 import pytest
 
-from pdserve.argtypes import add_flags, flag_values, positive_int, setting
+from pdserve.argtypes import Flag, add_flags, flag_values, positive_int, setting, stating_default
 from pdserve.loadgen import cli as loadgen_cli
 from pdserve.loadgen.replay import ReplayOptions
 from pdserve.loadgen.trace import PoissonSpec
@@ -72,6 +72,24 @@ def test_a_bad_environment_value_names_the_variable_and_the_flag(
     with pytest.raises(SystemExit):
         parser()
     assert "EXAMPLE_COUNT='many' (the default of --count): expected a value" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("help_text", "default", "shown"),
+    [
+        ("ranks", 1, "ranks (default: 1)"),
+        ("ms", 20.0, "ms (default: 20)"),
+        ("ms", 0.5, "ms (default: 0.5)"),
+        ("role", "both", "role (default: both)"),
+        ("seed (default: random)", None, "seed (default: random)"),  # the help words its own
+        ("port (NIXL; default: 5600)", 5600, "port (NIXL; default: 5600)"),
+        ("a switch", False, "a switch"),
+        ("repeatable", (), "repeatable"),
+        ("the leader's address", None, "the leader's address"),
+    ],
+)
+def test_stating_default_shows_a_value_once(help_text: str, default: object, shown: str) -> None:
+    assert stating_default(Flag(("--x",), help_text), default) == shown
 
 
 # A value object takes the flags it shares a field name with: a renamed field would silently
