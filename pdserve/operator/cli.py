@@ -39,7 +39,7 @@ import sys
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from pdserve.argtypes import add_flags, positive_float, setting
+from pdserve.argtypes import add_flags, positive_float, setting, stating_default
 from pdserve.deployment.spec.pddeployment import DEFAULT_IMAGE
 from pdserve.listen import unavailable
 from pdserve.operator.handlers import OperatorOptions
@@ -74,44 +74,37 @@ class ScopeFlags:
 class OperatorFlags:
     """The endpoints, logs, reconcile pacing, rendered image and tracing."""
 
-    liveness_port: int = setting(
-        8080, "--liveness-port", help="port of /healthz, 0 to disable (default: %(default)s)"
-    )
-    metrics_port: int = setting(
-        9090, "--metrics-port", help="port of /metrics, 0 to disable (default: %(default)s)"
-    )
-    bind: str = setting(
-        "0.0.0.0", "--bind", help="address of the liveness and metrics endpoints (default: %(default)s)"
-    )
+    liveness_port: int = setting(8080, "--liveness-port", help="port of /healthz, 0 to disable")
+    metrics_port: int = setting(9090, "--metrics-port", help="port of /metrics, 0 to disable")
+    bind: str = setting("0.0.0.0", "--bind", help="address of the liveness and metrics endpoints")
     log_format: str = setting(
         "plain",
         "--log-format",
         choices=("json", "plain"),
-        help="json: one object per line, for log pipelines (default: %(default)s)",
+        help="json: one object per line, for log pipelines",
     )
     verbose: bool = setting(False, "--verbose", action="store_true", help="debug logging (default: info)")
     resync_seconds: float = setting(
         30.0,
         "--resync-seconds",
         type=positive_float,
-        help="reconcile every PDDeployment at least this often (default: %(default)g)",
+        help="reconcile every PDDeployment at least this often",
     )
     debounce_ms: float = setting(
         50.0,
         "--debounce-ms",
         type=positive_float,
-        help="fold triggers arriving within this window into one reconcile (default: %(default)g)",
+        help="fold triggers arriving within this window into one reconcile",
     )
     # Passes mostly wait on the API server: enough workers that a burst of readiness changes
     # across many deployments does not queue behind other deployments' status writes.
-    workers: int = setting(64, "--workers", help="reconciles running in parallel (default: %(default)s)")
+    workers: int = setting(64, "--workers", help="reconciles running in parallel")
     pdserve_image: str = setting(
         DEFAULT_IMAGE,
         "--pdserve-image",
         metavar="IMAGE",
         help="the image of router pods, and of engine: sim pods, whose PDDeployment names none "
-        "(spec.router.image); the chart passes the image it runs the operator from "
-        "(default: %(default)s)",
+        "(spec.router.image); the chart passes the image it runs the operator from",
     )
     kubeconfig: str | None = setting(
         None,
@@ -158,30 +151,27 @@ class ElectionFlags:
         LEASE_DURATION,
         "--lease-duration",
         metavar="S",
-        help="seconds a follower waits, after the lease last changed, before taking it over "
-        f"(default: {LEASE_DURATION})",
+        help="seconds a follower waits, after the lease last changed, before taking it over",
     )
     renew_deadline: float = setting(
         RENEW_DEADLINE,
         "--renew-deadline",
         metavar="S",
-        help="the leader stops writing, and exits, when it has not renewed for this long "
-        f"(default: {RENEW_DEADLINE:g})",
+        help="the leader stops writing, and exits, when it has not renewed for this long",
     )
     retry_period: float = setting(
         RETRY_PERIOD,
         "--retry-period",
         metavar="S",
-        help=f"seconds between renewals and acquisition attempts (default: {RETRY_PERIOD:g})",
+        help="seconds between renewals and acquisition attempts",
     )
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
     add_flags(parser, ScopeFlags, parser.add_mutually_exclusive_group())
-    add_flags(parser, OperatorFlags)
-    add_flags(
-        parser, ElectionFlags, parser.add_argument_group("leader election (several replicas, one active)")
-    )
+    add_flags(parser, OperatorFlags, describe=stating_default)
+    election = parser.add_argument_group("leader election (several replicas, one active)")
+    add_flags(parser, ElectionFlags, election, describe=stating_default)
 
 
 def run(args: argparse.Namespace) -> int:
