@@ -35,6 +35,7 @@ from tests.support.nodes import (
     terminating,
 )
 from tests.support.operator import Operator
+from tests.support.procs import running
 
 pytestmark = pytest.mark.cluster
 
@@ -56,12 +57,8 @@ def crd(kube_cluster: KubeCluster) -> KubeCluster:
 @pytest.fixture
 def node_operator(crd: KubeCluster, kube_namespace: str, tmp_path: Path) -> Iterator[Operator]:
     """``pdserve operator`` watching the test's namespace (and every node), as admin."""
-    op = Operator(crd.kubeconfig, kube_namespace, tmp_path / "operator.log")
-    op.start()
-    try:
+    with running(Operator(crd.kubeconfig, kube_namespace, tmp_path / "operator.log")) as op:
         yield op
-    finally:
-        op.stop()
 
 
 def create_pods(kube: KubeCluster, namespace: str, node: str, *names: str) -> None:

@@ -25,7 +25,7 @@ import pytest
 
 from pdserve.routing.table import RoutingTable, load_routing_table
 from tests.support.kube import REPO, KubeCluster, eventually
-from tests.support.procs import free_port
+from tests.support.procs import free_port, running
 from tests.support.specs import vllm_manifest
 
 WAIT = 60.0
@@ -135,7 +135,7 @@ class Operator:
         eventually(alive, timeout=WAIT, message="operator liveness endpoint")
 
     def stop(self) -> int:
-        """SIGTERM, as Kubernetes stops a pod; returns the exit code."""
+        """SIGTERM, as Kubernetes stops a pod; returns the exit code (at once if it has exited)."""
         assert self.proc is not None
         self.proc.send_signal(signal.SIGTERM)
         try:
@@ -164,13 +164,8 @@ class Operator:
 
 @pytest.fixture
 def operator(pdd_crd: KubeCluster, kube_namespace: str, tmp_path: Path) -> Iterator[Operator]:
-    op = Operator(pdd_crd.kubeconfig, kube_namespace, tmp_path / "operator.log")
-    op.start()
-    try:
+    with running(Operator(pdd_crd.kubeconfig, kube_namespace, tmp_path / "operator.log")) as op:
         yield op
-    finally:
-        if op.proc is not None and op.proc.poll() is None:
-            op.stop()
 
 
 class Cluster:
@@ -331,12 +326,8 @@ class Recorder:
 
 @pytest.fixture
 def recorder(kube_api: Any, kube_namespace: str) -> Iterator[Recorder]:
-    rec = Recorder(kube_api, kube_namespace)
-    rec.start()
-    try:
+    with running(Recorder(kube_api, kube_namespace)) as rec:
         yield rec
-    finally:
-        rec.stop()
 
 
 def tables(records: list[Record]) -> list[tuple[int, RoutingTable]]:

@@ -19,11 +19,31 @@ import urllib.request
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
+
+
+class Startable(Protocol):
+    def start(self) -> None: ...
+
+    def stop(self) -> object: ...
+
+
+S = TypeVar("S", bound=Startable)
+
+
+@contextlib.contextmanager
+def running(thing: S) -> Iterator[S]:
+    """``thing`` started, and stopped however the block ends: the one shape of the fixtures and
+    context managers around an operator, a watch or a recorder."""
+    thing.start()
+    try:
+        yield thing
+    finally:
+        thing.stop()
 
 
 def free_port() -> int:
