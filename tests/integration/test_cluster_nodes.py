@@ -134,10 +134,8 @@ def test_a_lost_node_goes_unknown_its_pods_not_ready_and_a_deleted_pod_stays_ter
                     timeout=10,
                     message="NodeCache: lost since the condition's transition",
                 )
-                eventually(
-                    lambda: f"node {node} is not Ready" in node_operator.log_path.read_text(errors="replace"),
-                    timeout=10,
-                    message="the operator's node watch reporting the loss",
+                node_operator.wait_logged(
+                    f"node {node} is not Ready", "the operator's node watch reporting the loss"
                 )
                 # Nobody confirms the deleted pod's containers stopped: it stays Terminating (or
                 # kwok finished it at once: see delete_pod).
@@ -162,10 +160,8 @@ def test_a_lost_node_goes_unknown_its_pods_not_ready_and_a_deleted_pod_stays_ter
                 timeout=10,
                 message="NodeCache: Ready again",
             )
-            eventually(
-                lambda: f"node {node} is Ready" in node_operator.log_path.read_text(errors="replace"),
-                timeout=10,
-                message="the operator's node watch reporting the node Ready",
+            node_operator.wait_logged(
+                f"node {node} is Ready", "the operator's node watch reporting the node Ready"
             )
             # kwok only readies Pending pods: the pod the lifecycle controller marked NotReady
             # stays so (a real kubelet would report it Ready again).
@@ -179,10 +175,8 @@ def test_a_lost_node_goes_unknown_its_pods_not_ready_and_a_deleted_pod_stays_ter
             kube.kubectl("delete", "node", node, "--wait=false")
             eventually(lambda: watched.cache.not_ready_since(node) is not None, timeout=10, message="deleted")
             assert abs((watched.cache.not_ready_since(node) or 0) - deleted_at) < 5
-            eventually(
-                lambda: f"node {node} is deleted" in node_operator.log_path.read_text(errors="replace"),
-                timeout=10,
-                message="the operator's node watch reporting the deletion",
+            node_operator.wait_logged(
+                f"node {node} is deleted", "the operator's node watch reporting the deletion"
             )
         if RECORD:
             Path(RECORD).write_text(

@@ -8,11 +8,9 @@ and ``recorder`` fixtures reach every cluster test module without imports.
 from __future__ import annotations
 
 import json
-import os
 import re
 import signal
 import subprocess
-import sys
 import threading
 import time
 import urllib.request
@@ -25,7 +23,7 @@ import pytest
 
 from pdserve.routing.table import RoutingTable, load_routing_table
 from tests.support.kube import REPO, KubeCluster, eventually
-from tests.support.procs import free_port, running
+from tests.support.procs import free_port, running, spawn_pdserve
 from tests.support.specs import vllm_manifest
 
 WAIT = 60.0
@@ -100,10 +98,7 @@ class Operator:
     def start(self) -> None:
         liveness = free_port()
         self.metrics_port = free_port()
-        cmd = [
-            sys.executable,
-            "-m",
-            "pdserve.cli",
+        args = [
             "operator",
             "--namespace",
             self.namespace,
@@ -121,9 +116,8 @@ class Operator:
             self.namespace,
             *self.extra_args,
         ]
-        env = {**os.environ, "KUBECONFIG": str(self.kubeconfig), "POD_NAME": self.pod_name}
-        log = self.log_path.open("ab")
-        self.proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+        env = {"KUBECONFIG": str(self.kubeconfig), "POD_NAME": self.pod_name}
+        self.proc = spawn_pdserve(args, self.log_path, env, append=True)  # a restart logs after the first run
         proc = self.proc
 
         def alive() -> bool:
@@ -160,6 +154,12 @@ class Operator:
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")[-6000:]
+
+    def wait_logged(self, text: str, message: str, timeout: float = 10.0) -> None:
+        """Until ``text`` stands anywhere in the log (not only in its tail)."""
+        eventually(
+            lambda: text in self.log_path.read_text(errors="replace"), timeout=timeout, message=message
+        )
 
 
 @pytest.fixture
