@@ -213,6 +213,12 @@ class PDStack:
         assert self.routing_file.exists(), "write a routing table first"
         args = proxy_args(self.routing_file, "--host", "127.0.0.1", *extra)
         self.proxy = self.group.start("proxy", args, env=env)
+        if "--workers" in extra and int(extra[extra.index("--workers") + 1]) > 1:
+            # the port answers once one worker listens; an admin view of the whole router (503
+            # until every worker's socket answers) says they all do
+            eventually(
+                lambda: http("GET", self.url + "/debug/routing", headers=self.admin_headers).status == 200
+            )
         return self.proxy
 
     def wait_generation(self, generation: int, timeout: float = 10.0) -> None:
