@@ -175,9 +175,12 @@ def test_the_per_slot_limit_is_the_routers_not_each_workers(stack: PDStack) -> N
         started = time.monotonic()
         assert asyncio.run(_many(proc.url, 6)) == [200] * 6  # 3 decode ranks, one leg each at a time
         elapsed = time.monotonic() - started
-        assert elapsed >= 2 * first_byte - 0.05, elapsed  # 6 legs over 3 ranks, one at a time: two rounds
-        waited = proxy_metric(proc.url, "pdserve_proxy_admission_wait_seconds_count")
-        assert waited >= 3  # whichever worker took them, the second round waited for room
+        # Two rounds: a limit per worker would let both workers' requests in at once (one round).
+        assert elapsed >= 2 * first_byte - 0.05, elapsed
+        # Some waited for room. Not necessarily three: the limit is soft by a request's prefill (a
+        # decode's room is checked when the pair is chosen, counted when its leg starts; see
+        # pdserve/proxy/flow/admission.py), so a request admitted in that instant may share a rank.
+        assert proxy_metric(proc.url, "pdserve_proxy_admission_wait_seconds_count") >= 1
     finally:
         proc.stop()
         s["d0"].faults()
