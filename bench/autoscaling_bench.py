@@ -18,9 +18,11 @@ Every time figure of the autoscalers (decision period, measurement window, stabi
 policy periods) is divided by the speed-up, as the trace's time is. For each: the share of
 requests within both objectives, instance-seconds per role (the GPU bill: every instance from
 its start to its stop, starting and draining included), scale events, and a plot of the instances
-per role against the offered load. Results: bench/results/autoscaling-latest.md and .png, and
-autoscaling-<timestamp>.json. A benchmark, not a test: it asserts nothing; the targets of the
-issue are printed against the figures.
+per role against the offered load. Beside them, what an ideal autoscaler that follows the
+trace's load exactly would bill against fixed-at-peak (bench/autoscaling_bound.py): how much the
+trace leaves to save, whatever decides the counts. Results: bench/results/autoscaling-latest.md
+and .png, and autoscaling-<timestamp>.json. A benchmark, not a test: it asserts nothing; the
+targets of the issue are printed against the figures.
 
 Run with ``make bench-autoscaling`` or ``python -m bench.autoscaling_bench`` (about 20 minutes at
 x4); ``--limit N`` replays the first N requests only. ``serve`` is the entry the ``hpa`` run
