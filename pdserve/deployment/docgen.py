@@ -249,10 +249,15 @@ def _commands() -> list[str]:
             out += ["| Argument | Default | Description |", "|---|---|---|"]
             for action in actions:
                 out.append(
-                    f"| {_code(_argument(action))} | {_default(action)} | {_cell(action.help or '')} |"
+                    f"| {_code(_argument(action))} | {_default(action)} | {_cell(_help(action, command))} |"
                 )
             out.append("")
     return out
+
+
+def _help(action: argparse.Action, prog: str) -> str:
+    """The help as ``--help`` prints it: argparse expands ``%(default)s`` and the like."""
+    return (action.help or "") % {**vars(action), "prog": prog}
 
 
 def _argument(action: argparse.Action) -> str:

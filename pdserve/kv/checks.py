@@ -1,4 +1,4 @@
-"""What every connector module shares: the two legs' names and the checks of a field's value."""
+"""What every connector module shares: the two legs' names and flags, and the checks of a field's value."""
 
 from __future__ import annotations
 
@@ -7,6 +7,13 @@ from collections.abc import Callable, Mapping, Sequence
 #: The two legs of a P/D request, as the routing table's roles name them.
 PREFILL = "prefill"
 DECODE = "decode"
+
+
+def remote_flags(leg: str) -> dict[str, bool]:
+    """vLLM's two ``kv_transfer_params`` flags that say which side of the transfer ``leg`` is: the
+    prefill's KV goes to a remote decode, the decode's comes from a remote prefill."""
+    return {"do_remote_decode": leg == PREFILL, "do_remote_prefill": leg == DECODE}
+
 
 # --- shared checks -------------------------------------------------------------------------------
 

@@ -67,8 +67,8 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from pdserve.kv.base import KVConnector, Names
-from pdserve.kv.checks import DECODE, PREFILL, FieldCheck, field_problems, is_true, nonempty_str
-from pdserve.kv.render import ExtraProblem, LocalRun, Pair, PodKV, Render, Rule, container_port
+from pdserve.kv.checks import DECODE, PREFILL, FieldCheck, field_problems, is_true, nonempty_str, remote_flags
+from pdserve.kv.render import IPC_LOCK, ExtraProblem, LocalRun, Pair, PodKV, Render, Rule, container_port
 from pdserve.kv.route import HandoffParams, LegIds, LegPlan, Peer, SerialRoute, leg_id, prefill_only
 from pdserve.kv.simulate import PullNotice, SimPrefill, Simulate, rank_after
 
@@ -78,7 +78,6 @@ NAMES = Names(crd="MooncakeConnector", table="mooncake")
 BOOTSTRAP_PORT = 8998
 PORT_ENV = "VLLM_MOONCAKE_BOOTSTRAP_PORT"
 HOST_ENV = "VLLM_HOST_IP"
-IPC_LOCK = "IPC_LOCK"
 
 
 # --- kv_transfer_params ---------------------------------------------------------------------------
@@ -94,13 +93,12 @@ def bootstrap_address(host: str, port: int = BOOTSTRAP_PORT) -> str:
 
 
 def prefill_params(transfer_id: str) -> dict[str, Any]:
-    return {"do_remote_decode": True, "do_remote_prefill": False, "transfer_id": transfer_id}
+    return {**remote_flags(PREFILL), "transfer_id": transfer_id}
 
 
 def decode_params(transfer_id: str, remote_engine_id: str, bootstrap: str) -> dict[str, Any]:
     return {
-        "do_remote_decode": False,
-        "do_remote_prefill": True,
+        **remote_flags(DECODE),
         "transfer_id": transfer_id,
         "remote_engine_id": remote_engine_id,
         "remote_bootstrap_addr": bootstrap,

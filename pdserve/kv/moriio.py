@@ -54,8 +54,9 @@ from pdserve.kv.checks import (
     is_port,
     is_true,
     nonempty_str,
+    remote_flags,
 )
-from pdserve.kv.render import ExtraProblem, LocalRun, Pair, PodKV, Render, Rule, container_port
+from pdserve.kv.render import IPC_LOCK, ExtraProblem, LocalRun, Pair, PodKV, Render, Rule, container_port
 from pdserve.kv.route import HandoffParams, LegIds, LegPlan, Peer, prefill_only
 from pdserve.kv.simulate import SimPrefill, Simulate
 
@@ -69,7 +70,6 @@ NOTIFY_PORT = 61005
 #: Must parse as an int in vLLM even though no heartbeat is sent (``proxy_ip`` is empty).
 PROXY_PING_PORT = 36367
 PORT_KEYS = ("handshake_port", "notify_port")
-IPC_LOCK = "IPC_LOCK"
 #: Keys only MoRIIO's legs carry (how the simulator recognises them when not told).
 _SHAPE_KEYS = ("remote_dp_size", "remote_tp_size", "remote_dp_rank")
 
@@ -116,17 +116,24 @@ def parse_request_id(request_id: str) -> MoriioRequestId | None:
 # --- kv_transfer_params ---------------------------------------------------------------------------
 
 
+#: What a READ prefill answers and its decode passes on; None until then (and in WRITE mode).
+_ANSWERED = ("remote_engine_id", "remote_block_ids")
+
+
+def _leg_params(leg: str, transfer_id: str, peer_dp_size: int, peer_tp_size: int) -> dict[str, Any]:
+    """What both legs carry: vLLM's flags, the transfer id and the other leg's DP/TP shape."""
+    return {
+        **remote_flags(leg),
+        **dict.fromkeys(_ANSWERED),
+        "transfer_id": transfer_id,
+        "remote_dp_size": peer_dp_size,
+        "remote_tp_size": peer_tp_size,
+    }
+
+
 def prefill_params(transfer_id: str, decode_dp_size: int, decode_tp_size: int) -> dict[str, Any]:
     """``kv_transfer_params`` of a MoRIIO prefill request: the decode's shape travels with it."""
-    return {
-        "do_remote_decode": True,
-        "do_remote_prefill": False,
-        "remote_engine_id": None,
-        "remote_block_ids": None,
-        "transfer_id": transfer_id,
-        "remote_dp_size": decode_dp_size,
-        "remote_tp_size": decode_tp_size,
-    }
+    return _leg_params(PREFILL, transfer_id, decode_dp_size, decode_tp_size)
 
 
 def decode_params(
@@ -141,20 +148,11 @@ def decode_params(
     READ mode passes the prefill's answer (``prefill_answer``: engine id and block ids); WRITE mode
     sends the decode concurrently, before that answer exists (``prefill_answer`` None).
     """
-    params: dict[str, Any] = {
-        "do_remote_decode": False,
-        "do_remote_prefill": True,
-        "remote_engine_id": None,
-        "remote_block_ids": None,
-        "transfer_id": transfer_id,
-        "remote_dp_size": prefill_dp_size,
-        "remote_tp_size": prefill_tp_size,
-    }
+    params = _leg_params(DECODE, transfer_id, prefill_dp_size, prefill_tp_size)
     if prefill_answer is not None:
+        own = {key: value for key, value in params.items() if key not in _ANSWERED}
         params.update(prefill_answer)
-        params.update(do_remote_decode=False, do_remote_prefill=True, transfer_id=transfer_id)
-        params["remote_dp_size"] = prefill_dp_size
-        params["remote_tp_size"] = prefill_tp_size
+        params.update(own)  # the answer's ids and extra fields; this leg's flags, id and shape
     if prefill_dp_rank is not None:
         params["remote_dp_rank"] = prefill_dp_rank
     return params

@@ -39,8 +39,17 @@ from collections.abc import Mapping
 from typing import Any
 
 from pdserve.kv.base import KVConnector, Names
-from pdserve.kv.checks import FieldCheck, block_ids, field_problems, is_port, is_true, nonempty_str
-from pdserve.kv.render import LocalRun, Pair, PodKV, Render, Rule, container_port
+from pdserve.kv.checks import (
+    PREFILL,
+    FieldCheck,
+    block_ids,
+    field_problems,
+    is_port,
+    is_true,
+    nonempty_str,
+    remote_flags,
+)
+from pdserve.kv.render import IPC_LOCK, LocalRun, Pair, PodKV, Render, Rule, container_port
 from pdserve.kv.route import HandoffParams, LegIds, LegPlan, Peer, SerialRoute, prefill_only
 from pdserve.kv.simulate import PullNotice, SimPrefill, Simulate, rank_after
 
@@ -54,7 +63,6 @@ HOST_ENV = "VLLM_NIXL_SIDE_CHANNEL_HOST"
 UCX_DEFAULTS = (("UCX_TLS", "all"), ("UCX_NET_DEVICES", "all"))
 #: NIXL between processes of one machine without RDMA: shared memory and TCP over loopback.
 CPU_UCX = {"UCX_TLS": "sm,self,tcp", "UCX_NET_DEVICES": "lo"}
-IPC_LOCK = "IPC_LOCK"
 
 #: Fields a NIXL prefill response must carry for the decode to pull the KV.
 HANDOFF_FIELDS = ("remote_engine_id", "remote_block_ids", "remote_host", "remote_port")
@@ -74,8 +82,7 @@ _OWN_KEYS = (
 def prefill_params() -> dict[str, Any]:
     """``kv_transfer_params`` of a NIXL prefill request (vLLM's two-step protocol, step one)."""
     return {
-        "do_remote_decode": True,
-        "do_remote_prefill": False,
+        **remote_flags(PREFILL),
         "remote_engine_id": None,
         "remote_block_ids": None,
         "remote_host": None,

@@ -21,6 +21,10 @@ class PodKV:
     capabilities: tuple[str, ...] = ()
 
 
+#: The capability of a connector that registers the KV cache for RDMA: it lifts ``RLIMIT_MEMLOCK``.
+IPC_LOCK = "IPC_LOCK"
+
+
 def container_port(name: str, number: int) -> dict[str, Any]:
     return {"name": name, "containerPort": number, "protocol": "TCP"}
 

@@ -19,10 +19,11 @@ import asyncio
 import os
 import sys
 from collections.abc import Coroutine
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-from pdserve.argtypes import non_negative_float, positive_float, positive_int
+from pdserve.argtypes import add_flags, flag_values, non_negative_float, positive_float, positive_int, setting
 
 T = TypeVar("T")
 
@@ -43,117 +44,127 @@ def configure(parser: argparse.ArgumentParser) -> None:
     configure_replay(replay)
 
 
-def configure_replay(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
+@dataclass(frozen=True)
+class ReplayFlags:
+    """What to replay, against which server, and what counts (the fields ReplayOptions shares
+    with it are its own)."""
+
+    trace: str = setting(
+        None,
         "trace",
         metavar="TRACE",
         help="a Mooncake JSONL file (timestamp ms, input_length, output_length, hash_ids), or `poisson` "
         "for a generated workload (--rate, --num-requests, ...)",
     )
-    p.add_argument(
-        "--url",
-        default="http://127.0.0.1:8000",
-        help="the server (default: http://127.0.0.1:8000, `pdserve up`'s)",
+    url: str = setting(
+        "http://127.0.0.1:8000", "--url", help="the server (default: http://127.0.0.1:8000, `pdserve up`'s)"
     )
-    p.add_argument(
-        "--model", help="the model to ask for (default: the first one the server lists at /v1/models)"
+    model: str | None = setting(
+        None, "--model", help="the model to ask for (default: the first one the server lists at /v1/models)"
     )
-    p.add_argument(
+    endpoint: str = setting(
+        "completions",
         "--endpoint",
         choices=("completions", "chat"),
-        default="completions",
         help="/v1/completions (default) or /v1/chat/completions",
     )
-    p.add_argument(
-        "--api-key",
-        help="sent as Authorization: Bearer (default: $OPENAI_API_KEY)",
+    api_key: str | None = setting(
+        None, "--api-key", help="sent as Authorization: Bearer (default: $OPENAI_API_KEY)"
     )
-    p.add_argument(
+    speedup: float = setting(
+        1.0,
         "--speedup",
         type=positive_float,
-        default=1.0,
         help="compress the trace's time: 10 sends in 100 s what it spreads over 1000 s (default: 1)",
     )
-    p.add_argument("--limit", type=positive_int, help="replay only the first N requests (by timestamp)")
-    p.add_argument(
+    limit: int | None = setting(
+        None, "--limit", type=positive_int, help="replay only the first N requests (by timestamp)"
+    )
+    output: Path | None = setting(  # noqa: RUF009 (a Path is immutable)
+        None,
         "--output",
         type=Path,
         metavar="DIR",
         help="write results.json, results.md, results.png and requests.jsonl there",
     )
-    p.add_argument(
-        "--slo-ttft-ms", type=positive_float, help="goodput: a request's time to first token at most this"
+    slo_ttft_ms: float | None = setting(
+        None,
+        "--slo-ttft-ms",
+        type=positive_float,
+        help="goodput: a request's time to first token at most this",
     )
-    p.add_argument(
+    slo_itl_ms: float | None = setting(
+        None,
         "--slo-itl-ms",
         type=positive_float,
         help="goodput: a request's mean inter-token latency (TPOT) at most this",
     )
-    p.add_argument(
+    admin_url: str | None = setting(
+        None,
         "--admin-url",
         help="where the pdserve router answers /debug/routing, to find the engines (default: --url; "
         "a router with --admin-port answers there)",
     )
-    p.add_argument(
+    engine_url: tuple[str, ...] = setting(
+        (),
         "--engine-url",
         action="append",
-        default=[],
         metavar="URL",
         help="an engine API server whose /metrics to read, instead of asking the router (repeat)",
     )
-    p.add_argument(
+    metrics_interval_s: float = setting(
+        1.0,
         "--metrics-interval",
         type=non_negative_float,
-        default=1.0,
         metavar="S",
         help="read the engines' metrics every S seconds for the load plot; 0: only before and after",
     )
-    p.add_argument(
+    timeout_s: float = setting(
+        600.0,
         "--timeout",
         type=positive_float,
-        default=600.0,
         metavar="S",
         help="a request not fully answered after S seconds fails as a timeout (default: 600)",
     )
-    p.add_argument(
+    max_connections: int = setting(
+        0,
         "--max-connections",
-        type=int,
-        default=0,
         help="cap on open connections (default 0: none; a capped client queues requests itself)",
     )
-    p.add_argument(
+    ignore_eos: bool = setting(
+        True,
         "--no-ignore-eos",
-        dest="ignore_eos",
         action="store_false",
         help="let the model stop early; by default ignore_eos asks for exactly output_length tokens",
     )
-    p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar on stderr")
-    poisson = p.add_argument_group("poisson workload (TRACE `poisson`)")
-    poisson.add_argument(
-        "--rate", type=positive_float, default=10.0, help="requests per second (default: 10)"
+    progress: bool = setting(True, "--no-progress", action="store_false", help="no progress bar on stderr")
+
+
+@dataclass(frozen=True)
+class PoissonFlags:
+    """A generated workload (TRACE ``poisson``): PoissonSpec's fields."""
+
+    rate: float = setting(10.0, "--rate", type=positive_float, help="requests per second (default: 10)")
+    num_requests: int = setting(1000, "--num-requests", type=positive_int, help="default: 1000")
+    input_length: int = setting(2048, "--input-len", type=positive_int, help="prompt tokens (default: 2048)")
+    output_length: int = setting(128, "--output-len", type=positive_int, help="output tokens (default: 128)")
+    range_ratio: float = setting(
+        0.0, "--range-ratio", help="lengths uniform in [len*(1-r), len*(1+r)] (default: 0, fixed)"
     )
-    poisson.add_argument("--num-requests", type=positive_int, default=1000, help="default: 1000")
-    poisson.add_argument("--input-len", type=positive_int, default=2048, help="prompt tokens (default: 2048)")
-    poisson.add_argument("--output-len", type=positive_int, default=128, help="output tokens (default: 128)")
-    poisson.add_argument(
-        "--range-ratio",
-        type=float,
-        default=0.0,
-        help="lengths uniform in [len*(1-r), len*(1+r)] (default: 0, fixed)",
-    )
-    poisson.add_argument(
+    prefix_share: float = setting(
+        0.0,
         "--prefix-share",
-        type=float,
-        default=0.0,
         help="share of each prompt's 512-token blocks taken from a shared prefix (default: 0)",
     )
-    poisson.add_argument(
-        "--prefix-groups",
-        type=int,
-        default=8,
-        help="distinct shared prefixes the requests pick from (default: 8)",
+    prefix_groups: int = setting(
+        8, "--prefix-groups", help="distinct shared prefixes the requests pick from (default: 8)"
     )
-    poisson.add_argument("--seed", type=int, default=0, help="default: 0")
+    seed: int = setting(0, "--seed", help="default: 0")
+
+
+def configure_replay(p: argparse.ArgumentParser) -> None:
+    add_flags(p, ReplayFlags)
+    add_flags(p, PoissonFlags, p.add_argument_group("poisson workload (TRACE `poisson`)"))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -168,24 +179,15 @@ def replay_command(args: argparse.Namespace) -> int:
     from pdserve.loadgen.trace import PoissonSpec, TraceError, poisson_trace, read_trace, write_trace
 
     if args.trace == POISSON:
-        spec = PoissonSpec(
-            args.rate,
-            args.num_requests,
-            args.input_len,
-            args.output_len,
-            args.range_ratio,
-            args.prefix_share,
-            args.prefix_groups,
-            args.seed,
-        )
+        spec = PoissonSpec(**flag_values(args, PoissonFlags))
         found = spec.problems()
         if found:
             print("pdserve bench replay: " + "; ".join(found), file=sys.stderr)
             return EXIT_BAD_INPUT
         requests = poisson_trace(spec)
         workload = (
-            f"Poisson {args.rate:g} req/s, input {args.input_len}, output {args.output_len}, "
-            f"prefix share {args.prefix_share:g}"
+            f"Poisson {spec.rate:g} req/s, input {spec.input_length}, output {spec.output_length}, "
+            f"prefix share {spec.prefix_share:g}"
         )
     else:
         path = Path(args.trace)
@@ -202,21 +204,13 @@ def replay_command(args: argparse.Namespace) -> int:
             return EXIT_BAD_INPUT
         workload = f"trace {path.name}"
     arrivals = schedule(requests, args.speedup, args.limit)
+    given = flag_values(args, ReplayFlags, into=ReplayOptions)
+    given.update(url=args.url.rstrip("/"), api_key=args.api_key or os.environ.get("OPENAI_API_KEY") or None)
     options = ReplayOptions(
-        url=args.url.rstrip("/"),
-        endpoint=args.endpoint,
-        model=args.model,
-        api_key=args.api_key or os.environ.get("OPENAI_API_KEY") or None,
-        speedup=args.speedup,
+        **given,
         workload=workload,
         slo=Slo(args.slo_ttft_ms, args.slo_itl_ms),
         engine_urls=tuple(args.engine_url),
-        admin_url=args.admin_url,
-        metrics_interval_s=args.metrics_interval,
-        timeout_s=args.timeout,
-        max_connections=args.max_connections,
-        ignore_eos=args.ignore_eos,
-        progress=args.progress,
     )
     _raise_open_files_limit()
     try:

@@ -36,9 +36,10 @@ import asyncio
 import logging
 import os
 import sys
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from pdserve.argtypes import positive_float
+from pdserve.argtypes import add_flags, positive_float, setting, stating_default
 from pdserve.deployment.spec.pddeployment import DEFAULT_IMAGE
 from pdserve.listen import unavailable
 from pdserve.operator.handlers import OperatorOptions
@@ -57,121 +58,120 @@ if TYPE_CHECKING:
     from pdserve.operator.leader import LeaderElector
 
 
-def configure(parser: argparse.ArgumentParser) -> None:
-    scope = parser.add_mutually_exclusive_group()
-    scope.add_argument(
-        "-n",
-        "--namespace",
-        action="append",
-        default=[],
-        metavar="NS",
-        help="watch this namespace (repeatable)",
+@dataclass(frozen=True)
+class ScopeFlags:
+    """Which namespaces are watched: given ones, or all (one or the other)."""
+
+    namespace: tuple[str, ...] = setting(
+        (), "-n", "--namespace", action="append", metavar="NS", help="watch this namespace (repeatable)"
     )
-    scope.add_argument("-A", "--all-namespaces", action="store_true", help="watch every namespace")
-    parser.add_argument(
-        "--liveness-port",
-        type=int,
-        default=8080,
-        help="port of /healthz, 0 to disable (default: %(default)s)",
+    all_namespaces: bool = setting(
+        False, "-A", "--all-namespaces", action="store_true", help="watch every namespace"
     )
-    parser.add_argument(
-        "--metrics-port", type=int, default=9090, help="port of /metrics, 0 to disable (default: %(default)s)"
-    )
-    parser.add_argument(
-        "--bind",
-        default="0.0.0.0",
-        help="address of the liveness and metrics endpoints (default: %(default)s)",
-    )
-    parser.add_argument(
+
+
+@dataclass(frozen=True)
+class OperatorFlags:
+    """The endpoints, logs, reconcile pacing, rendered image and tracing."""
+
+    liveness_port: int = setting(8080, "--liveness-port", help="port of /healthz, 0 to disable")
+    metrics_port: int = setting(9090, "--metrics-port", help="port of /metrics, 0 to disable")
+    bind: str = setting("0.0.0.0", "--bind", help="address of the liveness and metrics endpoints")
+    log_format: str = setting(
+        "plain",
         "--log-format",
         choices=("json", "plain"),
-        default="plain",
-        help="json: one object per line, for log pipelines (default: %(default)s)",
+        help="json: one object per line, for log pipelines",
     )
-    parser.add_argument("--verbose", action="store_true", help="debug logging (default: info)")
-    parser.add_argument(
+    verbose: bool = setting(False, "--verbose", action="store_true", help="debug logging (default: info)")
+    resync_seconds: float = setting(
+        30.0,
         "--resync-seconds",
         type=positive_float,
-        default=30.0,
-        help="reconcile every PDDeployment at least this often (default: %(default)g)",
+        help="reconcile every PDDeployment at least this often",
     )
-    parser.add_argument(
+    debounce_ms: float = setting(
+        50.0,
         "--debounce-ms",
         type=positive_float,
-        default=50.0,
-        help="fold triggers arriving within this window into one reconcile (default: %(default)g)",
+        help="fold triggers arriving within this window into one reconcile",
     )
     # Passes mostly wait on the API server: enough workers that a burst of readiness changes
     # across many deployments does not queue behind other deployments' status writes.
-    parser.add_argument(
-        "--workers", type=int, default=64, help="reconciles running in parallel (default: %(default)s)"
-    )
-    parser.add_argument(
+    workers: int = setting(64, "--workers", help="reconciles running in parallel")
+    pdserve_image: str = setting(
+        DEFAULT_IMAGE,
         "--pdserve-image",
-        default=DEFAULT_IMAGE,
         metavar="IMAGE",
         help="the image of router pods, and of engine: sim pods, whose PDDeployment names none "
-        "(spec.router.image); the chart passes the image it runs the operator from "
-        "(default: %(default)s)",
+        "(spec.router.image); the chart passes the image it runs the operator from",
     )
-    parser.add_argument(
+    kubeconfig: str | None = setting(
+        None,
         "--kubeconfig",
-        default=None,
         help="kubeconfig file (default: $KUBECONFIG, else ~/.kube/config, else the in-cluster service "
         "account)",
     )
-    parser.add_argument(
+    otlp_traces_endpoint: str | None = setting(
+        None,
         "--otlp-traces-endpoint",
-        default=os.environ.get("PDSERVE_OPERATOR_OTLP_TRACES_ENDPOINT") or None,
+        env="PDSERVE_OPERATOR_OTLP_TRACES_ENDPOINT",
         metavar="URL",
         help="export every reconcile pass as a span, a rollout's passes as one trace, to this OTLP "
         "receiver: http(s)://HOST:PORT/v1/traces or grpc://HOST:PORT (default: "
         "$PDSERVE_OPERATOR_OTLP_TRACES_ENDPOINT, else off); needs the tracing extra (pdserve[tracing])",
     )
-    election = parser.add_argument_group("leader election (several replicas, one active)")
-    election.add_argument(
+
+
+@dataclass(frozen=True)
+class ElectionFlags:
+    """Leader election among replicas (pdserve.operator.leader)."""
+
+    leader_elect: bool | None = setting(
+        None,
         "--leader-elect",
         action=argparse.BooleanOptionalAction,
-        default=None,
         help="reconcile only while holding the leader Lease; --no-leader-elect for a single replica "
         "without a Lease (default: on where a namespace for the Lease is known, else off with a "
         "warning)",
     )
-    election.add_argument(
+    leader_election_namespace: str | None = setting(
+        None,
         "--leader-election-namespace",
-        default=None,
         metavar="NS",
         help="namespace of the Lease (default: $POD_NAMESPACE, else the service account's namespace)",
     )
-    election.add_argument(
+    leader_election_id: str = setting(
+        DEFAULT_LEASE_NAME,
         "--leader-election-id",
-        default=DEFAULT_LEASE_NAME,
         metavar="NAME",
         help=f"name of the Lease (default: {DEFAULT_LEASE_NAME}); replicas sharing it elect one leader",
     )
-    election.add_argument(
+    lease_duration: int = setting(
+        LEASE_DURATION,
         "--lease-duration",
-        type=int,
-        default=LEASE_DURATION,
         metavar="S",
-        help="seconds a follower waits, after the lease last changed, before taking it over "
-        f"(default: {LEASE_DURATION})",
+        help="seconds a follower waits, after the lease last changed, before taking it over",
     )
-    election.add_argument(
+    renew_deadline: float = setting(
+        RENEW_DEADLINE,
         "--renew-deadline",
-        type=float,
-        default=RENEW_DEADLINE,
         metavar="S",
-        help="the leader stops writing, and exits, when it has not renewed for this long "
-        f"(default: {RENEW_DEADLINE:g})",
+        help="the leader stops writing, and exits, when it has not renewed for this long",
     )
-    election.add_argument(
+    retry_period: float = setting(
+        RETRY_PERIOD,
         "--retry-period",
-        type=float,
-        default=RETRY_PERIOD,
         metavar="S",
-        help=f"seconds between renewals and acquisition attempts (default: {RETRY_PERIOD:g})",
+        help="seconds between renewals and acquisition attempts",
     )
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    add_flags(parser, ScopeFlags, parser.add_mutually_exclusive_group())
+    add_flags(parser, OperatorFlags, describe=stating_default)
+    election = parser.add_argument_group("leader election (several replicas, one active)")
+    add_flags(parser, ElectionFlags, election, describe=stating_default)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -4,114 +4,164 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from prometheus_client import Counter, Gauge, Histogram
+from prometheus_client import REGISTRY, Counter, Gauge, Histogram
+
+from pdserve.wire.prometheus import Family, register
 
 if TYPE_CHECKING:
     from pdserve.deployment.plan.autoscale import Decision
 
-RECONCILES = Counter(
-    "pdserve_operator_reconciles_total",
-    "Reconciles run, by result (ok, invalid, error).",
-    ["result"],
-)
-RECONCILE_ERRORS = Counter(
-    "pdserve_operator_reconcile_errors_total",
-    "Reconciles that failed with an API or unexpected error.",
-)
-RECONCILE_SECONDS = Histogram(
-    "pdserve_operator_reconcile_duration_seconds",
-    "Wall time of one reconcile of one PDDeployment.",
-    buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
-)
-ROUTING_WRITES = Counter(
-    "pdserve_operator_routing_table_writes_total",
-    "Writes of a routing ConfigMap (only when its content changed).",
-)
-REQUESTS_COALESCED = Counter(
-    "pdserve_operator_requests_coalesced_total",
-    "Reconcile requests folded into one already scheduled for the same PDDeployment.",
-)
-OBJECT_CHANGES = Counter(
-    "pdserve_operator_object_changes_total",
-    "Objects created, updated or deleted by the operator, by kind and action.",
-    ["kind", "action"],
-)
-API_REQUESTS = Histogram(
-    "pdserve_operator_api_request_seconds",
-    "Requests sent to the Kubernetes API server (Events included) and their latency, by HTTP method.",
-    ["method"],
-    buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
-)
-DRAINS = Counter(
-    "pdserve_operator_drains_total",
-    "Drains ended, by what ended them (routers-idle, timeout, no-routers).",
-    ["reason"],
-)
-ROUTER_QUERIES = Counter(
-    "pdserve_operator_router_queries_total",
-    "GET /routing/served sent to router pods, by outcome (answered, error).",
-    ["outcome"],
-)
-NODE_LOSS_REPLACEMENTS = Counter(
-    "pdserve_operator_node_loss_replacements_total",
-    "Instance pods deleted and replaced because their node was NotReady past rollout.nodeLossSeconds.",
-)
-GROUP_REPLACEMENTS = Counter(
-    "pdserve_operator_group_replacements_total",
-    "Multi-node instances deleted whole and replaced: a member failed or left, or the gang timed out.",
-)
-LEADER = Gauge(
-    "pdserve_operator_leader",
-    "1 while this replica holds the leader lease (and reconciles), 0 while it follows.",
-    ["identity"],
-)
-LEADER_TRANSITIONS = Counter(
-    "pdserve_operator_leader_transitions_total",
-    "Changes of the leader lease's holder seen by this replica (its own takeovers included).",
-)
-FENCED_WRITES = Counter(
-    "pdserve_operator_fenced_writes_total",
-    "Writes refused before being sent because this replica did not hold a fresh leader lease.",
-)
+_SECONDS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
+_ROLE = ("namespace", "deployment", "role")
 
-# --- the autoscaler (spec.autoscaling): its decisions, with the figures they were made on ---------
-
-AUTOSCALER_DECISIONS = Counter(
-    "pdserve_operator_autoscaler_decisions_total",
-    "Autoscaler decisions, by result (scaled, unchanged, no_signal: no router answered).",
-    ["result"],
-)
-AUTOSCALER_SCALE_EVENTS = Counter(
-    "pdserve_operator_autoscaler_scale_events_total",
-    "Counts the autoscaler changed, by deployment, role and direction (up, down).",
-    ["namespace", "deployment", "role", "direction"],
-)
-AUTOSCALER_DESIRED = Gauge(
-    "pdserve_operator_autoscaler_desired_instances",
-    "Instances the autoscaler wants, by deployment and role.",
-    ["namespace", "deployment", "role"],
-)
-AUTOSCALER_RECOMMENDED = Gauge(
-    "pdserve_operator_autoscaler_recommended_instances",
-    "The last decision's recommendation before stabilisation, step limits, holds and the ratio.",
-    ["namespace", "deployment", "role"],
-)
-AUTOSCALER_RATIO = Gauge(
-    "pdserve_operator_autoscaler_objective_ratio",
-    "The role's measured percentile over its objective (prefill: TTFT, decode: ITL); absent with too "
-    "few requests.",
-    ["namespace", "deployment", "role"],
-)
-AUTOSCALER_LATENCY = Gauge(
-    "pdserve_operator_autoscaler_latency_seconds",
-    "The objectives' percentile of TTFT and ITL over the window, as the routers measured them.",
-    ["namespace", "deployment", "objective"],
-)
-AUTOSCALER_LIMITED = Gauge(
-    "pdserve_operator_autoscaler_limited",
-    "1 while the last decision was held back (TooManyInstances, TooFewInstances, InsufficientResources).",
-    ["namespace", "deployment", "role", "reason"],
-)
+#: The operator's families, by the name of the module attribute that counts them.
+FAMILIES: dict[str, Family] = {
+    "RECONCILES": Family(
+        "pdserve_operator_reconciles",
+        "counter",
+        "Reconciles run, by result (ok, invalid, error).",
+        ("result",),
+    ),
+    "RECONCILE_ERRORS": Family(
+        "pdserve_operator_reconcile_errors",
+        "counter",
+        "Reconciles that failed with an API or unexpected error.",
+    ),
+    "RECONCILE_SECONDS": Family(
+        "pdserve_operator_reconcile_duration_seconds",
+        "histogram",
+        "Wall time of one reconcile of one PDDeployment.",
+        buckets=_SECONDS,
+    ),
+    "ROUTING_WRITES": Family(
+        "pdserve_operator_routing_table_writes",
+        "counter",
+        "Writes of a routing ConfigMap (only when its content changed).",
+    ),
+    "REQUESTS_COALESCED": Family(
+        "pdserve_operator_requests_coalesced",
+        "counter",
+        "Reconcile requests folded into one already scheduled for the same PDDeployment.",
+    ),
+    "OBJECT_CHANGES": Family(
+        "pdserve_operator_object_changes",
+        "counter",
+        "Objects created, updated or deleted by the operator, by kind and action.",
+        ("kind", "action"),
+    ),
+    "API_REQUESTS": Family(
+        "pdserve_operator_api_request_seconds",
+        "histogram",
+        "Requests sent to the Kubernetes API server (Events included) and their latency, by HTTP method.",
+        ("method",),
+        buckets=_SECONDS,
+    ),
+    "DRAINS": Family(
+        "pdserve_operator_drains",
+        "counter",
+        "Drains ended, by what ended them (routers-idle, timeout, no-routers).",
+        ("reason",),
+    ),
+    "ROUTER_QUERIES": Family(
+        "pdserve_operator_router_queries",
+        "counter",
+        "GET /routing/served sent to router pods, by outcome (answered, error).",
+        ("outcome",),
+    ),
+    "NODE_LOSS_REPLACEMENTS": Family(
+        "pdserve_operator_node_loss_replacements",
+        "counter",
+        "Instance pods deleted and replaced because their node was NotReady past rollout.nodeLossSeconds.",
+    ),
+    "GROUP_REPLACEMENTS": Family(
+        "pdserve_operator_group_replacements",
+        "counter",
+        "Multi-node instances deleted whole and replaced: a member failed or left, or the gang timed out.",
+    ),
+    "LEADER": Family(
+        "pdserve_operator_leader",
+        "gauge",
+        "1 while this replica holds the leader lease (and reconciles), 0 while it follows.",
+        ("identity",),
+    ),
+    "LEADER_TRANSITIONS": Family(
+        "pdserve_operator_leader_transitions",
+        "counter",
+        "Changes of the leader lease's holder seen by this replica (its own takeovers included).",
+    ),
+    "FENCED_WRITES": Family(
+        "pdserve_operator_fenced_writes",
+        "counter",
+        "Writes refused before being sent because this replica did not hold a fresh leader lease.",
+    ),
+    # the autoscaler (spec.autoscaling): its decisions, with the figures they were made on
+    "AUTOSCALER_DECISIONS": Family(
+        "pdserve_operator_autoscaler_decisions",
+        "counter",
+        "Autoscaler decisions, by result (scaled, unchanged, no_signal: no router answered).",
+        ("result",),
+    ),
+    "AUTOSCALER_SCALE_EVENTS": Family(
+        "pdserve_operator_autoscaler_scale_events",
+        "counter",
+        "Counts the autoscaler changed, by deployment, role and direction (up, down).",
+        (*_ROLE, "direction"),
+    ),
+    "AUTOSCALER_DESIRED": Family(
+        "pdserve_operator_autoscaler_desired_instances",
+        "gauge",
+        "Instances the autoscaler wants, by deployment and role.",
+        _ROLE,
+    ),
+    "AUTOSCALER_RECOMMENDED": Family(
+        "pdserve_operator_autoscaler_recommended_instances",
+        "gauge",
+        "The last decision's recommendation before stabilisation, step limits, holds and the ratio.",
+        _ROLE,
+    ),
+    "AUTOSCALER_RATIO": Family(
+        "pdserve_operator_autoscaler_objective_ratio",
+        "gauge",
+        "The role's measured percentile over its objective (prefill: TTFT, decode: ITL); absent with too "
+        "few requests.",
+        _ROLE,
+    ),
+    "AUTOSCALER_LATENCY": Family(
+        "pdserve_operator_autoscaler_latency_seconds",
+        "gauge",
+        "The objectives' percentile of TTFT and ITL over the window, as the routers measured them.",
+        ("namespace", "deployment", "objective"),
+    ),
+    "AUTOSCALER_LIMITED": Family(
+        "pdserve_operator_autoscaler_limited",
+        "gauge",
+        "1 while the last decision was held back (TooManyInstances, TooFewInstances, InsufficientResources).",
+        (*_ROLE, "reason"),
+    ),
+}
+# Typed module constants for the callers (metrics.RECONCILES...); FAMILIES says what each is.
+_METRICS = register(FAMILIES, REGISTRY)
+RECONCILES: Counter = _METRICS["RECONCILES"]
+RECONCILE_ERRORS: Counter = _METRICS["RECONCILE_ERRORS"]
+RECONCILE_SECONDS: Histogram = _METRICS["RECONCILE_SECONDS"]
+ROUTING_WRITES: Counter = _METRICS["ROUTING_WRITES"]
+REQUESTS_COALESCED: Counter = _METRICS["REQUESTS_COALESCED"]
+OBJECT_CHANGES: Counter = _METRICS["OBJECT_CHANGES"]
+API_REQUESTS: Histogram = _METRICS["API_REQUESTS"]
+DRAINS: Counter = _METRICS["DRAINS"]
+ROUTER_QUERIES: Counter = _METRICS["ROUTER_QUERIES"]
+NODE_LOSS_REPLACEMENTS: Counter = _METRICS["NODE_LOSS_REPLACEMENTS"]
+GROUP_REPLACEMENTS: Counter = _METRICS["GROUP_REPLACEMENTS"]
+LEADER: Gauge = _METRICS["LEADER"]
+LEADER_TRANSITIONS: Counter = _METRICS["LEADER_TRANSITIONS"]
+FENCED_WRITES: Counter = _METRICS["FENCED_WRITES"]
+AUTOSCALER_DECISIONS: Counter = _METRICS["AUTOSCALER_DECISIONS"]
+AUTOSCALER_SCALE_EVENTS: Counter = _METRICS["AUTOSCALER_SCALE_EVENTS"]
+AUTOSCALER_DESIRED: Gauge = _METRICS["AUTOSCALER_DESIRED"]
+AUTOSCALER_RECOMMENDED: Gauge = _METRICS["AUTOSCALER_RECOMMENDED"]
+AUTOSCALER_RATIO: Gauge = _METRICS["AUTOSCALER_RATIO"]
+AUTOSCALER_LATENCY: Gauge = _METRICS["AUTOSCALER_LATENCY"]
+AUTOSCALER_LIMITED: Gauge = _METRICS["AUTOSCALER_LIMITED"]
 _AUTOSCALED: dict[tuple[str, str], set[tuple[Gauge, tuple[str, ...]]]] = {}
 
 

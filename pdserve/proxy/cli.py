@@ -24,17 +24,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from pdserve.argtypes import Flag, add_flags, flag_values, flags_of
 from pdserve.listen import unavailable
 from pdserve.proxy.serving.cpus import available_cpus
-from pdserve.proxy.settings import (
-    GROUPS,
-    Flag,
-    ProxySettings,
-    SettingsError,
-    TableSettings,
-    flags_of,
-    port_or_unset,
-)
+from pdserve.proxy.settings import GROUPS, ProxySettings, SettingsError, TableSettings
 
 if TYPE_CHECKING:  # the ConfigMap source's modules load only when it is chosen (start-up time)
     import socket
@@ -70,47 +63,13 @@ def _help(flag: Flag, default: object) -> str:
     return f"{flag.help} (default {_shown(default)}){env}".replace("%", "%%")
 
 
-def _dest(flag: Flag) -> str:
-    return flag.names[0].lstrip("-").replace("-", "_")
-
-
-def _env_default(parser: argparse.ArgumentParser, flag: Flag, default: Any) -> Any:
-    """The flag's default: its environment variable's value when set and not empty."""
-    raw = os.environ.get(flag.env) if flag.env else None
-    if not raw:
-        return default
-    convert = flag.type or type(default)
-    try:
-        return convert(raw)
-    except ValueError:
-        kind = (
-            "a number" if convert is float else "an integer" if convert in (int, port_or_unset) else "a value"
-        )
-        parser.error(f"{flag.env}={raw!r} (the default of {flag.names[0]}): expected {kind}")
-
-
-def _add(parser: argparse.ArgumentParser, group: Any, flag: Flag, default: Any) -> None:
-    group.add_argument(
-        *flag.names,
-        dest=_dest(flag),
-        type=flag.type or type(default),
-        default=_env_default(parser, flag, default),
-        choices=flag.choices,
-        metavar=flag.metavar,
-        help=_help(flag, default),
-    )
-
-
 def configure(parser: argparse.ArgumentParser) -> None:
-    policy = parser.add_argument_group("routing policy")
-    for _, flag, default in flags_of(ProxySettings):
-        _add(parser, policy, flag, default)
+    add_flags(parser, ProxySettings, parser.add_argument_group("routing policy"), _help)
     for _, title, settings_class in GROUPS:
         group = parser.add_argument_group(title)
         if settings_class is TableSettings:
             _add_table_source(group)
-        for _, flag, default in flags_of(settings_class):
-            _add(parser, group, flag, default)
+        add_flags(parser, settings_class, group, _help)
     parser.epilog = "environment variables the router reads (a flag wins over its variable):\n" + "\n".join(
         f"  {name}: {what}" for name, what in environment()
     )
@@ -209,21 +168,12 @@ def table_source(
     return None, ref, creds
 
 
-def _values(args: argparse.Namespace, settings_class: type) -> dict[str, Any]:
-    """The flags of one settings dataclass, by field name; an empty string is no value."""
-    out = {}
-    for name, flag, default in flags_of(settings_class):
-        value = getattr(args, _dest(flag))
-        out[name] = None if value == "" and default is None else value
-    return out
-
-
 def settings_from_args(args: argparse.Namespace) -> ProxySettings:
     routing_file, configmap, kube = table_source(args)
     try:
-        table = TableSettings(routing_file, configmap, kube, **_values(args, TableSettings))
-        groups = {name: cls(**_values(args, cls)) for name, _, cls in GROUPS if cls is not TableSettings}
-        settings = ProxySettings(table=table, **groups, **_values(args, ProxySettings))
+        table = TableSettings(routing_file, configmap, kube, **flag_values(args, TableSettings))
+        groups = {name: cls(**flag_values(args, cls)) for name, _, cls in GROUPS if cls is not TableSettings}
+        settings = ProxySettings(table=table, **groups, **flag_values(args, ProxySettings))
     except SettingsError as exc:
         raise UsageError(str(exc)) from None
     if settings.server.workers == 0:

@@ -1,19 +1,19 @@
 """Everything the router is configured with: one frozen dataclass per concern.
 
 Each field is written once, with its default, its flag, the environment variable that may give
-its default, and its help: ``pdserve proxy``'s flags are generated from these fields
-(pdserve.proxy.cli), so a default cannot differ between the CLI and the code, and every help
+its default, and its help (pdserve.argtypes.setting): ``pdserve proxy``'s flags are generated from
+these fields (pdserve.proxy.cli), so a default cannot differ between the CLI and the code, and every help
 line shows it. Values are checked where they are made (``__post_init__``): a bad flag,
 environment variable or argument is refused naming the flag, before anything starts.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from pdserve.argtypes import flags_of, port_or_unset, setting
 from pdserve.proxy.policies import DEFAULT_POLICY, POLICIES, PREFILL_POLICIES, PrefixOptions
 from pdserve.proxy.policies.prefix_affinity import DEFAULT_INDEX_CHUNKS, UNMATCHED_MODES
 from pdserve.routing.sidecar import LocalDecode
@@ -29,49 +29,8 @@ HTTP_SERVERS = ("hypercorn", "uvicorn")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
-def port_or_unset(text: str) -> int | None:
-    """A port number; 0 means none (an empty environment variable, or a rendered ``0``)."""
-    return int(text) or None
-
-
 class SettingsError(ValueError):
     """A value the router cannot run with; the message names the flag."""
-
-
-@dataclass(frozen=True)
-class Flag:
-    """How a setting is given on the command line (and by the environment)."""
-
-    names: tuple[str, ...]
-    help: str
-    env: str | None = None  # gives the default; a flag wins
-    type: Callable[[str], Any] | None = None  # None: the default's type
-    choices: tuple[str, ...] | None = None
-    metavar: str | None = None
-    minimum: float | None = None
-
-
-def setting(
-    default: Any,
-    *names: str,
-    help: str,
-    env: str | None = None,
-    type: Callable[[str], Any] | None = None,
-    choices: tuple[str, ...] | None = None,
-    metavar: str | None = None,
-    minimum: float | None = None,
-) -> Any:
-    """A settings field with its flag: the one place its default is written."""
-    flag = Flag(names, help, env, type, choices, metavar, minimum)
-    return field(default=default, metadata={"flag": flag})
-
-
-def flags_of(settings_class: type) -> Iterator[tuple[str, Flag, Any]]:
-    """(field name, flag, default) of every field of one settings dataclass that has a flag."""
-    for f in fields(settings_class):
-        flag = f.metadata.get("flag")
-        if flag is not None:
-            yield f.name, flag, f.default
 
 
 def _check(value: object) -> None:
@@ -112,7 +71,6 @@ class ListenSettings(Checked):
         None,
         "--admin-host",
         env="PDSERVE_PROXY_ADMIN_HOST",
-        type=str,
         help="address of the admin port; unset: --host's. E.g. --host 127.0.0.1 --admin-host 0.0.0.0 "
         "keeps the API to the pod while probes and scrapers reach the admin port",
     )
@@ -221,7 +179,6 @@ class SidecarSettings(Checked):
         None,
         "--local-decode",
         env="PDSERVE_LOCAL_DECODE",
-        type=str,
         metavar="URL",
         help="decode-sidecar mode: send every decode leg to this engine (http://$(POD_IP):8000 in a decode "
         "pod: its own engine) and walk its DP ranks here; prefills come from the routing table. /ready "
@@ -391,7 +348,6 @@ class RequestSettings(Checked):
         None,
         "--api-key",
         env="PDSERVE_PROXY_API_KEY",
-        type=str,
         help="if set, clients must send 'Authorization: Bearer <key>' (401 otherwise); /health, /ready "
         "and /metrics stay open",
     )
@@ -399,7 +355,6 @@ class RequestSettings(Checked):
         None,
         "--backend-api-key",
         env="PDSERVE_BACKEND_API_KEY",
-        type=str,
         help="key sent to the vLLM backends; without it the client's Authorization header is forwarded",
     )
 
@@ -479,7 +434,6 @@ class TracingSettings(Checked):
         None,
         "--otlp-traces-endpoint",
         env="PDSERVE_PROXY_OTLP_TRACES_ENDPOINT",
-        type=str,
         metavar="URL",
         help="send a trace of every sampled request here: http(s)://HOST:PORT/v1/traces for OTLP over "
         "HTTP, grpc://HOST:PORT for OTLP over gRPC (grpcs:// with TLS); the SDK's OTEL_* variables "
@@ -530,7 +484,6 @@ class ProxySettings(Checked):
         None,
         "--prefill-policy",
         env="PDSERVE_PROXY_PREFILL_POLICY",
-        type=str,
         choices=PREFILL_POLICIES,
         help="the prefill slots' choice, when it differs from --policy's: prefix-affinity sends a prompt to "
         "the slot that already holds its longest prefix, among the slots whose load stays within "

@@ -40,10 +40,18 @@ import os
 import signal
 import sys
 from collections.abc import Coroutine
+from dataclasses import dataclass
 from typing import Any
 
 from pdserve import kv
-from pdserve.argtypes import non_negative_float, positive_int
+from pdserve.argtypes import (
+    add_flags,
+    flag_values,
+    non_negative_float,
+    positive_int,
+    setting,
+    stating_default,
+)
 from pdserve.listen import unavailable
 from pdserve.sim.engine import flags as engine_flags
 from pdserve.sim.faults import FaultSpecError, parse_faults
@@ -55,142 +63,137 @@ from pdserve.sim.server import ROLES, SimConfig, Simulator
 AUTO = "auto"
 
 
-def configure(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
+@dataclass(frozen=True)
+class SimFlags:
+    """What the simulated engine is and does (the fields SimConfig shares with it are its own)."""
+
+    role: str = setting(
+        "both",
         "--role",
         choices=ROLES,
-        default="both",
         help="P/D role: prefill serves do_remote_decode requests, decode serves do_remote_prefill "
-        "requests, both serves either; every role serves plain requests (default: both)",
+        "requests, both serves either; every role serves plain requests",
     )
-    parser.add_argument(
-        "--dp-size", type=positive_int, default=1, help="number of data-parallel engine ranks (default: 1)"
-    )
-    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
-    parser.add_argument("--port", type=int, default=8000, help="port to listen on (default: 8000)")
-    parser.add_argument(
-        "--ttft-ms", type=non_negative_float, default=20.0, help="time to first token in ms (default: 20)"
-    )
-    parser.add_argument(
-        "--itl-ms", type=non_negative_float, default=5.0, help="inter-token latency in ms (default: 5)"
-    )
-    parser.add_argument(
+    dp_size: int = setting(1, "--dp-size", type=positive_int, help="number of data-parallel engine ranks")
+    host: str = setting("127.0.0.1", "--host", help="address to listen on")
+    port: int = setting(8000, "--port", help="port to listen on")
+    ttft_ms: float = setting(20.0, "--ttft-ms", type=non_negative_float, help="time to first token in ms")
+    itl_ms: float = setting(5.0, "--itl-ms", type=non_negative_float, help="inter-token latency in ms")
+    tokens: int = setting(
+        16,
         "--tokens",
         type=positive_int,
-        default=16,
-        help="tokens generated per request; a request's max_tokens caps it (default: 16)",
+        help="tokens generated per request; a request's max_tokens caps it",
     )
-    parser.add_argument(
-        "--model", default="sim-model", help="served model name; other names get 404 (default: sim-model)"
-    )
-    parser.add_argument(
+    model: str = setting("sim-model", "--model", help="served model name; other names get 404")
+    instance_name: str | None = setting(
+        None,
         "--instance-name",
-        default=None,
         help="instance name used in remote_engine_id '<name>-dp<rank>' (default: sim-<host>-<port>)",
     )
-    parser.add_argument(
+    kv_connector: str = setting(
+        AUTO,
         "--kv-connector",
         choices=(AUTO, *kv.table_types()),
-        default=AUTO,
         help="the KV connector this engine plays, as the routing table names it (vLLM's "
-        "--kv-transfer-config); auto recognises it from each request's kv_transfer_params (default: auto)",
+        "--kv-transfer-config); auto recognises it from each request's kv_transfer_params",
     )
-    parser.add_argument(
+    kv_host: str | None = setting(
+        None,
         "--kv-host",
-        default=None,
         help="side-channel host reported in a prefill's answer (NIXL: remote_host; default: the "
         "--host address)",
     )
-    parser.add_argument(
+    kv_port: int = setting(
+        kv.DEFAULT.simulate.default_port,
         "--kv-port",
-        type=int,
-        default=kv.DEFAULT.simulate.default_port,
         help=f"side-channel port reported in a prefill's answer (NIXL: remote_port; default: "
         f"{kv.DEFAULT.simulate.default_port})",
     )
-    parser.add_argument(
-        "--tp-size",
-        type=positive_int,
-        default=1,
-        help="tensor-parallel size reported as tp_size (default: 1)",
+    tp_size: int = setting(1, "--tp-size", type=positive_int, help="tensor-parallel size reported as tp_size")
+    max_model_len: int = setting(
+        4096, "--max-model-len", type=positive_int, help="max_model_len in /v1/models"
     )
-    parser.add_argument(
-        "--max-model-len",
-        type=positive_int,
-        default=4096,
-        help="max_model_len in /v1/models (default: 4096)",
-    )
-    parser.add_argument(
+    fault: tuple[str, ...] = setting(
+        (),
         "--fault",
         action="append",
-        default=[],
         metavar="KIND[:ARG][@RATE]",
         help="inject a fault into generation requests (repeatable; first that fires wins): "
         "malformed-kv-params, http-500, hang, slow-first-byte:MS, drop-mid-stream, reset, slow-end:MS",
     )
-    parser.add_argument(
-        "--seed",
-        type=int,
-        default=None,
-        help="seed of the fault dice, for reproducible runs (default: random)",
+    seed: int | None = setting(
+        None, "--seed", type=int, help="seed of the fault dice, for reproducible runs (default: random)"
     )
-    parser.add_argument(
-        "--backlog", type=positive_int, default=4096, help="listen backlog of the socket (default: 4096)"
-    )
-    tracing = parser.add_argument_group("tracing (vLLM's flags and behaviour, docs/operations.md#tracing)")
-    tracing.add_argument(
+    backlog: int = setting(4096, "--backlog", type=positive_int, help="listen backlog of the socket")
+
+
+@dataclass(frozen=True)
+class TracingFlags:
+    """vLLM's tracing flags (pdserve.sim.spans)."""
+
+    otlp_traces_endpoint: str | None = setting(
+        None,
         "--otlp-traces-endpoint",
-        default=None,
         metavar="URL",
         help="export vLLM's llm_request span of every finished request here, the child of the "
         "traceparent it came with; OTEL_EXPORTER_OTLP_TRACES_PROTOCOL picks the exporter as in vLLM "
         "(grpc by default, or http/protobuf). Needs the tracing extra (pdserve[tracing])",
     )
-    tracing.add_argument(
+    collect_detailed_traces: tuple[str, ...] | None = setting(
+        None,
         "--collect-detailed-traces",
         nargs="+",
         choices=("all", "model", "worker"),
-        default=None,
         help="accepted as vLLM 0.32 accepts it (needs --otlp-traces-endpoint); adds nothing to the span",
     )
-    group = parser.add_argument_group(
-        "multi-node groups (one process per node, flags as vLLM's; docs/simulator.md)"
-    )
-    group.add_argument(
+
+
+@dataclass(frozen=True)
+class GroupFlags:
+    """One node of a multi-node group, as vLLM's flags say it (the fields GroupConfig shares with
+    it are its own)."""
+
+    dp_local: int | None = setting(
+        None,
         "--data-parallel-size-local",
         type=positive_int,
-        default=None,
         help="DP ranks of this node (default: --dp-size, a single-node server)",
     )
-    group.add_argument(
-        "--data-parallel-start-rank",
-        type=int,
-        default=0,
-        help="global rank of this node's first rank (default: 0)",
-    )
-    group.add_argument("--data-parallel-address", default=None, help="the leader's address")
-    group.add_argument(
+    start_rank: int = setting(0, "--data-parallel-start-rank", help="global rank of this node's first rank")
+    data_parallel_address: str | None = setting(None, "--data-parallel-address", help="the leader's address")
+    data_parallel_rpc_port: int | None = setting(
+        None,
         "--data-parallel-rpc-port",
         type=int,
-        default=None,
         help="the leader's RPC port: the leader listens there, the other nodes join it",
     )
-    group.add_argument(
+    hybrid_lb: bool = setting(
+        False,
         "--data-parallel-hybrid-lb",
         action="store_true",
         help="an API server per node for its local ranks (X-data-parallel-rank is local)",
     )
-    group.add_argument(
+    headless: bool = setting(
+        False,
         "--headless",
         action="store_true",
         help="no OpenAI API: engines only (the leader forwards their ranks; /sim/* stays on --port)",
     )
-    group.add_argument(
-        "--nnodes", type=positive_int, default=1, help="nodes of a TP/PP-across-nodes group (default: 1)"
+    nnodes: int = setting(1, "--nnodes", type=positive_int, help="nodes of a TP/PP-across-nodes group")
+    node_rank: int = setting(0, "--node-rank", help="this node's index in --nnodes")
+    master_addr: str | None = setting(None, "--master-addr", help="node 0's address (--nnodes > 1)")
+    master_port: int | None = setting(None, "--master-port", type=int, help="node 0's port (--nnodes > 1)")
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    add_flags(parser, SimFlags, describe=stating_default)
+    tracing = parser.add_argument_group("tracing (vLLM's flags and behaviour, docs/operations.md#tracing)")
+    add_flags(parser, TracingFlags, tracing)
+    group = parser.add_argument_group(
+        "multi-node groups (one process per node, flags as vLLM's; docs/simulator.md)"
     )
-    group.add_argument("--node-rank", type=int, default=0, help="this node's index in --nnodes (default: 0)")
-    group.add_argument("--master-addr", default=None, help="node 0's address (--nnodes > 1)")
-    group.add_argument("--master-port", type=int, default=None, help="node 0's port (--nnodes > 1)")
+    add_flags(parser, GroupFlags, group, describe=stating_default)
     engine_flags.configure(parser)
 
 
@@ -198,15 +201,10 @@ def group_config(args: argparse.Namespace) -> GroupConfig:
     """The multi-node flags as one value (GroupConfigError names the flag vLLM would refuse)."""
     tp_pp = args.nnodes > 1
     return GroupConfig(
+        **flag_values(args, GroupFlags, into=GroupConfig),
         dp_size=args.dp_size,
-        dp_local=args.data_parallel_size_local,
-        start_rank=args.data_parallel_start_rank,
         address=args.master_addr if tp_pp else args.data_parallel_address,
         rpc_port=args.master_port if tp_pp else args.data_parallel_rpc_port,
-        hybrid_lb=args.data_parallel_hybrid_lb,
-        headless=args.headless,
-        nnodes=args.nnodes,
-        node_rank=args.node_rank,
     ).check()
 
 
@@ -236,14 +234,9 @@ def run(args: argparse.Namespace) -> int:
         max_model_len=args.max_model_len,
     )
     config = SimConfig(
-        role=args.role,
-        dp_size=args.dp_size,
-        ttft_ms=args.ttft_ms,
-        itl_ms=args.itl_ms,
-        tokens=args.tokens,
+        **flag_values(args, SimFlags, into=SimConfig),
         identity=identity,
         faults=faults,
-        seed=args.seed,
         api_key=os.environ.get("VLLM_API_KEY") or None,  # as vLLM reads it (never a flag: ps shows flags)
         group=group,
         keep_alive_on_engine_death=os.environ.get("VLLM_KEEP_ALIVE_ON_ENGINE_DEATH", "") not in ("", "0"),

@@ -17,11 +17,9 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import secrets
 import signal
 import subprocess
-import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -31,6 +29,7 @@ import yaml
 
 from tests.support.kube import LOGS, REPO, KubeCluster, eventually, gpu_pool
 from tests.support.pdstack import http
+from tests.support.procs import spawn_pdserve
 
 pytestmark = pytest.mark.cluster
 
@@ -266,31 +265,13 @@ def _operator(
     """``pdserve operator`` with the chart's arguments, authenticated as the chart's ServiceAccount."""
     kubeconfig = _token_kubeconfig(kube_cluster, ns, service_account, tmp_path / "sa.kubeconfig")
     log = tmp_path / "operator.log"
-    with log.open("wb") as out:
-        operator = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "pdserve.cli",
-                *args,
-                "--metrics-port=0",
-                "--liveness-port=0",
-                f"--kubeconfig={kubeconfig}",
-                "--log-format=plain",
-            ],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            cwd=REPO,
-            # What the chart's downward API gives the pod: the leader election's identity and the
-            # namespace of its Lease (so the chart's Role for the Lease is what is tested).
-            env={
-                **os.environ,
-                "KUBECONFIG": str(kubeconfig),
-                "PYTHONUNBUFFERED": "1",
-                "POD_NAME": f"{service_account}-0",
-                "POD_NAMESPACE": ns,
-            },
-        )
+    operator = spawn_pdserve(
+        [*args, "--metrics-port=0", "--liveness-port=0", f"--kubeconfig={kubeconfig}", "--log-format=plain"],
+        log,
+        # What the chart's downward API gives the pod: the leader election's identity and the
+        # namespace of its Lease (so the chart's Role for the Lease is what is tested).
+        env={"KUBECONFIG": str(kubeconfig), "POD_NAME": f"{service_account}-0", "POD_NAMESPACE": ns},
+    )
     try:
         yield operator, log
     finally:

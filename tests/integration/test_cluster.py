@@ -37,11 +37,6 @@ def not_found(cluster: KubeCluster, *args: str) -> bool:
     return True
 
 
-def require_local(cluster: KubeCluster) -> None:
-    if not cluster.is_local:
-        pytest.skip("needs the kwok fake GPU nodes of the local test cluster (hack/cluster/up)")
-
-
 def test_kubectl_and_server_report_pinned_version(kube_cluster: KubeCluster) -> None:
     out = json.loads(kube_cluster.kubectl("version", "-o", "json").stdout)
     assert out["clientVersion"]["gitVersion"] == KUBE_VERSION
@@ -69,12 +64,11 @@ def test_helm_is_built_for_this_kubernetes(kube_cluster: KubeCluster, tmp_path: 
     assert "kube: 'v1.36.0'" in rendered, rendered
 
 
-def test_fake_gpu_nodes_are_ready_with_gpus(kube_cluster: KubeCluster, kube_api: Any) -> None:
-    require_local(kube_cluster)
+def test_fake_gpu_nodes_are_ready_with_gpus(local_cluster: KubeCluster, kube_api: Any) -> None:
     # Other tests (e.g. benchmarks) may add kwok nodes of their own: look at ours only.
     nodes = [
         n
-        for n in get_json(kube_cluster, "nodes", "-l", "type=kwok")["items"]
+        for n in get_json(local_cluster, "nodes", "-l", "type=kwok")["items"]
         if n["metadata"]["name"] in GPU_NODES
     ]
     names = sorted(n["metadata"]["name"] for n in nodes)
@@ -131,13 +125,12 @@ def deployment_manifest(name: str, replicas: int, gpus: int) -> str:
 
 
 def test_deployment_pods_are_scheduled_and_become_ready(
-    kube_cluster: KubeCluster, kube_namespace: str
+    kube_cluster: KubeCluster, local_namespace: str
 ) -> None:
-    require_local(kube_cluster)
-    kube_cluster.apply(deployment_manifest("gpu-app", replicas=3, gpus=4), namespace=kube_namespace)
+    kube_cluster.apply(deployment_manifest("gpu-app", replicas=3, gpus=4), namespace=local_namespace)
 
     def ready_pods() -> list[dict[str, Any]] | None:
-        pods = get_json(kube_cluster, "pods", "-n", kube_namespace, "-l", "app=gpu-app")["items"]
+        pods = get_json(kube_cluster, "pods", "-n", local_namespace, "-l", "app=gpu-app")["items"]
         ok = [
             p
             for p in pods
@@ -160,7 +153,7 @@ def test_deployment_pods_are_scheduled_and_become_ready(
     # The deployment controller sees them too.
     eventually(
         lambda: (
-            get_json(kube_cluster, "deployment", "gpu-app", "-n", kube_namespace)["status"].get(
+            get_json(kube_cluster, "deployment", "gpu-app", "-n", local_namespace)["status"].get(
                 "readyReplicas"
             )
             == 3
@@ -171,13 +164,12 @@ def test_deployment_pods_are_scheduled_and_become_ready(
 
 
 def test_pod_asking_for_more_gpus_than_a_node_has_stays_pending(
-    kube_cluster: KubeCluster, kube_namespace: str
+    kube_cluster: KubeCluster, local_namespace: str
 ) -> None:
-    require_local(kube_cluster)
-    kube_cluster.apply(deployment_manifest("too-big", replicas=1, gpus=9), namespace=kube_namespace)
+    kube_cluster.apply(deployment_manifest("too-big", replicas=1, gpus=9), namespace=local_namespace)
 
     def unschedulable() -> dict[str, Any] | None:
-        pods = get_json(kube_cluster, "pods", "-n", kube_namespace, "-l", "app=too-big")["items"]
+        pods = get_json(kube_cluster, "pods", "-n", local_namespace, "-l", "app=too-big")["items"]
         for pod in pods:
             for cond in pod["status"].get("conditions", []):
                 if cond["type"] == "PodScheduled" and cond.get("reason") == "Unschedulable":

@@ -35,6 +35,7 @@ from tests.support.nodes import (
     terminating,
 )
 from tests.support.operator import Operator
+from tests.support.procs import running
 
 pytestmark = pytest.mark.cluster
 
@@ -56,12 +57,8 @@ def crd(kube_cluster: KubeCluster) -> KubeCluster:
 @pytest.fixture
 def node_operator(crd: KubeCluster, kube_namespace: str, tmp_path: Path) -> Iterator[Operator]:
     """``pdserve operator`` watching the test's namespace (and every node), as admin."""
-    op = Operator(crd.kubeconfig, kube_namespace, tmp_path / "operator.log")
-    op.start()
-    try:
+    with running(Operator(crd.kubeconfig, kube_namespace, tmp_path / "operator.log")) as op:
         yield op
-    finally:
-        op.stop()
 
 
 def create_pods(kube: KubeCluster, namespace: str, node: str, *names: str) -> None:
@@ -137,10 +134,8 @@ def test_a_lost_node_goes_unknown_its_pods_not_ready_and_a_deleted_pod_stays_ter
                     timeout=10,
                     message="NodeCache: lost since the condition's transition",
                 )
-                eventually(
-                    lambda: f"node {node} is not Ready" in node_operator.log_path.read_text(errors="replace"),
-                    timeout=10,
-                    message="the operator's node watch reporting the loss",
+                node_operator.wait_logged(
+                    f"node {node} is not Ready", "the operator's node watch reporting the loss"
                 )
                 # Nobody confirms the deleted pod's containers stopped: it stays Terminating (or
                 # kwok finished it at once: see delete_pod).
@@ -165,10 +160,8 @@ def test_a_lost_node_goes_unknown_its_pods_not_ready_and_a_deleted_pod_stays_ter
                 timeout=10,
                 message="NodeCache: Ready again",
             )
-            eventually(
-                lambda: f"node {node} is Ready" in node_operator.log_path.read_text(errors="replace"),
-                timeout=10,
-                message="the operator's node watch reporting the node Ready",
+            node_operator.wait_logged(
+                f"node {node} is Ready", "the operator's node watch reporting the node Ready"
             )
             # kwok only readies Pending pods: the pod the lifecycle controller marked NotReady
             # stays so (a real kubelet would report it Ready again).
@@ -182,10 +175,8 @@ def test_a_lost_node_goes_unknown_its_pods_not_ready_and_a_deleted_pod_stays_ter
             kube.kubectl("delete", "node", node, "--wait=false")
             eventually(lambda: watched.cache.not_ready_since(node) is not None, timeout=10, message="deleted")
             assert abs((watched.cache.not_ready_since(node) or 0) - deleted_at) < 5
-            eventually(
-                lambda: f"node {node} is deleted" in node_operator.log_path.read_text(errors="replace"),
-                timeout=10,
-                message="the operator's node watch reporting the deletion",
+            node_operator.wait_logged(
+                f"node {node} is deleted", "the operator's node watch reporting the deletion"
             )
         if RECORD:
             Path(RECORD).write_text(

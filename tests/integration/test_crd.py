@@ -21,7 +21,7 @@ from pdserve.deployment.validate import problems
 from pdserve.kv import moriio
 from pdserve.kv.base import Rule
 from tests.support.kube import KubeCluster, eventually
-from tests.support.specs import manifest
+from tests.support.specs import ENGINE_TEMPLATE, manifest
 from tests.unit.test_deployment_objects import CONNECTORS, SHAPES, all_ready, shape_manifest
 
 pytestmark = pytest.mark.cluster
@@ -408,13 +408,11 @@ def test_rendered_manifests_are_valid_kubernetes_objects(crd: KubeCluster, kube_
 
 # --- pod templates ---------------------------------------------------------------------------------
 
+#: The unit tests' production template with every other pod field a platform team may set.
 PRODUCTION_TEMPLATE: dict[str, Any] = {
-    "metadata": {"labels": {"team": "ml"}, "annotations": {"example.com/owner": "inference"}},
+    "metadata": ENGINE_TEMPLATE["metadata"],
     "spec": {
-        "nodeSelector": {"node.kubernetes.io/instance-type": "p5.48xlarge"},
-        "tolerations": [
-            {"key": "dedicated", "operator": "Equal", "value": "inference", "effect": "NoSchedule"}
-        ],
+        **ENGINE_TEMPLATE["spec"],
         "affinity": {
             "nodeAffinity": {
                 "requiredDuringSchedulingIgnoredDuringExecution": {
@@ -431,10 +429,7 @@ PRODUCTION_TEMPLATE: dict[str, Any] = {
                 "whenUnsatisfiable": "ScheduleAnyway",
             }
         ],
-        "priorityClassName": "inference-critical",
         "serviceAccountName": "engines",
-        "imagePullSecrets": [{"name": "regcred"}],
-        "runtimeClassName": "nvidia",
         "schedulerName": "default-scheduler",
         "securityContext": {"fsGroup": 1000},
         "volumes": [{"name": "extra", "emptyDir": {}}],

@@ -36,7 +36,7 @@ from pdserve.deployment.spec.pddeployment import load_manifest_file
 from pdserve.local.plan import plan_local_run
 from pdserve.local.runner import LocalRunner
 from pdserve.routing import load_routing_table
-from tests.support.procs import REPO, free_port
+from tests.support.procs import REPO, free_port, pdserve_argv, spawn_pdserve
 from tests.support.specs import sim_manifest
 
 EXAMPLES = REPO / "examples"
@@ -87,24 +87,7 @@ def _post_with_headers(url: str, body: dict[str, Any]) -> tuple[int, bytes, dict
 def _start(tmp_path: Path, manifest: Path, *extra: str) -> UpProcess:
     port = free_port()
     output = tmp_path / "up.log"
-    with output.open("wb") as out:
-        popen = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "pdserve.cli",
-                "up",
-                str(manifest),
-                "--port",
-                str(port),
-                "--no-view",
-                *extra,
-            ],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            cwd=REPO,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
-        )
+    popen = spawn_pdserve(["up", str(manifest), "--port", str(port), "--no-view", *extra], output)
     return UpProcess(popen, port, output)
 
 
@@ -148,10 +131,21 @@ def _stop_and_check_tree(up: UpProcess, sig: int) -> None:
     assert not alive, f"left behind: {[p.pid for p in alive]}"
 
 
+Serve = Callable[[Path], tuple[UpProcess, dict[str, Any]]]
+
+
 @pytest.fixture
-def cleanup() -> Iterator[list[UpProcess]]:
+def serve(tmp_path: Path) -> Iterator[Serve]:
+    """Starts ``pdserve up`` on a manifest with the fast simulator flags and waits until every
+    instance is routable (returns the process and /debug/routing); kills what is left at the end."""
     started: list[UpProcess] = []
-    yield started
+
+    def start(manifest: Path) -> tuple[UpProcess, dict[str, Any]]:
+        up = _start(tmp_path, manifest, *SIM_FLAGS)
+        started.append(up)
+        return up, _wait_serving(up)
+
+    yield start
     for up in started:
         tree = []
         if up.popen.poll() is None:
@@ -163,21 +157,21 @@ def cleanup() -> Iterator[list[UpProcess]]:
                 proc.kill()
 
 
+def stopped_by(example: str, stop_signal: int) -> Any:
+    """A case of (example, stop signal), its id the example's path and ``sigterm`` or ``ctrl-c``."""
+    how = "ctrl-c" if stop_signal == signal.SIGINT else "sigterm"
+    return pytest.param(example, stop_signal, id=f"{example.removesuffix('.yaml').replace('/', '-')}-{how}")
+
+
+NIXL_SIGTERM = stopped_by("nixl/2p-dp8ep-4d-tp8.yaml", signal.SIGTERM)
+
+
 @pytest.mark.parametrize(
-    ("example", "stop_signal"),
-    [
-        ("nixl/2p-dp8ep-4d-tp8.yaml", signal.SIGTERM),
-        ("moriio-read/2p-tp8-1d-dp8ep.yaml", signal.SIGINT),
-    ],
-    ids=["nixl-2p-dp8ep-4d-tp8-sigterm", "moriio-read-2p-tp8-1d-dp8ep-ctrl-c"],
+    ("example", "stop_signal"), [NIXL_SIGTERM, stopped_by("moriio-read/2p-tp8-1d-dp8ep.yaml", signal.SIGINT)]
 )
-def test_up_serves_every_slot_and_stops_clean(
-    tmp_path: Path, cleanup: list[UpProcess], example: str, stop_signal: int
-) -> None:
+def test_up_serves_every_slot_and_stops_clean(serve: Serve, example: str, stop_signal: int) -> None:
     manifest = EXAMPLES / example
-    up = _start(tmp_path, manifest, *SIM_FLAGS)
-    cleanup.append(up)
-    debug = _wait_serving(up)
+    up, debug = serve(manifest)
     table = load_routing_table(json.dumps(debug["table"]))
     # The table is the manifest's shape: the operator's builder, fed by the engines' health.
     prefill_slots = sum(i.dp_size for i in table.prefill)
@@ -224,19 +218,13 @@ def _with_sidecars(tmp_path: Path, example: str) -> Path:
 
 @pytest.mark.parametrize(
     ("example", "stop_signal"),
-    [
-        ("nixl/2p-dp8ep-4d-tp8.yaml", signal.SIGTERM),
-        ("moriio-read/2p-dp8ep-3d-dp8ep.yaml", signal.SIGINT),
-    ],
-    ids=["nixl-2p-dp8ep-4d-tp8-sigterm", "moriio-read-2p-dp8ep-3d-dp8ep-ctrl-c"],
+    [NIXL_SIGTERM, stopped_by("moriio-read/2p-dp8ep-3d-dp8ep.yaml", signal.SIGINT)],
 )
 def test_decode_sidecars_give_every_slot_its_exact_share_with_equal_traffic_per_sidecar(
-    tmp_path: Path, cleanup: list[UpProcess], example: str, stop_signal: int
+    tmp_path: Path, serve: Serve, example: str, stop_signal: int
 ) -> None:
     manifest = _with_sidecars(tmp_path, example)
-    up = _start(tmp_path, manifest, *SIM_FLAGS)
-    cleanup.append(up)
-    debug = _wait_serving(up)
+    up, debug = serve(manifest)
     assert "placement decode-sidecar" in up.log() and "sidecar router(s), one per decode instance" in up.log()
     table = load_routing_table(json.dumps(debug["table"]))
     sidecars = [s["instance"] for s in debug["sidecars"]]
@@ -286,10 +274,8 @@ def _port_answers(url: str) -> bool:
     return True
 
 
-def test_a_crashed_engine_leaves_the_table_and_is_restarted(tmp_path: Path, cleanup: list[UpProcess]) -> None:
-    up = _start(tmp_path, EXAMPLES / "sim" / "quickstart.yaml", *SIM_FLAGS)
-    cleanup.append(up)
-    debug = _wait_serving(up)
+def test_a_crashed_engine_leaves_the_table_and_is_restarted(serve: Serve) -> None:
+    up, debug = serve(EXAMPLES / "sim" / "quickstart.yaml")
     victim = debug["table"]["decode"][0]
     port = int(victim["url"].rsplit(":", 1)[1])
     engine = next(p for p in up.tree() if any(c.laddr.port == port for c in p.net_connections("tcp")))
@@ -315,12 +301,10 @@ def test_a_crashed_engine_leaves_the_table_and_is_restarted(tmp_path: Path, clea
     _stop_and_check_tree(up, signal.SIGTERM)
 
 
-def test_sigkill_of_up_takes_its_children_along(tmp_path: Path, cleanup: list[UpProcess]) -> None:
+def test_sigkill_of_up_takes_its_children_along(serve: Serve) -> None:
     if sys.platform != "linux":
         pytest.skip("parent-death signal is Linux only")
-    up = _start(tmp_path, EXAMPLES / "sim" / "quickstart.yaml", *SIM_FLAGS)
-    cleanup.append(up)
-    _wait_serving(up)
+    up, _ = serve(EXAMPLES / "sim" / "quickstart.yaml")
     tree = up.tree()
     up.popen.kill()
     up.popen.wait(10)
@@ -347,17 +331,7 @@ def test_bad_manifest_is_refused_before_anything_starts(
     log_dir = tmp_path / "logs"
     port = free_port()
     result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pdserve.cli",
-            "up",
-            str(manifest),
-            "--port",
-            str(port),
-            "--log-dir",
-            str(log_dir),
-        ],
+        pdserve_argv("up", str(manifest), "--port", str(port), "--log-dir", str(log_dir)),
         capture_output=True,
         text=True,
         cwd=REPO,
@@ -375,15 +349,7 @@ def test_busy_port_is_refused_before_anything_starts() -> None:
         busy.listen()
         port = busy.getsockname()[1]
         result = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "pdserve.cli",
-                "up",
-                str(EXAMPLES / "sim" / "quickstart.yaml"),
-                "--port",
-                str(port),
-            ],
+            pdserve_argv("up", str(EXAMPLES / "sim" / "quickstart.yaml"), "--port", str(port)),
             capture_output=True,
             text=True,
             cwd=REPO,
@@ -510,8 +476,8 @@ def test_an_unusable_vllm_is_refused_with_what_to_install(
         (tmp_path / "bin" / "vllm").unlink()
     log_dir = tmp_path / "logs"
     result = subprocess.run(
-        [sys.executable, "-m", "pdserve.cli", "up", str(EXAMPLES / "cpu" / "nixl-1p-1d-dp2.yaml"),
-         "--engine", "vllm", "--port", str(free_port()), "--log-dir", str(log_dir)],
+        pdserve_argv("up", str(EXAMPLES / "cpu" / "nixl-1p-1d-dp2.yaml"),
+                     "--engine", "vllm", "--port", str(free_port()), "--log-dir", str(log_dir)),
         capture_output=True, text=True, cwd=REPO, timeout=60, env=env,
     )  # fmt: skip
     assert result.returncode == 2, result.stderr
@@ -523,7 +489,7 @@ def test_an_unusable_vllm_is_refused_with_what_to_install(
 
 @pytest.mark.parametrize("api_servers", ["perNode", "leader"])
 def test_a_multi_node_instance_runs_one_process_per_node_and_every_global_rank_gets_its_share(
-    tmp_path: Path, cleanup: list[UpProcess], api_servers: str
+    tmp_path: Path, serve: Serve, api_servers: str
 ) -> None:
     """Prefill DP4 on nodes of 2 GPUs: a group of two simulator processes (ranks 0-1 and 2-3),
     one instance in the table; perNode: an endpoint per node, local rank headers; leader: the
@@ -541,9 +507,7 @@ def test_a_multi_node_instance_runs_one_process_per_node_and_every_global_rank_g
             )
         )
     )
-    up = _start(tmp_path, manifest, *SIM_FLAGS)
-    cleanup.append(up)
-    debug = _wait_serving(up)
+    up, debug = serve(manifest)
     table = load_routing_table(json.dumps(debug["table"]))
     (prefill,) = table.prefill
     assert prefill.name == "mn-prefill-0" and prefill.dp_size == 4

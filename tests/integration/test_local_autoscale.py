@@ -7,10 +7,8 @@ engines' /metrics); a removed instance is drained through the router first. Step
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
-import sys
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -21,7 +19,7 @@ import yaml
 from tests.integration.test_autoscale_cluster import ITL_MS, MAX_TOKENS, PROFILE, PROMPT_WORDS, TTFT_MS
 from tests.support.kube import eventually
 from tests.support.load import Load
-from tests.support.procs import REPO, free_port
+from tests.support.procs import REPO, free_port, pdserve_argv, spawn_pdserve
 from tests.support.specs import sim_manifest
 
 
@@ -63,24 +61,8 @@ def test_pdserve_up_scales_with_the_load_and_fails_nothing(tmp_path: Path) -> No
     profile.write_text(yaml.safe_dump(PROFILE))
     port = free_port()
     output = tmp_path / "up.log"
-    with output.open("wb") as out:
-        up = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "pdserve.cli",
-                "up",
-                str(manifest(tmp_path)),
-                "--port",
-                str(port),
-                "--sim-profile",
-                str(profile),
-            ],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            cwd=REPO,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
-        )
+    args = ["up", str(manifest(tmp_path)), "--port", str(port), "--sim-profile", str(profile)]
+    up = spawn_pdserve(args, output)
     url = f"http://127.0.0.1:{port}"
     log = lambda: output.read_text(errors="replace")  # noqa: E731
     try:
@@ -122,7 +104,7 @@ def test_pdserve_up_scales_with_the_load_and_fails_nothing(tmp_path: Path) -> No
 
 def test_autoscaling_with_vllm_locally_is_refused(tmp_path: Path) -> None:
     result = subprocess.run(
-        [sys.executable, "-m", "pdserve.cli", "up", str(manifest(tmp_path)), "--engine", "vllm"],
+        pdserve_argv("up", str(manifest(tmp_path)), "--engine", "vllm"),
         capture_output=True,
         text=True,
         cwd=REPO,

@@ -92,9 +92,7 @@ def start_pair(ops: list[Operator], cluster: Cluster) -> tuple[Operator, Operato
     a.start()
     identity = eventually(lambda: leads(a, cluster), timeout=WAIT, message="a leads")
     b.start()
-    eventually(
-        lambda: "following: the leader lease" in b.log_path.read_text(), timeout=WAIT, message="b follows"
-    )
+    b.wait_logged("following: the leader lease", "b follows", timeout=WAIT)
     assert leader_gauge(b)[1] == 0.0 and lease(cluster)["holderIdentity"] == identity
     return a, b, identity
 

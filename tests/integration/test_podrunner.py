@@ -59,9 +59,10 @@ ENV_SERVER = textwrap.dedent(
 )
 
 
-def require_runner(cluster: KubeCluster) -> None:
-    if not cluster.is_local:
-        pytest.skip("needs the pod runner of the local test cluster (hack/cluster/up)")
+@pytest.fixture
+def ns(local_namespace: str) -> str:
+    """The test's namespace: its pods run on the pod runner of the local test cluster."""
+    return local_namespace
 
 
 def pod_json(cluster: KubeCluster, ns: str, name: str) -> dict[str, Any]:
@@ -130,11 +131,7 @@ def gone(cluster: KubeCluster, ns: str, name: str) -> bool:
     return out.returncode != 0 and "NotFound" in out.stderr
 
 
-def test_env_from_configmap_secret_downward_api_and_expansion(
-    kube_cluster: KubeCluster, kube_namespace: str
-) -> None:
-    require_runner(kube_cluster)
-    ns = kube_namespace
+def test_env_from_configmap_secret_downward_api_and_expansion(kube_cluster: KubeCluster, ns: str) -> None:
     config = {
         "apiVersion": "v1",
         "kind": "ConfigMap",
@@ -181,10 +178,8 @@ def test_env_from_configmap_secret_downward_api_and_expansion(
 
 
 def test_volumes_configmap_secret_downward_api_and_memory_empty_dir(
-    kube_cluster: KubeCluster, kube_namespace: str
+    kube_cluster: KubeCluster, ns: str
 ) -> None:
-    require_runner(kube_cluster)
-    ns = kube_namespace
     config = {
         "apiVersion": "v1",
         "kind": "ConfigMap",
@@ -236,11 +231,7 @@ def test_volumes_configmap_secret_downward_api_and_memory_empty_dir(
     eventually(lambda: read("/etc/podrunner-test/whole/b") == "changed", timeout=30, message="the update")
 
 
-def test_missing_configmap_key_is_a_config_error_until_it_appears(
-    kube_cluster: KubeCluster, kube_namespace: str
-) -> None:
-    require_runner(kube_cluster)
-    ns = kube_namespace
+def test_missing_configmap_key_is_a_config_error_until_it_appears(kube_cluster: KubeCluster, ns: str) -> None:
     env = [{"name": "G", "valueFrom": {"configMapKeyRef": {"name": "late", "key": "g"}}}]
     create(kube_cluster, ns, pod("late", [server_container(env=env)]))
 
@@ -260,9 +251,7 @@ def test_missing_configmap_key_is_a_config_error_until_it_appears(
     assert body["env"]["G"] == "now"
 
 
-def test_readiness_probe_sets_ready_both_ways(kube_cluster: KubeCluster, kube_namespace: str) -> None:
-    require_runner(kube_cluster)
-    ns = kube_namespace
+def test_readiness_probe_sets_ready_both_ways(kube_cluster: KubeCluster, ns: str) -> None:
     probe = {"httpGet": {"path": "/ready", "port": "http"}, "periodSeconds": 1, "failureThreshold": 1}
     create(kube_cluster, ns, pod("probe", [server_container(readinessProbe=probe)]))
     ip = running_ip(kube_cluster, ns, "probe")
@@ -283,11 +272,7 @@ def test_readiness_probe_sets_ready_both_ways(kube_cluster: KubeCluster, kube_na
     )
 
 
-def test_exited_process_restarts_with_count_and_back_off(
-    kube_cluster: KubeCluster, kube_namespace: str
-) -> None:
-    require_runner(kube_cluster)
-    ns = kube_namespace
+def test_exited_process_restarts_with_count_and_back_off(kube_cluster: KubeCluster, ns: str) -> None:
     crash = {"name": "crash", "image": "busybox", "command": ["sh", "-c", "echo started; exit 3"]}
     create(kube_cluster, ns, pod("crash", [crash]))
 
@@ -312,9 +297,7 @@ def test_exited_process_restarts_with_count_and_back_off(
     )
 
 
-def test_liveness_failure_restarts_the_container(kube_cluster: KubeCluster, kube_namespace: str) -> None:
-    require_runner(kube_cluster)
-    ns = kube_namespace
+def test_liveness_failure_restarts_the_container(kube_cluster: KubeCluster, ns: str) -> None:
     probe = {"httpGet": {"path": "/ready", "port": 8080}, "periodSeconds": 1, "failureThreshold": 2}
     create(
         kube_cluster,
@@ -365,10 +348,8 @@ def handler_pod(name: str, shared: Path, on_term: str, grace: int) -> dict[str, 
 
 
 def test_deletion_runs_prestop_then_sigterm_and_removes_the_pod(
-    kube_cluster: KubeCluster, kube_namespace: str, tmp_path: Path
+    kube_cluster: KubeCluster, ns: str, tmp_path: Path
 ) -> None:
-    require_runner(kube_cluster)
-    ns = kube_namespace
     create(kube_cluster, ns, handler_pod("stop", tmp_path, "exit", 30))
     events = tmp_path / "events"
     running_ip(kube_cluster, ns, "stop")
@@ -378,11 +359,7 @@ def test_deletion_runs_prestop_then_sigterm_and_removes_the_pod(
     assert events.read_text().split() == ["started", "prestop", "sigterm"]
 
 
-def test_sigkill_after_the_grace_period(
-    kube_cluster: KubeCluster, kube_namespace: str, tmp_path: Path
-) -> None:
-    require_runner(kube_cluster)
-    ns = kube_namespace
+def test_sigkill_after_the_grace_period(kube_cluster: KubeCluster, ns: str, tmp_path: Path) -> None:
     create(kube_cluster, ns, handler_pod("stubborn", tmp_path, "ignore", 2))
     events = tmp_path / "events"
     running_ip(kube_cluster, ns, "stubborn")
@@ -421,10 +398,8 @@ API_CALLER = textwrap.dedent(
 
 
 def test_service_account_token_calls_the_api_as_the_service_account(
-    kube_cluster: KubeCluster, kube_namespace: str
+    kube_cluster: KubeCluster, ns: str
 ) -> None:
-    require_runner(kube_cluster)
-    ns = kube_namespace
     objects = [
         {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": "reader"}},
         {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "allowed"}, "data": {"k": "v"}},
@@ -464,9 +439,7 @@ def test_service_account_token_calls_the_api_as_the_service_account(
     assert eventually(phase, timeout=60, message="the caller pod to finish") == "Succeeded"
 
 
-def test_unsupported_volume_is_reported_not_ignored(kube_cluster: KubeCluster, kube_namespace: str) -> None:
-    require_runner(kube_cluster)
-    ns = kube_namespace
+def test_unsupported_volume_is_reported_not_ignored(kube_cluster: KubeCluster, ns: str) -> None:
     container = server_container(volumeMounts=[{"name": "data", "mountPath": "/data"}])
     volumes = [{"name": "data", "nfs": {"server": "127.0.0.1", "path": "/export"}}]
     create(kube_cluster, ns, pod("nfs", [container], volumes=volumes, nodeName=RUNNER_NODE))
@@ -488,11 +461,7 @@ def test_unsupported_volume_is_reported_not_ignored(kube_cluster: KubeCluster, k
     eventually(lambda: gone(kube_cluster, ns, "nfs"), timeout=30, message="the unsupported pod deleted")
 
 
-def test_gpu_pods_land_on_kwok_nodes_and_the_rest_on_the_runner(
-    kube_cluster: KubeCluster, kube_namespace: str
-) -> None:
-    require_runner(kube_cluster)
-    ns = kube_namespace
+def test_gpu_pods_land_on_kwok_nodes_and_the_rest_on_the_runner(kube_cluster: KubeCluster, ns: str) -> None:
     gpu = {
         "name": "c",
         "image": "x",
@@ -539,10 +508,8 @@ def vllm_engine_pod(namespace: str) -> dict[str, Any]:
 
 
 def test_rendered_vllm_engine_pod_runs_the_stand_in_and_turns_ready(
-    kube_cluster: KubeCluster, kube_namespace: str
+    kube_cluster: KubeCluster, ns: str
 ) -> None:
-    require_runner(kube_cluster)
-    ns = kube_namespace
     engine = vllm_engine_pod(ns)
     create(kube_cluster, ns, engine)
     name = engine["metadata"]["name"]
@@ -558,11 +525,9 @@ def test_rendered_vllm_engine_pod_runs_the_stand_in_and_turns_ready(
 
 
 def test_rendered_sim_engines_and_router_serve_a_request_by_pod_ip(
-    kube_cluster: KubeCluster, kube_namespace: str
+    kube_cluster: KubeCluster, ns: str
 ) -> None:
     """The operator's objects for ``engine: sim``, applied by hand: engines and router really run."""
-    require_runner(kube_cluster)
-    ns = kube_namespace
     metadata = {"namespace": ns, "generation": 1}
     pdd = parse_pddeployment(
         sim_manifest(

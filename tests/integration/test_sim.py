@@ -11,6 +11,7 @@ from typing import Any
 import aiohttp
 import pytest
 
+from pdserve.kv.nixl import prefill_params as nixl_prefill_params
 from tests.support.procs import REPO, ProcessGroup
 
 FAST = ["--ttft-ms", "2", "--itl-ms", "1"]
@@ -73,14 +74,7 @@ async def test_prefill_answers_nixl_kv_transfer_params(procs: ProcessGroup) -> N
         "prompt": " ".join(["w"] * 40),
         "max_tokens": 1,
         "stream": False,
-        "kv_transfer_params": {
-            "do_remote_decode": True,
-            "do_remote_prefill": False,
-            "remote_engine_id": None,
-            "remote_block_ids": None,
-            "remote_host": None,
-            "remote_port": None,
-        },
+        "kv_transfer_params": nixl_prefill_params(),  # as the router sends it
     }
     status, answer = await post(
         sim.url + "/v1/completions", body, {"X-data-parallel-rank": "1", "X-Request-Id": "r1"}

@@ -267,6 +267,21 @@ def kube_namespace(kube_cluster: KubeCluster, request: pytest.FixtureRequest) ->
         kube_cluster.kubectl("delete", "namespace", name, "--wait=false", "--ignore-not-found", check=False)
 
 
+@pytest.fixture
+def local_cluster(kube_cluster: KubeCluster) -> KubeCluster:
+    """The local test cluster (hack/cluster/up), with its kwok GPU nodes and its pod runner; on
+    another cluster (PDSERVE_TEST_KUBECONFIG) the test is skipped."""
+    if not kube_cluster.is_local:
+        pytest.skip("needs the kwok GPU nodes and the pod runner of the local test cluster (hack/cluster/up)")
+    return kube_cluster
+
+
+@pytest.fixture
+def local_namespace(local_cluster: KubeCluster, kube_namespace: str) -> str:
+    """The test's namespace on the local test cluster (skipped on another one)."""
+    return kube_namespace
+
+
 @pytest.fixture(scope="session")
 def kube_api(kube_cluster: KubeCluster) -> Iterator[Any]:
     """A ``kubernetes.client.ApiClient`` configured for ``kube_cluster``."""

@@ -37,6 +37,7 @@ from typing import Any
 
 from pdserve.operator.nodes import NodeCache
 from tests.support.kube import KubeCluster, eventually
+from tests.support.procs import running
 
 LEASE_NAMESPACE = "kube-node-lease"
 HOLDER = "pdserve-test-node-lost"
@@ -254,11 +255,5 @@ class NodeWatch:
             self._thread.join(timeout=10)
 
 
-@contextlib.contextmanager
-def node_watch(kube_api: Any, *names: str) -> Iterator[NodeWatch]:
-    watcher = NodeWatch(kube_api, names)
-    watcher.start()
-    try:
-        yield watcher
-    finally:
-        watcher.stop()
+def node_watch(kube_api: Any, *names: str) -> contextlib.AbstractContextManager[NodeWatch]:
+    return running(NodeWatch(kube_api, names))

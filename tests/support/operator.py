@@ -8,11 +8,9 @@ and ``recorder`` fixtures reach every cluster test module without imports.
 from __future__ import annotations
 
 import json
-import os
 import re
 import signal
 import subprocess
-import sys
 import threading
 import time
 import urllib.request
@@ -25,7 +23,7 @@ import pytest
 
 from pdserve.routing.table import RoutingTable, load_routing_table
 from tests.support.kube import REPO, KubeCluster, eventually
-from tests.support.procs import free_port
+from tests.support.procs import free_port, running, spawn_pdserve
 from tests.support.specs import vllm_manifest
 
 WAIT = 60.0
@@ -100,10 +98,7 @@ class Operator:
     def start(self) -> None:
         liveness = free_port()
         self.metrics_port = free_port()
-        cmd = [
-            sys.executable,
-            "-m",
-            "pdserve.cli",
+        args = [
             "operator",
             "--namespace",
             self.namespace,
@@ -121,9 +116,8 @@ class Operator:
             self.namespace,
             *self.extra_args,
         ]
-        env = {**os.environ, "KUBECONFIG": str(self.kubeconfig), "POD_NAME": self.pod_name}
-        log = self.log_path.open("ab")
-        self.proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+        env = {"KUBECONFIG": str(self.kubeconfig), "POD_NAME": self.pod_name}
+        self.proc = spawn_pdserve(args, self.log_path, env, append=True)  # a restart logs after the first run
         proc = self.proc
 
         def alive() -> bool:
@@ -135,7 +129,7 @@ class Operator:
         eventually(alive, timeout=WAIT, message="operator liveness endpoint")
 
     def stop(self) -> int:
-        """SIGTERM, as Kubernetes stops a pod; returns the exit code."""
+        """SIGTERM, as Kubernetes stops a pod; returns the exit code (at once if it has exited)."""
         assert self.proc is not None
         self.proc.send_signal(signal.SIGTERM)
         try:
@@ -161,16 +155,17 @@ class Operator:
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")[-6000:]
 
+    def wait_logged(self, text: str, message: str, timeout: float = 10.0) -> None:
+        """Until ``text`` stands anywhere in the log (not only in its tail)."""
+        eventually(
+            lambda: text in self.log_path.read_text(errors="replace"), timeout=timeout, message=message
+        )
+
 
 @pytest.fixture
 def operator(pdd_crd: KubeCluster, kube_namespace: str, tmp_path: Path) -> Iterator[Operator]:
-    op = Operator(pdd_crd.kubeconfig, kube_namespace, tmp_path / "operator.log")
-    op.start()
-    try:
+    with running(Operator(pdd_crd.kubeconfig, kube_namespace, tmp_path / "operator.log")) as op:
         yield op
-    finally:
-        if op.proc is not None and op.proc.poll() is None:
-            op.stop()
 
 
 class Cluster:
@@ -331,12 +326,8 @@ class Recorder:
 
 @pytest.fixture
 def recorder(kube_api: Any, kube_namespace: str) -> Iterator[Recorder]:
-    rec = Recorder(kube_api, kube_namespace)
-    rec.start()
-    try:
+    with running(Recorder(kube_api, kube_namespace)) as rec:
         yield rec
-    finally:
-        rec.stop()
 
 
 def tables(records: list[Record]) -> list[tuple[int, RoutingTable]]:

@@ -51,6 +51,12 @@ def proxy_args(routing_file: Path, *extra: str) -> list[str]:
     ]
 
 
+def workers_of(args: Sequence[str]) -> int:
+    """The worker processes a proxy's arguments ask for (the last ``--workers`` wins, as in argparse)."""
+    given = [args[i + 1] for i, arg in enumerate(args[:-1]) if arg == "--workers"]
+    return int(given[-1]) if given else 1
+
+
 def configmap_proxy_args(configmap: str, kubeconfig: Path, *extra: str) -> list[str]:
     """The same for a proxy that watches ``NAMESPACE/NAME`` through the API server."""
     source = ["--routing-configmap", configmap, "--kubeconfig", str(kubeconfig)]
@@ -213,6 +219,12 @@ class PDStack:
         assert self.routing_file.exists(), "write a routing table first"
         args = proxy_args(self.routing_file, "--host", "127.0.0.1", *extra)
         self.proxy = self.group.start("proxy", args, env=env)
+        if workers_of(args) > 1:
+            # the port answers once one worker listens; an admin view of the whole router (503
+            # until every worker's socket answers) says they all do
+            eventually(
+                lambda: http("GET", self.url + "/debug/routing", headers=self.admin_headers).status == 200
+            )
         return self.proxy
 
     def wait_generation(self, generation: int, timeout: float = 10.0) -> None:

@@ -16,14 +16,54 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
+
+
+def pdserve_argv(*args: str) -> list[str]:
+    """The command line of ``pdserve <args>`` with this interpreter (the tree under test)."""
+    return [sys.executable, "-m", "pdserve.cli", *args]
+
+
+def spawn_pdserve(
+    args: Sequence[str], log_path: Path, env: Mapping[str, str] | None = None, append: bool = False
+) -> subprocess.Popen[bytes]:
+    """``pdserve <args>`` started from the repository root, unbuffered, both output streams into
+    ``log_path`` (``append``: after what an earlier run of the same process wrote there)."""
+    with log_path.open("ab" if append else "wb") as log:
+        return subprocess.Popen(
+            pdserve_argv(*args),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            cwd=REPO,
+            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+        )
+
+
+class Startable(Protocol):
+    def start(self) -> None: ...
+
+    def stop(self) -> object: ...
+
+
+S = TypeVar("S", bound=Startable)
+
+
+@contextlib.contextmanager
+def running(thing: S) -> Iterator[S]:
+    """``thing`` started, and stopped however the block ends: the one shape of the fixtures and
+    context managers around an operator, a watch or a recorder."""
+    thing.start()
+    try:
+        yield thing
+    finally:
+        thing.stop()
 
 
 def free_port() -> int:
@@ -119,16 +159,13 @@ class ProcessGroup:
         timeout: float = 30.0,
     ) -> Proc:
         port = port or free_port()
-        args = [sys.executable, "-m", "pdserve.cli", *subcommand, "--port", str(port)]
+        args = [*subcommand, "--port", str(port)]
         log_path = self.log_dir / f"{name}.log"
-        log = log_path.open("wb")
-        full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
-        popen = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=full_env)
-        proc = Proc(name, args, port, log_path, popen)
+        proc = Proc(name, pdserve_argv(*args), port, log_path, spawn_pdserve(args, log_path, env))
         self.procs.append(proc)
         if health is not None:
             try:
-                wait_http(proc.url + health, timeout=timeout, proc=popen)
+                wait_http(proc.url + health, timeout=timeout, proc=proc.popen)
             except (RuntimeError, TimeoutError) as exc:
                 raise RuntimeError(f"{name} did not start: {exc}\n--- {log_path} ---\n{proc.log()}") from exc
         return proc

@@ -21,6 +21,34 @@ NIXL = {"connector": "NixlConnector"}
 VLLM_IMAGE = "vllm/vllm-openai:v0.11.0"
 
 
+#: A production engine pod template, as a platform team writes one: labels and annotations, node
+#: placement, a priority class, a pull secret, a runtime class, the engine container's env and
+#: resources, and a sidecar of its own.
+ENGINE_TEMPLATE: dict[str, Any] = {
+    "metadata": {"labels": {"team": "ml"}, "annotations": {"example.com/owner": "inference"}},
+    "spec": {
+        "nodeSelector": {"node.kubernetes.io/instance-type": "p5.48xlarge"},
+        "tolerations": [
+            {"key": "dedicated", "operator": "Equal", "value": "inference", "effect": "NoSchedule"}
+        ],
+        "priorityClassName": "inference-critical",
+        "imagePullSecrets": [{"name": "regcred"}],
+        "runtimeClassName": "nvidia",
+        "containers": [
+            {
+                "name": "engine",
+                "env": [
+                    {"name": "UCX_NET_DEVICES", "value": "mlx5_0:1,mlx5_1:1"},  # overrides pdserve's "all"
+                    {"name": "NCCL_DEBUG", "value": "INFO"},
+                ],
+                "resources": {"requests": {"memory": "400Gi"}, "limits": {"rdma/ib": "8"}},
+            },
+            {"name": "log-shipper", "image": "fluent/fluent-bit:3.0"},
+        ],
+    },
+}
+
+
 def manifest(name: str = "r1", *, metadata: Mapping[str, Any] | None = None, **spec: Any) -> dict[str, Any]:
     """A PDDeployment object named ``name``: ``spec`` on top of model ``m`` and a vLLM image (a
     field given as None is left out, e.g. ``image=None``); ``metadata``: more of its metadata

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from pdserve.deployment.render.groups import render_all
-from pdserve.deployment.spec.pddeployment import parse_pddeployment
+from tests.support import specs
 from tests.unit.test_chart import CASES, CHART, by_kind, helm, objects, render
 
 __all__ = ["helm"]  # the fixture, shared with test_chart.py
@@ -22,13 +22,8 @@ __all__ = ["helm"]  # the fixture, shared with test_chart.py
 
 def _pods(placement: str) -> list[dict[str, Any]]:
     """Every pod template pdserve renders for an engine: sim deployment (router pods included)."""
-    pdd = parse_pddeployment(
-        {
-            "apiVersion": "pdserve.io/v1alpha1",
-            "kind": "PDDeployment",
-            "metadata": {"name": "chat", "namespace": "serving"},
-            "spec": {"model": "m", "engine": "sim", "router": {"placement": placement}},
-        }
+    pdd = specs.pdd_of(
+        "chat", metadata={"namespace": "serving"}, engine="sim", image=None, router={"placement": placement}
     )
     pods = []
     for obj in render_all(pdd):

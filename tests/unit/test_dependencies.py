@@ -20,6 +20,11 @@ from pathlib import Path
 
 import pytest
 
+#: The router's rule: it starts fast and stays small, so neither the Kubernetes client nor the
+#: components it is not.
+KUBERNETES_CLIENT = ("kopf", "kubernetes")
+NOT_THE_ROUTER = ("pdserve.sim", "pdserve.deployment", "pdserve.operator")
+
 # module imported -> prefixes it must not pull in
 RULES = {
     "pdserve.routing": (
@@ -41,41 +46,13 @@ RULES = {
         "pdserve.local",
     ),
     "pdserve.wire.openai": ("pdserve.routing", "pdserve.proxy", "pdserve.sim", "pdserve.deployment"),
-    "pdserve.proxy.cli": (
-        "kopf",
-        "kubernetes",
-        "opentelemetry",
-        "pdserve.sim",
-        "pdserve.deployment",
-        "pdserve.operator",
-        "pdserve.local",
-    ),
-    "pdserve.proxy.app": (
-        "kopf",
-        "kubernetes",
-        "opentelemetry",
-        "pdserve.sim",
-        "pdserve.deployment",
-        "pdserve.operator",
-    ),
+    "pdserve.proxy.cli": (*KUBERNETES_CLIENT, "opentelemetry", *NOT_THE_ROUTER, "pdserve.local"),
+    "pdserve.proxy.app": (*KUBERNETES_CLIENT, "opentelemetry", *NOT_THE_ROUTER),
     # the SDK is loaded by start_tracing, not by importing the module
     "pdserve.tracing.sdk": ("opentelemetry", "pdserve.proxy", "pdserve.sim", "pdserve.deployment"),
     # the ConfigMap watch speaks to the API server with aiohttp alone
-    "pdserve.proxy.table.configmap": (
-        "kopf",
-        "kubernetes",
-        "pdserve.sim",
-        "pdserve.deployment",
-        "pdserve.operator",
-    ),
-    "pdserve.proxy.table.kubeconfig": (
-        "kopf",
-        "kubernetes",
-        "yaml",
-        "pdserve.sim",
-        "pdserve.deployment",
-        "pdserve.operator",
-    ),
+    "pdserve.proxy.table.configmap": (*KUBERNETES_CLIENT, *NOT_THE_ROUTER),
+    "pdserve.proxy.table.kubeconfig": (*KUBERNETES_CLIENT, "yaml", *NOT_THE_ROUTER),
     "pdserve.sim.cli": (
         "kopf",
         "kubernetes",

@@ -16,7 +16,7 @@ import yaml
 from pdserve.deployment import cli as render_cli
 from pdserve.deployment.cli import to_yaml
 from pdserve.deployment.render.client_sidecar import client_pod_patch, client_rbac, client_router_container
-from pdserve.deployment.render.objects import router_deployment, router_role
+from pdserve.deployment.render.objects import router_deployment, router_rbac
 from pdserve.deployment.spec.pddeployment import parse_pddeployment
 from pdserve.proxy.cli import configure as configure_proxy
 from tests.unit.test_deployment_objects import GOLDEN, UPDATE, shape_manifest
@@ -106,7 +106,7 @@ def test_rbac_reads_the_one_configmap_for_the_given_account() -> None:
     pdd = pdd_of()
     account, role, binding = client_rbac(pdd)
     assert account["kind"] == "ServiceAccount" and account["metadata"]["name"] == "r1-client"
-    assert role["rules"] == router_role(pdd)["rules"]
+    assert role["rules"] == router_rbac(pdd)[1]["rules"]  # the router's own
     assert role["rules"][0]["resourceNames"] == ["r1-routing"]
     assert role["rules"][0]["verbs"] == ["get", "list", "watch"]
     assert binding["roleRef"]["name"] == role["metadata"]["name"] == "r1-routing-reader"

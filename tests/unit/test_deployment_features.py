@@ -17,7 +17,7 @@ from pdserve.deployment.render.groups import render_all
 from pdserve.deployment.spec.pddeployment import parse_pddeployment
 from pdserve.deployment.validate import problems
 from tests.support import specs
-from tests.support.specs import check_golden
+from tests.support.specs import ENGINE_TEMPLATE, check_golden
 
 GOLDEN = Path(__file__).resolve().parents[1] / "golden" / "render" / "features"
 
@@ -27,25 +27,6 @@ BASE: dict[str, Any] = {
     "image": "vllm/vllm-openai:v0.12.0",
     "prefill": {"instances": 1, "tensorParallel": 4},
     "decode": {"instances": 1, "dataParallel": 2, "tensorParallel": 2},
-}
-
-ENGINE_TEMPLATE = {
-    "metadata": {"labels": {"team": "ml"}, "annotations": {"example.com/owner": "inference"}},
-    "spec": {
-        "nodeSelector": {"node.kubernetes.io/instance-type": "p5.48xlarge"},
-        "tolerations": [
-            {"key": "dedicated", "operator": "Equal", "value": "inference", "effect": "NoSchedule"}
-        ],
-        "priorityClassName": "inference-critical",
-        "imagePullSecrets": [{"name": "regcred"}],
-        "containers": [
-            {
-                "name": "engine",
-                "env": [{"name": "UCX_NET_DEVICES", "value": "mlx5_0:1,mlx5_1:1"}],
-                "resources": {"requests": {"memory": "400Gi"}, "limits": {"rdma/ib": "8"}},
-            }
-        ],
-    },
 }
 
 FEATURES: dict[str, dict[str, Any]] = {

@@ -33,10 +33,8 @@ from pdserve.deployment.render.objects import (
     pod_parallel_sizes,
     role_selector,
     router_deployment,
-    router_role,
-    router_role_binding,
+    router_rbac,
     router_service,
-    router_service_account,
     routing_configmap,
     selector_string,
     template_hash,
@@ -403,9 +401,7 @@ def test_engine_pods_leave_the_tables_before_sigterm() -> None:
 
 def test_router_rbac_reads_only_its_routing_configmap() -> None:
     pdd = pdd_of()
-    account = router_service_account(pdd)
-    role = router_role(pdd)
-    binding = router_role_binding(pdd)
+    account, role, binding = router_rbac(pdd)
     assert {o["metadata"]["name"] for o in (account, role, binding)} == {"r1-router"}
     assert role["rules"] == [
         {

@@ -18,12 +18,17 @@ from pdserve.tracing.sdk import Tracing
 
 
 @pytest.fixture
-def exported() -> Iterator[tuple[PassTracer, InMemorySpanExporter]]:
+def exporter() -> InMemorySpanExporter:
+    return InMemorySpanExporter()
+
+
+@pytest.fixture
+def tracer(exporter: InMemorySpanExporter) -> Iterator[PassTracer]:
+    """The operator's tracer, its spans exported to ``exporter``."""
     ids = _Ids()
-    exporter = InMemorySpanExporter()
     provider = TracerProvider(id_generator=ids)
     provider.add_span_processor(SimpleSpanProcessor(exporter))
-    yield PassTracer(Tracing(provider.get_tracer("test"), provider), ids), exporter
+    yield PassTracer(Tracing(provider.get_tracer("test"), provider), ids)
     provider.shutdown()
 
 
@@ -41,9 +46,8 @@ def spans(exporter: InMemorySpanExporter, name: str) -> list[ReadableSpan]:
 
 
 def test_a_rollouts_passes_are_one_trace_under_its_rollout_span(
-    exported: tuple[PassTracer, InMemorySpanExporter],
+    tracer: PassTracer, exporter: InMemorySpanExporter
 ) -> None:
-    tracer, exporter = exported
     tracer.finished(
         a_pass(2, True, "RollingOut"), Outcome("ok", events=[Event("Normal", "Created", "pod x")])
     )
@@ -67,9 +71,8 @@ def test_a_rollouts_passes_are_one_trace_under_its_rollout_span(
 
 
 def test_a_settled_deployments_passes_are_traces_of_their_own(
-    exported: tuple[PassTracer, InMemorySpanExporter],
+    tracer: PassTracer, exporter: InMemorySpanExporter
 ) -> None:
-    tracer, exporter = exported
     tracer.finished(a_pass(3, False, "Complete"), Outcome("ok"))
     tracer.finished(a_pass(3, False, "Complete"), Outcome("ok"))
     first, second = spans(exporter, "reconcile")
@@ -79,9 +82,8 @@ def test_a_settled_deployments_passes_are_traces_of_their_own(
 
 
 def test_a_new_generation_supersedes_a_running_rollout_and_a_deletion_ends_one(
-    exported: tuple[PassTracer, InMemorySpanExporter],
+    tracer: PassTracer, exporter: InMemorySpanExporter
 ) -> None:
-    tracer, exporter = exported
     tracer.finished(a_pass(4, True, "RollingOut"), Outcome("ok"))
     tracer.finished(a_pass(5, True, "RollingOut"), Outcome("ok"))
     tracer.finished(PassRecord("ns", "llama", full=True), Outcome("gone"))
@@ -94,10 +96,9 @@ def test_a_new_generation_supersedes_a_running_rollout_and_a_deletion_ends_one(
 
 
 def test_an_operator_that_restarts_mid_rollout_continues_its_trace(
-    exported: tuple[PassTracer, InMemorySpanExporter],
+    tracer: PassTracer, exporter: InMemorySpanExporter
 ) -> None:
     """The ids come from uid and generation, not from memory: a new process joins the same trace."""
-    tracer, exporter = exported
     tracer.finished(a_pass(6, True, "RollingOut", uid="u2"), Outcome("ok"))
     tracer._rollouts.clear()  # a restarted operator remembers nothing
     tracer.finished(a_pass(6, True, "RollingOut", uid="u2"), Outcome("ok"))

@@ -15,7 +15,7 @@ from pdserve.deployment.spec.pddeployment import SpecError
 from pdserve.deployment.spec.podtemplate import PodTemplate, merge_metadata, merge_pod_spec, parse_template
 from pdserve.deployment.validate import problems
 from pdserve.routing import Role
-from tests.support.specs import pdd_of
+from tests.support.specs import ENGINE_TEMPLATE, pdd_of
 
 CRD = yaml.safe_load(
     (Path(__file__).resolve().parents[2] / "crds" / "pddeployments.pdserve.io.yaml").read_text()
@@ -351,42 +351,22 @@ def test_the_crds_cel_messages_are_the_owned_fields_messages() -> None:
 
 # --- rendering ---------------------------------------------------------------------------------
 
-PRODUCTION_TEMPLATE = {
-    "metadata": {"labels": {"team": "ml"}, "annotations": {"prometheus.io/scrape": "true"}},
-    "spec": {
-        "nodeSelector": {"node.kubernetes.io/instance-type": "p5.48xlarge"},
-        "tolerations": [
-            {"key": "dedicated", "operator": "Equal", "value": "inference", "effect": "NoSchedule"}
-        ],
-        "priorityClassName": "inference-critical",
-        "imagePullSecrets": [{"name": "regcred"}],
-        "runtimeClassName": "nvidia",
-        "containers": [
-            {
-                "name": "engine",
-                "env": [{"name": "NCCL_DEBUG", "value": "INFO"}],
-                "resources": {"limits": {"rdma/ib": "1"}},
-            },
-            {"name": "log-shipper", "image": "fluent/fluent-bit:3.0"},
-        ],
-    },
-}
-
 
 def test_a_role_template_reaches_its_pods_only() -> None:
-    pdd = pdd_of(prefill={"template": PRODUCTION_TEMPLATE, "tensorParallel": 8})
+    pdd = pdd_of(prefill={"template": ENGINE_TEMPLATE, "tensorParallel": 8})
     pod = instance_pod(pdd, Role.PREFILL, 0)
     spec = pod["spec"]
     assert pod["metadata"]["labels"]["team"] == "ml"
     assert pod["metadata"]["labels"]["pdserve.io/role"] == "prefill"
-    assert pod["metadata"]["annotations"]["prometheus.io/scrape"] == "true"
+    assert pod["metadata"]["annotations"]["example.com/owner"] == "inference"
     assert spec["nodeSelector"] == {"node.kubernetes.io/instance-type": "p5.48xlarge"}
     assert spec["imagePullSecrets"] == [{"name": "regcred"}]
     assert spec["runtimeClassName"] == "nvidia"
     engine, shipper = spec["containers"]
     assert engine["name"] == "engine" and shipper["name"] == "log-shipper"
     assert {"name": "NCCL_DEBUG", "value": "INFO"} in engine["env"]
-    assert engine["resources"]["limits"] == {"nvidia.com/gpu": "8", "rdma/ib": "1"}
+    assert engine["resources"]["limits"] == {"nvidia.com/gpu": "8", "rdma/ib": "8"}
+    assert engine["resources"]["requests"]["memory"] == "400Gi"
     assert engine["command"] == ["vllm", "serve"]
     decode = instance_pod(pdd, Role.DECODE, 0)
     assert "imagePullSecrets" not in decode["spec"] and "team" not in decode["metadata"]["labels"]
@@ -403,7 +383,7 @@ def test_a_template_change_changes_the_roles_template_hash_only() -> None:
 
 
 def test_the_router_template_reaches_the_router_pods() -> None:
-    template = copy.deepcopy(PRODUCTION_TEMPLATE)
+    template = copy.deepcopy(ENGINE_TEMPLATE)
     template["spec"]["containers"][0]["name"] = "router"
     pdd = pdd_of(router={"template": template})
     pod = router_deployment(pdd)["spec"]["template"]
@@ -413,6 +393,6 @@ def test_the_router_template_reaches_the_router_pods() -> None:
     assert router["command"] == ["pdserve"]
     assert {"name": "NCCL_DEBUG", "value": "INFO"} in router["env"]
     assert shipper["image"] == "fluent/fluent-bit:3.0"
-    assert pod["spec"]["tolerations"] == PRODUCTION_TEMPLATE["spec"]["tolerations"]
+    assert pod["spec"]["tolerations"] == ENGINE_TEMPLATE["spec"]["tolerations"]
     assert router["env"][0]["name"] == "POD_NAMESPACE"  # the rendered env stays beside the template's
     assert pod["spec"]["serviceAccountName"] == "r1-router"

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
 from aiohttp import web
@@ -27,15 +28,25 @@ def test_origin_parse_keeps_port_path_and_query() -> None:
         h1.Origin.parse("ftp://engine/x")
 
 
-async def _server(app: web.Application) -> AsyncIterator[str]:
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+@contextlib.asynccontextmanager
+async def _engine(path: str, handler: Handler) -> AsyncIterator[tuple[str, h1.Pool]]:
+    """``handler`` answering POST ``path`` on loopback, and a pool of the legs' client: the URL
+    and the pool; the pool's connections are closed, then the server."""
+    app = web.Application()
+    app.router.add_post(path, handler)
     runner = web.AppRunner(app)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
     port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    pool = h1.Pool(connect_timeout=2, keepalive=30)
     try:
-        yield f"http://127.0.0.1:{port}"
+        yield f"http://127.0.0.1:{port}{path}", pool
     finally:
+        pool.close()
         await runner.cleanup()
 
 
@@ -55,20 +66,16 @@ def test_keep_alive_reuses_one_connection_and_reads_bodies() -> None:
         return web.Response(body=body, content_type="application/json")
 
     async def run() -> None:
-        app = web.Application()
-        app.router.add_post("/v1/completions", echo)
-        async for base in _server(app):
-            pool = h1.Pool(connect_timeout=2, keepalive=30)
+        async with _engine("/v1/completions", echo) as (url, pool):
             for n in range(3):
-                resp = await pool.post(base + "/v1/completions", b'{"n": %d}' % n, {"X-Request-Id": "r"})
+                resp = await pool.post(url, b'{"n": %d}' % n, {"X-Request-Id": "r"})
                 assert (resp.status, resp.content_type) == (200, "application/json")
                 assert await resp.read() == b'{"n": %d}' % n
                 resp.release()
-            resp = await pool.post(base + "/v1/completions", b"{}", {"X-Stream": "1"})
+            resp = await pool.post(url, b"{}", {"X-Stream": "1"})
             assert resp.content_type == "text/event-stream"
             assert await resp.read() == b"data: 1\n\ndata: 2\n\n"  # chunked framing removed
             resp.release()
-            pool.close()
         assert len(peers) == 4 and len(set(peers)) == 1  # one connection for all four
 
     asyncio.run(run())
@@ -86,15 +93,11 @@ def test_closed_answer_is_not_reused_and_refused_connect_is_connect_failed() -> 
         return resp
 
     async def run() -> None:
-        app = web.Application()
-        app.router.add_post("/s", slow)
-        async for base in _server(app):
-            pool = h1.Pool(connect_timeout=2, keepalive=30)
+        async with _engine("/s", slow) as (url, pool):
             for _ in range(2):
-                resp = await pool.post(base + "/s", b"", {})
+                resp = await pool.post(url, b"", {})
                 assert await resp.readany() == b"first"
                 resp.close()  # mid-answer: the connection goes, the next request opens another
-            pool.close()
         assert len(set(peers)) == 2
         with socket.socket() as s:  # a port nobody listens on
             s.bind(("127.0.0.1", 0))
@@ -115,15 +118,11 @@ def test_server_that_breaks_mid_answer_is_disconnected() -> None:
         return resp
 
     async def run() -> None:
-        app = web.Application()
-        app.router.add_post("/b", broken)
-        async for base in _server(app):
-            pool = h1.Pool(connect_timeout=2, keepalive=30)
-            resp = await pool.post(base + "/b", b"", {})
+        async with _engine("/b", broken) as (url, pool):
+            resp = await pool.post(url, b"", {})
             with pytest.raises(h1.Disconnected):
                 await resp.read()
             resp.close()
-            pool.close()
 
     asyncio.run(run())
 
@@ -149,11 +148,7 @@ def test_deadline_fails_a_late_answer_and_a_lingering_release_reuses_the_connect
         return resp
 
     async def run() -> None:
-        app = web.Application()
-        app.router.add_post("/v1/completions", handler)
-        async for base in _server(app):
-            url = base + "/v1/completions"
-            pool = h1.Pool(connect_timeout=2, keepalive=30)
+        async with _engine("/v1/completions", handler) as (url, pool):
             with pytest.raises(h1.DeadlineExceeded):
                 await pool.post(url, b"{}", {"X-Late": "1"}, deadline=0.3)
             resp = await pool.post(url, b"{}", {}, deadline=5)
@@ -170,7 +165,6 @@ def test_deadline_fails_a_late_answer_and_a_lingering_release_reuses_the_connect
             await asyncio.sleep(0.5)
             resp = await pool.post(url, b"{}", {})
             resp.close()
-            pool.close()
         # The late answer's connection was closed (a new one for the next); the linger kept the
         # second connection for the third and fourth requests; the fourth never ended within its
         # linger, so its connection was closed and the last request needed a new one.
@@ -205,11 +199,8 @@ def test_a_sink_takes_only_what_arrives_while_the_reader_waits_with_nothing_buff
 
     async def run() -> None:
         release.extend(asyncio.Event() for _ in range(len(parts) + 1))  # the parts, then the end
-        app = web.Application()
-        app.router.add_post("/v1/completions", handler)
-        async for base in _server(app):
-            pool = h1.Pool(connect_timeout=2, keepalive=30)
-            resp = await pool.post(base + "/v1/completions", b"{}", {})
+        async with _engine("/v1/completions", handler) as (url, pool):
+            resp = await pool.post(url, b"{}", {})
             resp.sink = sink
             release[0].set()  # arrives while nobody reads: buffered for the reader
             await asyncio.sleep(0.2)
@@ -227,6 +218,5 @@ def test_a_sink_takes_only_what_arrives_while_the_reader_waits_with_nothing_buff
             release[3].set()
             assert await resp.readany() == b""  # the end still reaches the reader
             resp.release()
-            pool.close()
 
     asyncio.run(run())

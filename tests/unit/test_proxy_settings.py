@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from pdserve.argtypes import flags_of
 from pdserve.proxy import cli
 from pdserve.proxy.settings import (
     GROUPS,
@@ -21,7 +22,6 @@ from pdserve.proxy.settings import (
     SettingsError,
     SidecarSettings,
     TableSettings,
-    flags_of,
 )
 from pdserve.routing.sidecar import LocalDecode
 

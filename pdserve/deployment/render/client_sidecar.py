@@ -32,8 +32,8 @@ from pdserve.deployment.render.decode_sidecar import SIDECAR_PORT, TOKEN_PATH, T
 from pdserve.deployment.render.objects import (
     namespaced,
     router_deployment,
-    router_role,
     routing_configmap_name,
+    routing_reader_rbac,
 )
 from pdserve.deployment.render.security import ADMIN_PORT_NAME
 from pdserve.deployment.spec.owned import ROUTER_CONTAINER
@@ -137,23 +137,10 @@ def client_rbac(
     def meta(name: str, namespace: str) -> dict[str, Any]:
         return {"name": name, **namespaced(namespace), "labels": _client_labels(pdd)}
 
-    return [
-        {
-            "apiVersion": "v1",
-            "kind": "ServiceAccount",
-            "metadata": meta(account, app_namespace),
-        },
-        {
-            "apiVersion": "rbac.authorization.k8s.io/v1",
-            "kind": "Role",
-            "metadata": meta(role, pdd.namespace),
-            "rules": router_role(pdd)["rules"],  # the router's own: get/list/watch on NAME-routing
-        },
-        {
-            "apiVersion": "rbac.authorization.k8s.io/v1",
-            "kind": "RoleBinding",
-            "metadata": meta(client_binding_name(pdd, account), pdd.namespace),
-            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": role},
-            "subjects": [{"kind": "ServiceAccount", "name": account, **namespaced(app_namespace)}],
-        },
-    ]
+    # The rules are the router's own: get/list/watch on NAME-routing.
+    return routing_reader_rbac(
+        routing_configmap_name(pdd),
+        account=meta(account, app_namespace),
+        role=meta(role, pdd.namespace),
+        binding=meta(client_binding_name(pdd, account), pdd.namespace),
+    )

@@ -574,40 +574,47 @@ def _router_deployment(pdd: PDDeployment) -> dict[str, Any]:
     }
 
 
-def router_service_account(pdd: PDDeployment) -> dict[str, Any]:
-    return {
-        "apiVersion": "v1",
-        "kind": "ServiceAccount",
-        "metadata": object_metadata(pdd, router_account_name(pdd), "router"),
-    }
+def routing_reader_rbac(
+    configmap: str, account: dict[str, Any], role: dict[str, Any], binding: dict[str, Any]
+) -> list[dict[str, Any]]:
+    """A ServiceAccount, a Role that reads only ``configmap`` (by name: the one object a router
+    reads) and the RoleBinding of the Role to the account; the arguments are their metadata. The
+    router Deployment's account and a client sidecar's get the same rules from here."""
+    return [
+        {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": account},
+        {
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "Role",
+            "metadata": role,
+            "rules": [
+                {
+                    "apiGroups": [""],
+                    "resources": ["configmaps"],
+                    "resourceNames": [configmap],
+                    "verbs": ["get", "list", "watch"],
+                }
+            ],
+        },
+        {
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "RoleBinding",
+            "metadata": binding,
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": role["name"]},
+            "subjects": [
+                {
+                    "kind": "ServiceAccount",
+                    "name": account["name"],
+                    **namespaced(account.get("namespace", "")),
+                }
+            ],
+        },
+    ]
 
 
-def router_role(pdd: PDDeployment) -> dict[str, Any]:
-    """Read access to the routing ConfigMap, by name: the only object a router reads."""
-    return {
-        "apiVersion": "rbac.authorization.k8s.io/v1",
-        "kind": "Role",
-        "metadata": object_metadata(pdd, router_account_name(pdd), "router"),
-        "rules": [
-            {
-                "apiGroups": [""],
-                "resources": ["configmaps"],
-                "resourceNames": [routing_configmap_name(pdd)],
-                "verbs": ["get", "list", "watch"],
-            }
-        ],
-    }
-
-
-def router_role_binding(pdd: PDDeployment) -> dict[str, Any]:
-    name = router_account_name(pdd)
-    return {
-        "apiVersion": "rbac.authorization.k8s.io/v1",
-        "kind": "RoleBinding",
-        "metadata": object_metadata(pdd, name, "router"),
-        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
-        "subjects": [{"kind": "ServiceAccount", "name": name, **namespaced(pdd.namespace)}],
-    }
+def router_rbac(pdd: PDDeployment) -> list[dict[str, Any]]:
+    """The router's ServiceAccount, Role and RoleBinding (all named ``<name>-router``)."""
+    account, role, binding = (object_metadata(pdd, router_account_name(pdd), "router") for _ in range(3))
+    return routing_reader_rbac(routing_configmap_name(pdd), account, role, binding)
 
 
 def router_service(pdd: PDDeployment) -> dict[str, Any]:
@@ -703,9 +710,7 @@ def desired_static_objects(pdd: PDDeployment) -> list[dict[str, Any]]:
     return [
         engine_service(pdd),
         router_service(pdd),
-        router_service_account(pdd),
-        router_role(pdd),
-        router_role_binding(pdd),
+        *router_rbac(pdd),
         *router,
         disruption_budget(pdd, Role.PREFILL),
         disruption_budget(pdd, Role.DECODE),

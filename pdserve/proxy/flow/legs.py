@@ -11,9 +11,9 @@ import asyncio
 import logging
 import random
 import time
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from pdserve.kv.base import LegPlan, Route
 from pdserve.proxy.engine import codec
@@ -40,6 +40,8 @@ from pdserve.wire.headers import AUTHORIZATION, DP_RANK, REQUEST_ID
 
 log = logging.getLogger("pdserve.proxy.request")
 
+T = TypeVar("T")
+
 
 @dataclass(frozen=True)
 class Engines:
@@ -49,6 +51,20 @@ class Engines:
     upstream: Upstream
     deadlines: DeadlineSettings
     backend_api_key: str | None = None
+
+
+@dataclass(slots=True, eq=False)
+class _Leg:
+    """One leg: where it goes and what it sends; once sent, what its end reports."""
+
+    role: Role
+    slot: Slot
+    plan: LegPlan
+    request_id: str
+    span: Any = None  # while sent, when the request is traced
+    sent: float = 0.0  # time.monotonic() when the leg was sent
+    outcome: str = "cancelled"  # until the leg says otherwise
+    status: int | None = None
 
 
 class LegRunner:
@@ -94,9 +110,11 @@ class LegRunner:
             if handoff is None:
                 trace.prefill_legs += 1
                 prefill_plan = connector.prefill_leg(body, prefill, decode, ids)
-                params = await self._prefill(connector, prefill, path, prefill_plan, ids.prefill, auth, trace)
+                prefill_leg = _Leg(Role.PREFILL, prefill, prefill_plan, ids.prefill)
+                params = await self._prefill(connector, prefill_leg, path, auth, trace)
                 handoff = trace.handoff = Handoff(params, prefill, time.monotonic())
             decode_plan = connector.decode_leg(body, prefill, decode, ids, handoff.params)
+            decode_leg = _Leg(Role.DECODE, decode, decode_plan, ids.decode)
             trace.decode_legs += 1
             if trace.spans is not None:
                 trace.kv_span = trace.spans.kv_handoff(handoff.prefill, decode, handoff.params, reused)
@@ -104,18 +122,18 @@ class LegRunner:
             # prefill instance is still in use (a drain must not delete it yet).
             self.book.pin(Role.PREFILL, handoff.prefill.key)
             try:
-                return await self._decode(decode, path, decode_plan, ids.decode, auth, trace, background=None)
+                return await self._decode(decode_leg, path, auth, trace, background=None)
             finally:
                 self.book.unpin(Role.PREFILL, handoff.prefill.key)
         trace.prefill_legs += 1
         trace.decode_legs += 1
         prefill_plan = connector.prefill_leg(body, prefill, decode, ids)
         decode_plan = connector.decode_leg(body, prefill, decode, ids, None)
-        prefill_task = asyncio.create_task(
-            self._prefill(connector, prefill, path, prefill_plan, ids.prefill, auth, trace)
-        )
+        prefill_leg = _Leg(Role.PREFILL, prefill, prefill_plan, ids.prefill)
+        decode_leg = _Leg(Role.DECODE, decode, decode_plan, ids.decode)
+        prefill_task = asyncio.create_task(self._prefill(connector, prefill_leg, path, auth, trace))
         decode_task = asyncio.create_task(
-            self._decode(decode, path, decode_plan, ids.decode, auth, trace, background=prefill_task)
+            self._decode(decode_leg, path, auth, trace, background=prefill_task)
         )
         try:
             await asyncio.wait({prefill_task, decode_task}, return_when=asyncio.FIRST_COMPLETED)
@@ -130,18 +148,16 @@ class LegRunner:
 
     # --- the legs -------------------------------------------------------------------------------
 
-    def _headers(
-        self, request_id: str, plan: LegPlan, auth: str | None, trace: Trace, span: Any = None
-    ) -> dict[str, str]:
-        headers = {"Content-Type": JSON, REQUEST_ID: request_id}
-        if plan.dp_rank is not None:
-            headers[DP_RANK] = str(plan.dp_rank)
+    def _headers(self, leg: _Leg, auth: str | None, trace: Trace) -> dict[str, str]:
+        headers = {"Content-Type": JSON, REQUEST_ID: leg.request_id}
+        if leg.plan.dp_rank is not None:
+            headers[DP_RANK] = str(leg.plan.dp_rank)
         if self.backend_api_key:
             headers[AUTHORIZATION] = f"Bearer {self.backend_api_key}"
         elif auth:
             headers[AUTHORIZATION] = auth
         if trace.spans is not None:  # the leg's own context: the engine's span is its child
-            trace.spans.inject(headers, span)
+            trace.spans.inject(headers, leg.span)
         elif trace.traceparent is not None:  # not tracing here: the client's context passes through
             headers[TRACEPARENT] = trace.traceparent
             if trace.tracestate:
@@ -149,98 +165,81 @@ class LegRunner:
         return headers
 
     async def _prefill(
-        self,
-        connector: Route,
-        slot: Slot,
-        path: str,
-        plan: LegPlan,
-        request_id: str,
-        auth: str | None,
-        trace: Trace,
+        self, connector: Route, leg: _Leg, path: str, auth: str | None, trace: Trace
     ) -> Mapping[str, Any] | None:
         """Run the prefill leg; the handoff it returns has passed the connector's validation."""
-        outcome = "cancelled"
-        status: int | None = None
-        span = self._leg_begins(Role.PREFILL, slot, request_id, trace)
-        sent = time.monotonic()
+        slot = leg.slot
+        self._leg_begins(leg, trace)
         try:
-            payload = codec.dumps(plan.body)
-            headers = self._headers(request_id, plan, auth, trace, span)
-            try:
-                answer = await self.upstream.post(
-                    slot.url + path, payload, headers, self.deadlines.prefill_ttfb
-                )
-            except (LegError, BackendRefusal) as exc:
-                outcome, status = exc.outcome, exc.status
-                raise self._leg_failure(Role.PREFILL, slot, exc) from None
-            status = answer.status
+            answer = await self._send(leg, self.upstream.post, path, auth, trace)
+            leg.status = answer.status
             handoff = _kv_transfer_params(answer)
             problems = connector.handoff_problems(handoff)
             if problems:
-                outcome = "bad_handoff"
+                leg.outcome = "bad_handoff"
                 self.metrics.handoff_failures.labels(slot.key).inc()
                 detail = (
                     f"prefill answered without usable kv_transfer_params: missing or malformed "
                     f"{', '.join(problems)}"
                 )
                 raise LegFailure(Role.PREFILL, slot, LegError("bad_handoff", detail, tuple(problems)))
-            outcome = "ok"
-            self._first_byte(Role.PREFILL, time.monotonic() - sent)
+            leg.outcome = "ok"
+            self._first_byte(Role.PREFILL, time.monotonic() - leg.sent)
             return handoff
         finally:
-            self._leg_finished(Role.PREFILL, slot, outcome)
-            if trace.spans is not None:
-                trace.spans.end_leg(span, outcome, status)
+            self._leg_ends(leg, trace)
 
     async def _decode(
-        self,
-        slot: Slot,
-        path: str,
-        plan: LegPlan,
-        request_id: str,
-        auth: str | None,
-        trace: Trace,
-        background: asyncio.Task[Any] | None,
+        self, leg: _Leg, path: str, auth: str | None, trace: Trace, background: asyncio.Task[Any] | None
     ) -> Reply:
-        outcome = "cancelled"
-        status: int | None = None
-        span = self._leg_begins(Role.DECODE, slot, request_id, trace)
-        sent = time.monotonic()
+        streaming = leg.plan.body.get("stream") is True
+        self._leg_begins(leg, trace)
         try:
-            payload = codec.dumps(plan.body)
-            headers = self._headers(request_id, plan, auth, trace, span)
-            url = slot.url + path
-            try:
-                if plan.body.get("stream") is True:
-                    opened = await self.upstream.open_stream(
-                        url, payload, headers, self.deadlines.decode_ttfb
-                    )
-                else:
-                    answer = await self.upstream.post(url, payload, headers, self.deadlines.decode_ttfb)
-            except (LegError, BackendRefusal) as exc:
-                outcome, status = exc.outcome, exc.status
-                raise self._leg_failure(Role.DECODE, slot, exc) from None
+            if streaming:
+                opened = await self._send(leg, self.upstream.open_stream, path, auth, trace)
+            else:
+                answer = await self._send(leg, self.upstream.post, path, auth, trace)
             trace.first_byte = time.monotonic()
-            trace.decode_sent = sent
-            self._first_byte(Role.DECODE, trace.first_byte - sent)
+            trace.decode_sent = leg.sent
+            self._first_byte(Role.DECODE, trace.first_byte - leg.sent)
             if trace.spans is not None:
                 trace.spans.first_token(trace.kv_span, trace.part)
                 trace.kv_span = None
             if background is not None:
                 background.add_done_callback(self._observe_background_prefill)
-            if plan.body.get("stream") is not True:
-                outcome, status = "ok", answer.status
+            if not streaming:
+                leg.outcome, leg.status = "ok", answer.status
                 return Reply(answer.status, answer.body, answer.content_type or JSON)
-            outcome = "streaming"  # the relay owns the leg from here
-            trace.stream_span = span
-            return Reply(200, RelayStream(self, slot, opened, trace, background), "text/event-stream")
+            leg.outcome = "streaming"  # the relay owns the leg from here
+            trace.stream_span = leg.span
+            return Reply(200, RelayStream(self, leg.slot, opened, trace, background), "text/event-stream")
         finally:
-            if outcome != "streaming":
-                self._leg_finished(Role.DECODE, slot, outcome)
+            if leg.outcome != "streaming":
+                self._leg_ends(leg, trace)
                 if trace.spans is not None:
-                    trace.spans.end_leg(span, outcome, status)
-                    trace.spans.end_handoff(trace.kv_span, outcome)
+                    trace.spans.end_handoff(trace.kv_span, leg.outcome)
                     trace.kv_span = None
+
+    async def _send(
+        self,
+        leg: _Leg,
+        send: Callable[[str, bytes, dict[str, str], float], Awaitable[T]],
+        path: str,
+        auth: str | None,
+        trace: Trace,
+    ) -> T:
+        """Send the leg's request with ``send`` (a post, or a stream's opening) under its role's
+        time-to-first-byte deadline; a failure is noted on the leg and raised as
+        :meth:`_leg_failure` says."""
+        deadlines = self.deadlines
+        deadline = deadlines.prefill_ttfb if leg.role is Role.PREFILL else deadlines.decode_ttfb
+        payload = codec.dumps(leg.plan.body)
+        headers = self._headers(leg, auth, trace)
+        try:
+            return await send(leg.slot.url + path, payload, headers, deadline)
+        except (LegError, BackendRefusal) as exc:
+            leg.outcome, leg.status = exc.outcome, exc.status
+            raise self._leg_failure(leg.role, leg.slot, exc) from None
 
     def _leg_failure(self, role: Role, slot: Slot, exc: LegError | BackendRefusal) -> Exception:
         """What a failed leg raises: the engine's own refusal (a 4xx, passed to the client), or a
@@ -269,14 +268,22 @@ class LegRunner:
         self.metrics.child(self.metrics.leg_ttfb, role.value).observe(seconds)
         self.load.observe("prefill" if role is Role.PREFILL else "decode_first", seconds)
 
-    def _leg_begins(self, role: Role, slot: Slot, request_id: str, trace: Trace) -> Any:
+    def _leg_begins(self, leg: _Leg, trace: Trace) -> None:
         """A leg is sent now: it counts in flight, and gets its span when the router traces
-        this request (None otherwise)."""
-        self._leg_started(role, slot)
+        this request."""
+        self._leg_started(leg.role, leg.slot)
         spans = trace.spans
-        if spans is None:
-            return None
-        return spans.leg(role.value, slot, request_id, trace.attempts, trace.retry_reason, trace.part)
+        if spans is not None:
+            leg.span = spans.leg(
+                leg.role.value, leg.slot, leg.request_id, trace.attempts, trace.retry_reason, trace.part
+            )
+        leg.sent = time.monotonic()
+
+    def _leg_ends(self, leg: _Leg, trace: Trace) -> None:
+        """A leg is over (not one the relay streams: it ends that one itself)."""
+        self._leg_finished(leg.role, leg.slot, leg.outcome)
+        if trace.spans is not None:
+            trace.spans.end_leg(leg.span, leg.outcome, leg.status)
 
     def _leg_started(self, role: Role, slot: Slot) -> None:
         self.book.started(role, slot.key)

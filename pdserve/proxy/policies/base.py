@@ -17,7 +17,8 @@ A policy that orders by the request itself (prefix-affinity reads the prompt) sa
 ``reads_requests``: the dispatcher then makes the request's view once per sequence
 (:meth:`Policy.view`), passes it to every :meth:`Policy.candidates` call, and tells the policy
 where each new prefill went (:meth:`Policy.sent`). For the others nothing is computed: their
-hot path is the order alone. :class:`OrderOnly` gives them the rest of the protocol.
+hot path is the order alone. :class:`OrderOnly` gives them the rest of the protocol, so that
+such a policy writes only :meth:`OrderOnly.order`, its order of the live slots.
 """
 
 from __future__ import annotations
@@ -69,9 +70,20 @@ class Policy(Protocol):
 
 
 class OrderOnly:
-    """The rest of the protocol for a policy that orders slots without reading requests."""
+    """The rest of the protocol for a policy that orders slots without reading requests: it
+    gives its :meth:`order` of the live slots, and the candidates are those, then the ejected."""
 
     reads_requests = False
+
+    def order(self, role: Role, live: Sequence[Slot], book: SlotBook, turn: int) -> Sequence[Slot]:
+        """The live slots in this policy's order for the request holding ``turn``."""
+        raise NotImplementedError
+
+    def candidates(
+        self, role: Role, slots: Sequence[Slot], book: SlotBook, turn: int, request: RequestView | None = None
+    ) -> list[Slot]:
+        live, ejected = live_and_ejected(role, slots, book)
+        return [*self.order(role, live, book, turn), *ejected]
 
     def view(self, endpoint: str, body: Mapping[str, Any]) -> RequestView:
         raise TypeError(f"{type(self).__name__} does not read requests")

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import ClassVar
 
-from pdserve.proxy.policies.base import OrderOnly, RequestView, Turns, live_and_ejected, rotation
+from pdserve.proxy.policies.base import OrderOnly, Turns, rotation
 from pdserve.proxy.state.health import SlotBook
 from pdserve.routing import Role, Slot
 
@@ -21,8 +21,5 @@ from pdserve.routing import Role, Slot
 class FlatInterleaved(Turns, OrderOnly):
     name: ClassVar[str] = "flat-interleaved"
 
-    def candidates(
-        self, role: Role, slots: Sequence[Slot], book: SlotBook, turn: int, request: RequestView | None = None
-    ) -> list[Slot]:
-        live, ejected = live_and_ejected(role, slots, book)
-        return [*rotation(live, turn), *ejected]
+    def order(self, role: Role, live: Sequence[Slot], book: SlotBook, turn: int) -> Sequence[Slot]:
+        return rotation(live, turn)

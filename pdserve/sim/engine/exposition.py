@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from pdserve.sim.engine.loop import RankEngine
-from pdserve.sim.engine.metrics import FAMILY_HELP
+from pdserve.sim.engine.metrics import FAMILIES
 
 
 def _le(bound: float) -> str:
@@ -22,10 +22,7 @@ def metrics_text(model: str, engines: Sequence[RankEngine]) -> str:
     lines: list[str] = []
 
     def family(name: str) -> None:
-        kind, help_text = FAMILY_HELP[name]
-        name += "_total" if kind == "counter" else ""  # as prometheus_client writes a counter
-        lines.append(f"# HELP {name} {help_text}")
-        lines.append(f"# TYPE {name} {kind}")
+        lines.extend(FAMILIES[name].header())
 
     def lab(e: RankEngine, **extra: object) -> str:
         parts = [f'engine="{e.rank}"', f'model_name="{model}"', *(f'{k}="{v}"' for k, v in extra.items())]

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from pdserve.sim.engine.request import Request
+from pdserve.wire.prometheus import Family
 
 if TYPE_CHECKING:
     from pdserve.sim.engine.scheduler import Step
@@ -24,6 +25,141 @@ INTER_TOKEN_LATENCY: tuple[float, ...] = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0
 INTER_TOKEN_LATENCY += (1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 ITERATION_TOKENS: tuple[float, ...] = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 REQUEST_NUM_PREEMPTIONS: tuple[float, ...] = (1, 2, 3, 4, 5, 10, 20)
+
+
+#: Labels of every sample: the global DP rank and the served model.
+_ENGINE = ("engine", "model_name")
+
+#: vLLM's families the simulator writes (pdserve.sim.engine.exposition), by name, in vLLM's order.
+FAMILIES: dict[str, Family] = {
+    family.name: family
+    for family in (
+        Family(
+            "vllm:num_requests_running", "gauge", "Number of requests in model execution batches.", _ENGINE
+        ),
+        Family("vllm:num_requests_waiting", "gauge", "Number of requests waiting to be processed.", _ENGINE),
+        Family("vllm:kv_cache_usage_perc", "gauge", "KV-cache usage. 1 means 100 percent usage.", _ENGINE),
+        Family(
+            "vllm:cache_config_info",
+            "gauge",
+            "Information of the LLMEngine CacheConfig",
+            ("block_size", "enable_prefix_caching", "engine", "num_gpu_blocks"),
+        ),
+        Family(
+            "vllm:prefix_cache_queries",
+            "counter",
+            "Prefix cache queries, in terms of number of queried tokens.",
+            _ENGINE,
+        ),
+        Family(
+            "vllm:prefix_cache_hits",
+            "counter",
+            "Prefix cache hits, in terms of number of cached tokens.",
+            _ENGINE,
+        ),
+        Family(
+            "vllm:external_prefix_cache_queries",
+            "counter",
+            "External prefix cache queries from KV connector cross-instance cache sharing, in terms of "
+            "number of queried tokens.",
+            _ENGINE,
+        ),
+        Family(
+            "vllm:external_prefix_cache_hits",
+            "counter",
+            "External prefix cache hits from KV connector cross-instance cache sharing, in terms of "
+            "number of cached tokens.",
+            _ENGINE,
+        ),
+        Family(
+            "vllm:num_preemptions", "counter", "Cumulative number of preemption from the engine.", _ENGINE
+        ),
+        Family("vllm:prompt_tokens", "counter", "Number of prefill tokens processed.", _ENGINE),
+        Family(
+            "vllm:prompt_tokens_cached",
+            "counter",
+            "Number of cached prompt tokens (local + external).",
+            _ENGINE,
+        ),
+        Family("vllm:generation_tokens", "counter", "Number of generation tokens processed.", _ENGINE),
+        Family(
+            "vllm:request_success",
+            "counter",
+            "Count of successfully processed requests.",
+            (*_ENGINE, "finished_reason"),
+        ),
+        Family(
+            "vllm:time_to_first_token_seconds",
+            "histogram",
+            "Histogram of time to first token in seconds.",
+            _ENGINE,
+            buckets=TIME_TO_FIRST_TOKEN,
+        ),
+        Family(
+            "vllm:inter_token_latency_seconds",
+            "histogram",
+            "Histogram of inter-token latency in seconds.",
+            _ENGINE,
+            buckets=INTER_TOKEN_LATENCY,
+        ),
+        Family(
+            "vllm:request_time_per_output_token_seconds",
+            "histogram",
+            "Histogram of time_per_output_token_seconds per request.",
+            _ENGINE,
+            buckets=INTER_TOKEN_LATENCY,
+        ),
+        Family(
+            "vllm:e2e_request_latency_seconds",
+            "histogram",
+            "Histogram of e2e request latency in seconds.",
+            _ENGINE,
+            buckets=REQUEST_LATENCY,
+        ),
+        Family(
+            "vllm:request_queue_time_seconds",
+            "histogram",
+            "Histogram of time spent in WAITING phase for request.",
+            _ENGINE,
+            buckets=REQUEST_LATENCY,
+        ),
+        Family(
+            "vllm:request_inference_time_seconds",
+            "histogram",
+            "Histogram of time spent in RUNNING phase for request.",
+            _ENGINE,
+            buckets=REQUEST_LATENCY,
+        ),
+        Family(
+            "vllm:request_prefill_time_seconds",
+            "histogram",
+            "Histogram of time spent in PREFILL phase for request.",
+            _ENGINE,
+            buckets=REQUEST_LATENCY,
+        ),
+        Family(
+            "vllm:request_decode_time_seconds",
+            "histogram",
+            "Histogram of time spent in DECODE phase for request.",
+            _ENGINE,
+            buckets=REQUEST_LATENCY,
+        ),
+        Family(
+            "vllm:iteration_tokens_total",
+            "histogram",
+            "Histogram of number of tokens per engine_step.",
+            _ENGINE,
+            buckets=ITERATION_TOKENS,
+        ),
+        Family(
+            "vllm:request_num_preemptions",
+            "histogram",
+            "Histogram of the number of times a request was preempted.",
+            _ENGINE,
+            buckets=REQUEST_NUM_PREEMPTIONS,
+        ),
+    )
+}
 
 
 @dataclass
@@ -56,19 +192,9 @@ class RankMetrics:
     histograms: dict[str, Histogram] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        for name, bounds in (
-            ("vllm:time_to_first_token_seconds", TIME_TO_FIRST_TOKEN),
-            ("vllm:inter_token_latency_seconds", INTER_TOKEN_LATENCY),
-            ("vllm:request_time_per_output_token_seconds", INTER_TOKEN_LATENCY),
-            ("vllm:e2e_request_latency_seconds", REQUEST_LATENCY),
-            ("vllm:request_queue_time_seconds", REQUEST_LATENCY),
-            ("vllm:request_inference_time_seconds", REQUEST_LATENCY),
-            ("vllm:request_prefill_time_seconds", REQUEST_LATENCY),
-            ("vllm:request_decode_time_seconds", REQUEST_LATENCY),
-            ("vllm:iteration_tokens_total", ITERATION_TOKENS),
-            ("vllm:request_num_preemptions", REQUEST_NUM_PREEMPTIONS),
-        ):
-            self.histograms[name] = Histogram(bounds)
+        for family in FAMILIES.values():
+            if family.kind == "histogram":
+                self.histograms[family.name] = Histogram(family.buckets)
 
     def on_pull(self, request: Request, seconds: float) -> None:
         self.pulls += 1
@@ -105,53 +231,3 @@ class RankMetrics:
             h["vllm:request_time_per_output_token_seconds"].observe(
                 (end - first) / (request.num_output_tokens - 1)
             )
-
-
-FAMILY_HELP = {
-    "vllm:num_requests_running": ("gauge", "Number of requests in model execution batches."),
-    "vllm:num_requests_waiting": ("gauge", "Number of requests waiting to be processed."),
-    "vllm:kv_cache_usage_perc": ("gauge", "KV-cache usage. 1 means 100 percent usage."),
-    "vllm:cache_config_info": ("gauge", "Information of the LLMEngine CacheConfig"),
-    "vllm:prefix_cache_queries": ("counter", "Prefix cache queries, in terms of number of queried tokens."),
-    "vllm:prefix_cache_hits": ("counter", "Prefix cache hits, in terms of number of cached tokens."),
-    "vllm:external_prefix_cache_queries": (
-        "counter",
-        "External prefix cache queries from KV connector cross-instance cache sharing, in terms of "
-        "number of queried tokens.",
-    ),
-    "vllm:external_prefix_cache_hits": (
-        "counter",
-        "External prefix cache hits from KV connector cross-instance cache sharing, in terms of "
-        "number of cached tokens.",
-    ),
-    "vllm:num_preemptions": ("counter", "Cumulative number of preemption from the engine."),
-    "vllm:prompt_tokens": ("counter", "Number of prefill tokens processed."),
-    "vllm:prompt_tokens_cached": ("counter", "Number of cached prompt tokens (local + external)."),
-    "vllm:generation_tokens": ("counter", "Number of generation tokens processed."),
-    "vllm:request_success": ("counter", "Count of successfully processed requests."),
-    "vllm:time_to_first_token_seconds": ("histogram", "Histogram of time to first token in seconds."),
-    "vllm:inter_token_latency_seconds": ("histogram", "Histogram of inter-token latency in seconds."),
-    "vllm:request_time_per_output_token_seconds": (
-        "histogram",
-        "Histogram of time_per_output_token_seconds per request.",
-    ),
-    "vllm:e2e_request_latency_seconds": (
-        "histogram",
-        "Histogram of e2e request latency in seconds.",
-    ),
-    "vllm:request_queue_time_seconds": ("histogram", "Histogram of time spent in WAITING phase for request."),
-    "vllm:request_inference_time_seconds": (
-        "histogram",
-        "Histogram of time spent in RUNNING phase for request.",
-    ),
-    "vllm:request_prefill_time_seconds": (
-        "histogram",
-        "Histogram of time spent in PREFILL phase for request.",
-    ),
-    "vllm:request_decode_time_seconds": ("histogram", "Histogram of time spent in DECODE phase for request."),
-    "vllm:iteration_tokens_total": ("histogram", "Histogram of number of tokens per engine_step."),
-    "vllm:request_num_preemptions": (
-        "histogram",
-        "Histogram of the number of times a request was preempted.",
-    ),
-}
