@@ -18,9 +18,11 @@ Every time figure of the autoscalers (decision period, measurement window, stabi
 policy periods) is divided by the speed-up, as the trace's time is. For each: the share of
 requests within both objectives, instance-seconds per role (the GPU bill: every instance from
 its start to its stop, starting and draining included), scale events, and a plot of the instances
-per role against the offered load. Results: bench/results/autoscaling-latest.md and .png, and
-autoscaling-<timestamp>.json. A benchmark, not a test: it asserts nothing; the targets of the
-issue are printed against the figures.
+per role against the offered load. Beside them, what an ideal autoscaler that follows the
+trace's load exactly would bill against fixed-at-peak (bench/autoscaling_bound.py): how much the
+trace leaves to save, whatever decides the counts. Results: bench/results/autoscaling-latest.md
+and .png, and autoscaling-<timestamp>.json. A benchmark, not a test: it asserts nothing; the
+targets of the issue are printed against the figures.
 
 Run with ``make bench-autoscaling`` or ``python -m bench.autoscaling_bench`` (about 20 minutes at
 x4); ``--limit N`` replays the first N requests only. ``serve`` is the entry the ``hpa`` run
@@ -50,6 +52,7 @@ from typing import Any
 
 import yaml
 
+from bench.autoscaling_bound import Bound, bound
 from bench.replay_bench import find_trace
 from pdserve.deployment.plan.autoscale import (
     ROLES,
@@ -65,6 +68,7 @@ from pdserve.loadgen.results import RequestRecord, Slo
 from pdserve.loadgen.schedule import Arrival, schedule
 from pdserve.loadgen.trace import read_trace
 from pdserve.local.scaler import LocalScaler
+from pdserve.sim.engine.profile import load as load_profile
 from pdserve.wire.load import percentile
 from tests.support.procs import free_port
 from tests.support.specs import sim_manifest
@@ -338,7 +342,7 @@ def _pct(values: Sequence[float], p: float) -> float | None:
     return values[min(len(values) - 1, max(0, math.ceil(p / 100 * len(values)) - 1))]
 
 
-def targets(figures: Mapping[str, Mapping[str, Any]]) -> list[str]:
+def targets(figures: Mapping[str, Mapping[str, Any]], ideal: Bound | None = None) -> list[str]:
     """The issue's targets, each with the figures it is judged on and whether they are met."""
     p, peak, mean, hpa = (figures[n] for n in CONFIGS)
     lines = []
@@ -351,6 +355,12 @@ def targets(figures: Mapping[str, Mapping[str, Any]]) -> list[str]:
     lines.append(
         f"- at most 60 % of fixed-at-peak's instance-seconds: {share:.0f} %: "
         f"{'met' if share <= 60 else 'NOT met'}"
+        + (
+            ""
+            if ideal is None
+            else f" (following the load exactly: {ideal.stabilised:.0%} with the scale-down window, "
+            f"{ideal.whole:.0%} without; below)"
+        )
     )
     better = p["attainment"] > mean["attainment"]
     lines.append(
@@ -380,7 +390,13 @@ def offered(arrivals: Sequence[Arrival], bin_s: float) -> tuple[list[float], lis
     return [i * bin_s for i in range(n)], prompt, output
 
 
-def plot(runs: Mapping[str, Run], arrivals: Sequence[Arrival], path: Path, speedup: float) -> bool:
+def plot(
+    runs: Mapping[str, Run],
+    arrivals: Sequence[Arrival],
+    path: Path,
+    speedup: float,
+    ideal: Bound | None = None,
+) -> bool:
     try:
         import matplotlib
 
@@ -404,6 +420,16 @@ def plot(runs: Mapping[str, Run], arrivals: Sequence[Arrival], path: Path, speed
         for role, color in (("prefill", "tab:blue"), ("decode", "tab:orange")):
             counts = [c[role] for t, c in run.samples if 0 <= t <= run.end - run.start]
             ax.plot(ts, counts, color=color, drawstyle="steps-post", label=role)
+            if name == "pdserve" and ideal is not None:
+                kept = ideal.counts[role]
+                ax.plot(
+                    [i * ideal.bin_s for i in range(len(kept) + 1)],
+                    [*kept, kept[-1]],
+                    color=color,
+                    linestyle=":",
+                    drawstyle="steps-post",
+                    label=f"{role}, ideal",
+                )
         ax.set_ylabel("instances")
         ax.set_title(f"{name}: attainment {attainment(run.records):.1%}")
         ax.legend(loc="upper left", fontsize=8)
@@ -414,7 +440,12 @@ def plot(runs: Mapping[str, Run], arrivals: Sequence[Arrival], path: Path, speed
     return True
 
 
-def markdown(figures: Mapping[str, Mapping[str, Any]], config: Mapping[str, Any], has_png: bool) -> str:
+def markdown(
+    figures: Mapping[str, Mapping[str, Any]],
+    config: Mapping[str, Any],
+    has_png: bool,
+    ideal: Bound | None = None,
+) -> str:
     lines = [
         "# Autoscaling: one autoscaler for the pair against fixed sizes and per-role HPA "
         f"(x{config['speedup']:g})",
@@ -447,7 +478,9 @@ def markdown(figures: Mapping[str, Mapping[str, Any]], config: Mapping[str, Any]
             f"{ev['prefill']}/{ev['decode']} | {most['prefill']}/{most['decode']} | "
             f"{_num(f['ttft_p90_ms'])} | {_num(f['tpot_p90_ms'])} |"
         )
-    lines += ["", "## The issue's targets", "", *targets(figures), ""]
+    lines += ["", "## The issue's targets", "", *targets(figures, ideal), ""]
+    if ideal is not None:
+        lines += ideal_section(ideal, config)
     if has_png:
         lines += ["![instances per role against the offered load](autoscaling-latest.png)", ""]
     lines += [
@@ -458,6 +491,32 @@ def markdown(figures: Mapping[str, Mapping[str, Any]], config: Mapping[str, Any]
         "",
     ]
     return "\n".join(lines)
+
+
+def ideal_section(ideal: Bound, config: Mapping[str, Any]) -> list[str]:
+    """What following the trace's load exactly would bill (bench/autoscaling_bound.py), in words."""
+    peak = config["fixed_peak"]
+    m = ideal.mean_over_peak
+    return [
+        "## What following the load exactly would bill",
+        "",
+        f"An ideal autoscaler that knows each {ideal.bin_s:.0f} s window's load in advance (the autoscalers' "
+        "measurement window) and runs, per role, a count in proportion to it, the busiest window at "
+        f"fixed-at-peak's {peak['prefill']}/{peak['decode']} (the queue model's need at the objective is in "
+        "proportion to the traffic) would bill, against fixed-at-peak's instance-seconds:",
+        "",
+        f"- {ideal.fractional:.0%} with fractions of instances;",
+        f"- {ideal.whole:.0%} with whole instances (at least minInstances);",
+        f"- {ideal.stabilised:.0%} with whole instances and a scale-down that waits its "
+        f"{ideal.down_window_s:g} s stabilisation window, as pdserve's and HPA's do.",
+        "",
+        f"What the trace leaves to save: over {ideal.bin_s:.0f} s windows its mean prompt load is "
+        f"{m['prefill']:.0%} of its peak and its mean decode work {m['decode']:.0%} of its peak; the replay "
+        f"lasts {config['replay_s']:.0f} s, {config['replay_s'] / max(ideal.down_window_s, 1e-9):.1f} "
+        "scale-down stabilisation windows, so a count that falls waits out much of what is left. "
+        "The dotted lines in pdserve's panel are the ideal's counts with the window.",
+        "",
+    ]
 
 
 def _num(value: float | None) -> str:
@@ -515,11 +574,20 @@ def main(argv: list[str] | None = None) -> int:
         "window_s": max(5, round(60 / args.speedup)),
         "down_window_s": round(300 / args.speedup),
         "fixed_peak": peak,
+        "replay_s": max((a.at_s for a in arrivals), default=0.0),
         "fixed_mean": mean,
     }
+    bounds = {r: BOUNDS[r][0] for r in ROLES}
+    ideal = bound(arrivals, load_profile(PROFILE), peak, bounds, config["window_s"], config["down_window_s"])
+    config["ideal"] = {
+        "fractional": ideal.fractional,
+        "whole": ideal.whole,
+        "stabilised": ideal.stabilised,
+        "mean_over_peak": dict(ideal.mean_over_peak),
+    }
     png = RESULTS / f"autoscaling-{args.label}.png"
-    has_png = plot(runs, arrivals, png, args.speedup)
-    text = markdown(figures, config, has_png)
+    has_png = plot(runs, arrivals, png, args.speedup, ideal)
+    text = markdown(figures, config, has_png, ideal)
     (RESULTS / f"autoscaling-{args.label}.md").write_text(text)
     timelines = {n: [(round(t, 2), c) for t, c in r.samples] for n, r in runs.items()}
     archive = RESULTS / f"autoscaling-{stamp}.json"

@@ -130,6 +130,12 @@ def settled(cluster: Cluster) -> bool:
     )
 
 
+def surplus_gone(cluster: Cluster) -> bool:
+    """No pod left of an instance past the desired counts: drained and deleted, not only out of
+    the routing table (one pod per instance here)."""
+    return len(cluster.pods(NAME)) == sum(desired(cluster).values())
+
+
 def router(cluster: Cluster) -> str:
     [ip] = ready_ips(cluster, "router", NAME)
     return ip
@@ -250,10 +256,12 @@ def test_applying_the_manifest_again_does_not_undo_the_autoscaler(scaled: tuple[
     idle = dict(instances=2, sync_seconds=1, scale_down_window=0, drain_seconds=2)
     doc = manifest(profile, **idle)  # type: ignore[arg-type]
     kubectl_apply(cluster, doc)
-    eventually(
-        lambda: desired(cluster) == {"prefill": 1, "decode": 1} and settled(cluster),
+    eventually(  # the pods of the removed instances gone too, or they would differ from the pods after
+        lambda: (
+            desired(cluster) == {"prefill": 1, "decode": 1} and settled(cluster) and surplus_gone(cluster)
+        ),
         timeout=90,
-        message="both roles shrunk from 2 to 1 with no traffic",
+        message="both roles shrunk from 2 to 1 with no traffic, the removed pods gone",
     )
     assert "no traffic" in cluster.status(NAME)["autoscaling"]["reason"]
     before_pods = sorted(p["metadata"]["name"] for p in cluster.pods(NAME))
