@@ -37,6 +37,8 @@ from typing import Any, TypeVar
 import pytest
 import yaml
 
+from pdserve.deployment.render.objects import routing_reader_rbac
+
 REPO = Path(__file__).resolve().parents[2]
 # hack/cluster/up honours the same variable (a second, separate cluster needs other ports too).
 CLUSTER_DIR = Path(os.environ.get("PDSERVE_CLUSTER_DIR") or REPO / ".cluster")
@@ -304,31 +306,10 @@ def kubectl_for(kubeconfig: Path) -> Tool:
 
 
 def router_role(namespace: str, account: str, configmap: str) -> list[dict[str, Any]]:
-    """ServiceAccount, Role (get/list/watch on the one ConfigMap, by resourceNames), RoleBinding."""
+    """ServiceAccount, Role (get/list/watch on the one ConfigMap, by resourceNames), RoleBinding,
+    as the operator renders them for a router."""
     meta = {"name": account, "namespace": namespace}
-    return [
-        {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": meta},
-        {
-            "apiVersion": "rbac.authorization.k8s.io/v1",
-            "kind": "Role",
-            "metadata": meta,
-            "rules": [
-                {
-                    "apiGroups": [""],
-                    "resources": ["configmaps"],
-                    "resourceNames": [configmap],
-                    "verbs": ["get", "list", "watch"],
-                }
-            ],
-        },
-        {
-            "apiVersion": "rbac.authorization.k8s.io/v1",
-            "kind": "RoleBinding",
-            "metadata": meta,
-            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": account},
-            "subjects": [{"kind": "ServiceAccount", "name": account, "namespace": namespace}],
-        },
-    ]
+    return routing_reader_rbac(configmap, dict(meta), dict(meta), dict(meta))
 
 
 def apply_objects(kubectl: Tool, objects: list[dict[str, Any]]) -> None:
