@@ -317,7 +317,8 @@ def pdd_manifest(name: str, shape: Shape, drain_seconds: int, namespace: str = N
 
 def plain_pods(group: int, shape: Shape, namespace: str) -> list[dict[str, Any]]:
     """The pods the operator would create for one PDDeployment, as pdserve renders them, unowned."""
-    from pdserve.deployment.render.objects import instance_pod, router_deployment
+    from pdserve.deployment.render.engine_pod import instance_pod
+    from pdserve.deployment.render.router import router_deployment
     from pdserve.deployment.spec.pddeployment import parse_pddeployment
     from pdserve.routing import Role
 

@@ -12,8 +12,8 @@ from dataclasses import replace
 from typing import Any
 
 from pdserve.deployment.render.decode_sidecar import template_problems
+from pdserve.deployment.render.engine_pod import OWNED_ENV
 from pdserve.deployment.render.groupflags import GROUP_FLAGS
-from pdserve.deployment.render.objects import OWNED_ENV
 from pdserve.deployment.render.security import engine_reserved_env, router_reserved
 from pdserve.deployment.render.tracing import ENGINE_FLAGS as TRACING_ENGINE_FLAGS
 from pdserve.deployment.spec.multinode import group_shape, uniform_gpus_per_node

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pdserve.deployment.render.groups import group_pods
-from pdserve.deployment.render.objects import router_deployment
+from pdserve.deployment.render.router import router_deployment
 from pdserve.deployment.spec.owned import ROUTER_CONTAINER
 from pdserve.deployment.spec.pddeployment import PDDeployment, RoleSpec
 from pdserve.local.cpus import Cores, assign_cores

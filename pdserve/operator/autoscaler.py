@@ -28,7 +28,7 @@ from pdserve.deployment.plan.scaling import (
 )
 from pdserve.deployment.plan.scheduling import placement_of
 from pdserve.deployment.plan.signals import Signals
-from pdserve.deployment.render.objects import ROLE_LABEL
+from pdserve.deployment.render.names import ROLE_LABEL
 from pdserve.deployment.spec.pddeployment import PDDeployment
 from pdserve.operator import metrics
 from pdserve.operator.kube import Kube

@@ -26,7 +26,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from pdserve.deployment.render.objects import DEPLOYMENT_LABEL
+from pdserve.deployment.render.names import DEPLOYMENT_LABEL
 
 Key = tuple[str, str]  # (namespace, PDDeployment name)
 Body = Mapping[str, Any]

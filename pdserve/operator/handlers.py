@@ -26,7 +26,7 @@ from typing import Any
 
 import kopf
 
-from pdserve.deployment.render.objects import DEPLOYMENT_LABEL, ROLE_LABEL
+from pdserve.deployment.render.names import DEPLOYMENT_LABEL, ROLE_LABEL
 from pdserve.deployment.spec.pddeployment import DEFAULT_IMAGE, GROUP, PLURAL, VERSION
 from pdserve.operator.cache import ClusterCache
 from pdserve.operator.controller import Controller

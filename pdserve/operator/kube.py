@@ -1,6 +1,6 @@
 """Thin, synchronous access to the Kubernetes API: plain dicts in and out.
 
-The reconciler speaks in manifest dicts (what :mod:`pdserve.deployment.render.objects` renders), so
+The reconciler speaks in manifest dicts (what :mod:`pdserve.deployment.render` renders), so
 this module sends and returns JSON dicts rather than the client's generated models. It reuses
 the ``kubernetes`` package only for what is tedious to get right: reading a kubeconfig or the
 in-cluster service account, TLS and authentication. It is thread-safe (one urllib3 pool) and

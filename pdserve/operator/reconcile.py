@@ -46,15 +46,15 @@ from pdserve.deployment.plan.scheduling import (
     unschedulable_messages,
 )
 from pdserve.deployment.plan.status import Observation, RoleObservation, compute_status
-from pdserve.deployment.render.objects import (
+from pdserve.deployment.render.engine_pod import template_hash
+from pdserve.deployment.render.names import (
     DEPLOYMENT_LABEL,
     ROLE_LABEL,
-    desired_static_objects,
     role_selector,
     routing_configmap_name,
     selector_string,
-    template_hash,
 )
+from pdserve.deployment.render.static_objects import desired_static_objects
 from pdserve.deployment.spec.multinode import BACKEND_LWS
 from pdserve.deployment.spec.pddeployment import DEFAULT_IMAGE, PDDeployment, SpecError, parse_pddeployment
 from pdserve.deployment.validate import problems as spec_problems

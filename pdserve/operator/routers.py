@@ -27,7 +27,7 @@ from pdserve.deployment.plan.drain import (
     summarize,
 )
 from pdserve.deployment.plan.fetch import Get, GetError
-from pdserve.deployment.render.objects import router_pod_selector
+from pdserve.deployment.render.router import router_pod_selector
 from pdserve.deployment.spec.pddeployment import PDDeployment
 from pdserve.operator import metrics
 from pdserve.operator.kube import Kube, KubeError

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import aiohttp
 
 from pdserve.deployment.plan.signals import RouterLoad, Signals, combine, read_signals
-from pdserve.deployment.render.objects import router_pod_selector
+from pdserve.deployment.render.router import router_pod_selector
 from pdserve.deployment.spec.pddeployment import ENGINE_PORT, PDDeployment
 from pdserve.operator.kube import Kube, KubeError
 from pdserve.operator.routers import base_urls, ready_router_addresses, session_get

@@ -20,17 +20,16 @@ from pdserve.deployment.plan.drain import DrainVerdict
 from pdserve.deployment.plan.revision import pairing_revision
 from pdserve.deployment.plan.rollout import Action, ActionKind, ObservedPod, RolePlan, apply_drains
 from pdserve.deployment.plan.scheduling import GATE, Placement, gate_new, placement_of, to_ungate, with_gate
+from pdserve.deployment.render.engine_pod import template_hash
 from pdserve.deployment.render.groups import group_pods, group_shape_of, instance_lws
-from pdserve.deployment.render.objects import (
+from pdserve.deployment.render.names import (
     DEPLOYMENT_LABEL,
     GROUP_FORMED_ANNOTATION,
-    desired_static_objects,
     router_name,
-    routing_configmap,
     routing_configmap_name,
-    template_hash,
 )
-from pdserve.deployment.render.routing_table import ObservedInstance, build_routing_table
+from pdserve.deployment.render.routing_table import ObservedInstance, build_routing_table, routing_configmap
+from pdserve.deployment.render.static_objects import desired_static_objects
 from pdserve.deployment.spec.multinode import BACKEND_LWS
 from pdserve.deployment.spec.pddeployment import PDDeployment
 from pdserve.operator import metrics

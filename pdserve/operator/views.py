@@ -17,8 +17,9 @@ from pdserve.deployment.plan.gangs import (
 from pdserve.deployment.plan.revision import pairing_revision
 from pdserve.deployment.plan.rollout import ObservedPod
 from pdserve.deployment.plan.scheduling import Placement, placement_of
+from pdserve.deployment.render.engine_pod import engine_argv, instance_pod_revision, pod_parallel_sizes
 from pdserve.deployment.render.groupflags import LWS_NAME_LABEL, LWS_WORKER_INDEX_LABEL
-from pdserve.deployment.render.objects import (
+from pdserve.deployment.render.names import (
     GROUP_FORMED_ANNOTATION,
     GROUP_LABEL,
     GROUP_NODE_LABEL,
@@ -26,10 +27,7 @@ from pdserve.deployment.render.objects import (
     INSTANCE_LABEL,
     ROLE_LABEL,
     TEMPLATE_HASH_LABEL,
-    engine_argv,
-    instance_pod_revision,
     is_instance_name,
-    pod_parallel_sizes,
 )
 from pdserve.deployment.render.routing_table import NodeEndpoint
 from pdserve.deployment.spec.pddeployment import PDDeployment

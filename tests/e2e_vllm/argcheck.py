@@ -16,8 +16,8 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
+from pdserve.deployment.render.engine_pod import engine_argv
 from pdserve.deployment.render.groups import instance_objects
-from pdserve.deployment.render.objects import engine_argv
 from pdserve.deployment.spec.pddeployment import PDDeployment, load_manifest_file
 from pdserve.deployment.spec.tracing import TracingSpec
 from pdserve.local.plan import engine_process_count, plan_local_run

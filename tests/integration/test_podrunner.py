@@ -19,8 +19,8 @@ from typing import Any
 
 import pytest
 
+from pdserve.deployment.render.engine_pod import instance_pod
 from pdserve.deployment.render.groups import render_all
-from pdserve.deployment.render.objects import instance_pod
 from pdserve.deployment.render.routing_table import ObservedInstance, build_routing_table
 from pdserve.deployment.spec.pddeployment import parse_pddeployment
 from pdserve.routing import Role

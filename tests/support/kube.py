@@ -37,7 +37,7 @@ from typing import Any, TypeVar
 import pytest
 import yaml
 
-from pdserve.deployment.render.objects import routing_reader_rbac
+from pdserve.deployment.render.router import routing_reader_rbac
 
 REPO = Path(__file__).resolve().parents[2]
 # hack/cluster/up honours the same variable (a second, separate cluster needs other ports too).

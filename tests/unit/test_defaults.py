@@ -7,7 +7,8 @@ from typing import Any
 
 import pytest
 
-from pdserve.deployment.render.objects import instance_pod, router_deployment
+from pdserve.deployment.render.engine_pod import instance_pod
+from pdserve.deployment.render.router import router_deployment
 from pdserve.deployment.spec.pddeployment import PDDeployment, SpecError
 from pdserve.routing import Role
 from tests.support.specs import pdd_of

@@ -63,7 +63,14 @@ RULES = {
     ),
     "pdserve.sim.server": ("kopf", "kubernetes", "opentelemetry", "pdserve.proxy", "pdserve.deployment"),
     "pdserve.sim.process": ("kopf", "kubernetes", "pdserve.proxy", "pdserve.routing", "pdserve.deployment"),
-    "pdserve.deployment.render.objects": (
+    "pdserve.deployment.render.static_objects": (
+        "kopf",
+        "kubernetes",
+        "pdserve.proxy",
+        "pdserve.sim",
+        "pdserve.operator",
+    ),
+    "pdserve.deployment.render.engine_pod": (
         "kopf",
         "kubernetes",
         "pdserve.proxy",

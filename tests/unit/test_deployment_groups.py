@@ -18,18 +18,17 @@ import pytest
 import yaml
 
 from pdserve.deployment.cli import to_yaml
+from pdserve.deployment.render.engine_pod import instance_pod, template_hash
 from pdserve.deployment.render.groups import group_pods, instance_lws, render_all
-from pdserve.deployment.render.objects import (
+from pdserve.deployment.render.names import (
     GROUP_LABEL,
     GROUP_NODE_LABEL,
     GROUP_SIZE_ANNOTATION,
     INSTANCE_LABEL,
     ROLE_LABEL,
     TEMPLATE_HASH_LABEL,
-    disruption_budget,
-    instance_pod,
-    template_hash,
 )
+from pdserve.deployment.render.static_objects import disruption_budget
 from pdserve.deployment.spec.pddeployment import PDDeployment, parse_pddeployment
 from pdserve.deployment.validate import problems
 from pdserve.routing import Role

@@ -23,24 +23,23 @@ from pdserve.deployment.render.defaults import (
     ROUTER_PRESTOP_SECONDS,
     ROUTER_SHUTDOWN_GRACE_SECONDS,
 )
-from pdserve.deployment.render.groups import render_all
-from pdserve.deployment.render.objects import (
-    DEFAULT_IMAGE,
-    desired_static_objects,
-    engine_service,
+from pdserve.deployment.render.engine_pod import (
     instance_pod,
     instance_pod_revision,
     pod_parallel_sizes,
-    role_selector,
-    router_deployment,
-    router_rbac,
-    router_service,
-    routing_configmap,
-    selector_string,
     template_hash,
 )
-from pdserve.deployment.render.routing_table import ObservedInstance, build_routing_table
-from pdserve.deployment.spec.pddeployment import MAX_NAME_LENGTH, PDDeployment, parse_pddeployment
+from pdserve.deployment.render.groups import render_all
+from pdserve.deployment.render.names import role_selector, selector_string
+from pdserve.deployment.render.router import router_deployment, router_rbac, router_service
+from pdserve.deployment.render.routing_table import ObservedInstance, build_routing_table, routing_configmap
+from pdserve.deployment.render.static_objects import desired_static_objects, engine_service
+from pdserve.deployment.spec.pddeployment import (
+    DEFAULT_IMAGE,
+    MAX_NAME_LENGTH,
+    PDDeployment,
+    parse_pddeployment,
+)
 from pdserve.routing import Role, build_slot_table, load_routing_table
 from tests.support import specs
 

@@ -12,9 +12,11 @@ import pytest
 
 from pdserve.deployment.cli import to_yaml
 from pdserve.deployment.plan.revision import pairing_revision
+from pdserve.deployment.render.engine_pod import template_hash
 from pdserve.deployment.render.groups import render_all
-from pdserve.deployment.render.objects import desired_static_objects, router_pod_selector, template_hash
+from pdserve.deployment.render.router import router_pod_selector
 from pdserve.deployment.render.routing_table import build_routing_table
+from pdserve.deployment.render.static_objects import desired_static_objects
 from pdserve.deployment.spec.pddeployment import SpecError, parse_pddeployment
 from pdserve.deployment.validate import problems
 from pdserve.routing import Role

@@ -13,14 +13,10 @@ from typing import Any
 import pytest
 
 from pdserve.deployment import cli as render_cli
+from pdserve.deployment.render.engine_pod import instance_pod, template_hash
 from pdserve.deployment.render.groups import render_all
-from pdserve.deployment.render.objects import (
-    disruption_budget,
-    disruption_budget_name,
-    instance_pod,
-    role_selector,
-    template_hash,
-)
+from pdserve.deployment.render.names import disruption_budget_name, role_selector
+from pdserve.deployment.render.static_objects import disruption_budget
 from pdserve.deployment.spec.pddeployment import (
     DisruptionBudgetSpec,
     PDDeployment,

@@ -12,7 +12,7 @@ from pdserve.deployment.plan.gangs import (
     Verdict,
     judge,
 )
-from pdserve.deployment.render.objects import (
+from pdserve.deployment.render.names import (
     GROUP_FORMED_ANNOTATION,
     GROUP_LABEL,
     GROUP_NODE_LABEL,

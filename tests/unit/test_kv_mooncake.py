@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from pdserve.deployment.render.objects import instance_pod
+from pdserve.deployment.render.engine_pod import instance_pod
 from pdserve.deployment.render.routing_table import ObservedInstance, build_routing_table
 from pdserve.deployment.spec.pddeployment import SpecError, load_manifest_file
 from pdserve.deployment.validate import problems

@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from pdserve.deployment.render.objects import instance_pod
+from pdserve.deployment.render.engine_pod import instance_pod
 from pdserve.deployment.spec.pddeployment import PDDeployment, SpecError
 from pdserve.deployment.validate import problems
 from pdserve.routing import Role

@@ -8,7 +8,8 @@ from typing import Any
 
 import pytest
 
-from pdserve.deployment.render.objects import instance_pod, router_deployment
+from pdserve.deployment.render.engine_pod import instance_pod
+from pdserve.deployment.render.router import router_deployment
 from pdserve.deployment.spec.pddeployment import PDDeployment, load_manifest_file
 from pdserve.local.plan import LOOPBACK, PlanError, SimTimings, plan_local_run
 from pdserve.local.view import instance_rows, prefix_cache_counts, render_frame, summary_line

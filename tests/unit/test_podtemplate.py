@@ -9,7 +9,8 @@ from typing import Any
 import pytest
 import yaml
 
-from pdserve.deployment.render.objects import instance_pod, router_deployment, template_hash
+from pdserve.deployment.render.engine_pod import instance_pod, template_hash
+from pdserve.deployment.render.router import router_deployment
 from pdserve.deployment.spec import owned as pt
 from pdserve.deployment.spec.pddeployment import SpecError
 from pdserve.deployment.spec.podtemplate import PodTemplate, merge_metadata, merge_pod_spec, parse_template

@@ -10,7 +10,7 @@ import re
 import pytest
 
 from pdserve.deployment.render.groups import render_all
-from pdserve.deployment.render.objects import router_deployment
+from pdserve.deployment.render.router import router_deployment
 from pdserve.deployment.spec.pddeployment import SpecError
 from pdserve.proxy.cli import UsageError, configure, settings_from_args
 from pdserve.proxy.settings import ProxySettings

@@ -146,7 +146,7 @@ def test_a_multi_node_role_scales_by_whole_groups() -> None:
     """An instance of 16 ranks over 8-GPU nodes is a group of two pods: the autoscaler's count
     is in groups, every pod of a new instance is rendered, none of a removed one."""
     from pdserve.deployment.render.groups import render_all
-    from pdserve.deployment.render.objects import GROUP_LABEL, ROLE_LABEL
+    from pdserve.deployment.render.names import GROUP_LABEL, ROLE_LABEL
 
     doc = sim_manifest(
         "mn",

@@ -14,7 +14,7 @@ from pdserve.deployment.plan.scheduling import (
     with_gate,
 )
 from pdserve.deployment.plan.status import Observation, compute_status
-from pdserve.deployment.render.objects import instance_pod
+from pdserve.deployment.render.engine_pod import instance_pod
 from pdserve.routing import Role
 from tests.support.specs import pdd_of
 

@@ -7,8 +7,9 @@ from typing import Any
 
 import pytest
 
+from pdserve.deployment.render.engine_pod import instance_pod
 from pdserve.deployment.render.groups import render_all
-from pdserve.deployment.render.objects import instance_pod, router_deployment, router_service
+from pdserve.deployment.render.router import router_deployment, router_service
 from pdserve.deployment.spec.pddeployment import PDDeployment, SpecError
 from pdserve.deployment.validate import problems
 from pdserve.routing import Role

@@ -12,7 +12,8 @@ from typing import Any
 import pytest
 import yaml
 
-from pdserve.deployment.render.objects import instance_pod, router_deployment, template_hash
+from pdserve.deployment.render.engine_pod import instance_pod, template_hash
+from pdserve.deployment.render.router import router_deployment
 from pdserve.deployment.spec.pddeployment import SpecError, parse_pddeployment
 from pdserve.deployment.spec.tracing import TracingSpec, with_endpoint
 from pdserve.deployment.validate import problems

@@ -5,7 +5,7 @@ requests to ``http://127.0.0.1:<port>``: no shared router in the path, one hop l
 pod needs, rendered from the operator's own router pieces (no second copy of them):
 
 * the ``router`` container of the router Deployment
-  (:func:`pdserve.deployment.render.objects.router_deployment`: image, flags, keys,
+  (:func:`pdserve.deployment.render.router.router_deployment`: image, flags, keys,
   ``spec.router.template``'s router container), with its client port on
   127.0.0.1 (only the application reaches it) and its admin port (probes, metrics, ``/debug``)
   on the pod's address (``--admin-host 0.0.0.0``): the kubelet probes the admin port;
@@ -20,7 +20,7 @@ pod needs, rendered from the operator's own router pieces (no second copy of the
   ServiceAccount.
 
 The names are fixed so that the chart's ``clientSidecars`` value renders the same objects:
-Role ``NAME-routing-reader``, RoleBinding ``NAME-routing-reader-ACCOUNT``.
+Role ``NAME-routing-reader``, RoleBinding ``NAME-routing-reader-ACCOUNT`` (names.py).
 """
 
 from __future__ import annotations
@@ -29,12 +29,14 @@ import copy
 from typing import Any
 
 from pdserve.deployment.render.decode_sidecar import SIDECAR_PORT, TOKEN_PATH, TOKEN_VOLUME, token_volume
-from pdserve.deployment.render.objects import (
+from pdserve.deployment.render.names import (
+    client_account_name,
+    client_binding_name,
+    client_role_name,
     namespaced,
-    router_deployment,
     routing_configmap_name,
-    routing_reader_rbac,
 )
+from pdserve.deployment.render.router import router_deployment, routing_reader_rbac
 from pdserve.deployment.render.security import ADMIN_PORT_NAME
 from pdserve.deployment.spec.owned import ROUTER_CONTAINER
 from pdserve.deployment.spec.pddeployment import PDDeployment
@@ -42,19 +44,6 @@ from pdserve.deployment.spec.pddeployment import PDDeployment
 LOCALHOST = "127.0.0.1"
 #: Labels of the client RBAC objects; not the operator's (it neither owns nor prunes them).
 PART_OF = "app.kubernetes.io/part-of"
-
-
-def client_account_name(pdd: PDDeployment) -> str:
-    """The default ServiceAccount of a client application (``--service-account``)."""
-    return f"{pdd.name}-client"
-
-
-def client_role_name(pdd: PDDeployment) -> str:
-    return f"{pdd.name}-routing-reader"
-
-
-def client_binding_name(pdd: PDDeployment, account: str) -> str:
-    return f"{client_role_name(pdd)}-{account}"
 
 
 def client_router_container(

@@ -1,6 +1,6 @@
 """``spec.router.placement: decode-sidecar``: the router as a container of every decode pod.
 
-What the decode pod gets (pure; objects.py puts it into the pod before the decode template is
+What the decode pod gets (pure; engine_pod.py puts it into the pod before the decode template is
 merged, so the placement is part of the decode template hash and changing it rolls decode):
 
 * a ``router`` container running ``pdserve proxy --local-decode http://$(POD_IP):<engine port>``

@@ -1,6 +1,6 @@
 """What each pod of a multi-node instance (a group) runs: its engine flags, and the LWS wrapper.
 
-Pure and below :mod:`pdserve.deployment.render.objects` and :mod:`pdserve.deployment.render.groups`,
+Pure and below :mod:`pdserve.deployment.render.engine_pod` and :mod:`pdserve.deployment.render.groups`,
 which render the pods (:func:`~pdserve.deployment.render.groups.group_pods`,
 :func:`~pdserve.deployment.render.groups.instance_lws`).
 The flags follow vLLM 0.32 (spec/multinode.py cites the source):

@@ -4,7 +4,7 @@ An instance larger than ``gpusPerNode`` (pdserve/deployment/spec/multinode.py) i
 ``pods``, a group of pods the operator creates itself (:func:`group_pods`: the leader, then the
 workers once it has an address) and, with backend ``lws``, one LeaderWorkerSet
 (:func:`instance_lws`). Each pod runs the engine flags of its node (groupflags.py); the pod
-specs come from objects.py, so a group's pods differ from a single-node instance's only in
+specs come from engine_pod.py, so a group's pods differ from a single-node instance's only in
 those flags, their GPU share, their names and labels, and (headless pods) their probes.
 :func:`render_all` is what ``pdserve render`` prints.
 """
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from pdserve.deployment.render.engine_pod import instance_pod, pod_metadata, pod_spec, template_hash
 from pdserve.deployment.render.groupflags import (
     LEADER_ADDRESS_ENV,
     LWS_LEADER_ADDRESS_ENV,
@@ -21,24 +22,19 @@ from pdserve.deployment.render.groupflags import (
     lws_object,
     shell_command,
 )
-from pdserve.deployment.render.objects import (
+from pdserve.deployment.render.names import (
     GROUP_LABEL,
     GROUP_SIZE_ANNOTATION,
     INSTANCE_LABEL,
     ROLE_LABEL,
     TEMPLATE_HASH_LABEL,
-    desired_static_objects,
     engine_service_name,
     instance_hostname,
     instance_name,
-    instance_pod,
     object_metadata,
-    pod_metadata,
-    pod_spec,
-    routing_configmap,
-    template_hash,
 )
-from pdserve.deployment.render.routing_table import build_routing_table
+from pdserve.deployment.render.routing_table import build_routing_table, routing_configmap
+from pdserve.deployment.render.static_objects import desired_static_objects
 from pdserve.deployment.spec.multinode import BACKEND_LWS, GroupShape
 from pdserve.deployment.spec.pddeployment import PDDeployment
 from pdserve.routing import Role, RoutingTable

@@ -7,16 +7,21 @@ the format is :mod:`pdserve.routing.table`'s, never redefined.
 Instances without an address (a pod not yet scheduled or without an IP) are left out: the
 table's ``url`` must be a real address, and such an instance could not be routed to anyway.
 The operator's status counts pods, not table entries, so nothing is lost.
+
+The operator publishes the table as ConfigMap ``NAME-routing`` (:func:`routing_configmap`),
+which the routers watch.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from pdserve.deployment.plan.revision import pairing_revision
+from pdserve.deployment.render.names import object_metadata, routing_configmap_name
 from pdserve.deployment.spec.pddeployment import ENGINE_PORT, PDDeployment
-from pdserve.routing import Endpoint, Instance, Role, RoutingTable
+from pdserve.routing import CONFIGMAP_KEY, Endpoint, Instance, Role, RoutingTable
 
 
 @dataclass(frozen=True)
@@ -101,3 +106,12 @@ def build_routing_table(
 
 def _host(ip: str) -> str:
     return f"[{ip}]" if ":" in ip else ip
+
+
+def routing_configmap(pdd: PDDeployment, table: RoutingTable) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": object_metadata(pdd, routing_configmap_name(pdd), "routing"),
+        "data": {CONFIGMAP_KEY: table.to_json()},
+    }

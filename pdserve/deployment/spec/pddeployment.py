@@ -185,7 +185,8 @@ class RoleSpec:
     template: PodTemplate = field(default_factory=PodTemplate)
     shm_size: str = DEFAULT_SHM_SIZE
     startup_timeout_seconds: int = DEFAULT_STARTUP_TIMEOUT
-    #: Rendered as the role's PodDisruptionBudget (render/objects.py); the operator's own deletes ignore it.
+    #: Rendered as the role's PodDisruptionBudget (render/static_objects.py); the operator's own
+    #: deletes ignore it.
     disruption_budget: DisruptionBudgetSpec = field(default_factory=DisruptionBudgetSpec)
 
     @property
