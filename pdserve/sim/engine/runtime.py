@@ -1,5 +1,5 @@
 """The engines of one simulator process: a :class:`RankEngine` per DP rank it serves, and the
-pull notices between prefill and decode simulators. The HTTP server (pdserve.sim.server) hands
+pull notices between prefill and decode simulators. The HTTP server (pdserve.sim.answer) hands
 each accepted generation request to the rank's engine and streams the tokens as they come.
 """
 
