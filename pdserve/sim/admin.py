@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import time
+from dataclasses import dataclass, field
 
 from aiohttp import web
 
@@ -24,23 +25,16 @@ from pdserve.sim.stats import SimStats
 from pdserve.wire.openai import error_body
 
 
+@dataclass
 class Admin:
     """The routes that report on, and steer, one simulator process's ``generation``."""
 
-    def __init__(
-        self,
-        config: SimConfig,
-        stats: SimStats,
-        group: GroupState,
-        engines: Engines | None,
-        generation: Generation,
-    ) -> None:
-        self.config = config
-        self.stats = stats
-        self.group = group
-        self.engines = engines
-        self.generation = generation
-        self._started = int(time.time())
+    config: SimConfig
+    stats: SimStats
+    group: GroupState
+    engines: Engines | None
+    generation: Generation
+    started: int = field(default_factory=lambda: int(time.time()))  # /v1/models' "created"
 
     # --- vLLM's ---------------------------------------------------------------------------------
 
@@ -49,7 +43,7 @@ class Admin:
         return web.Response(status=200) if problem is None else web.Response(status=503, text=problem)
 
     async def models(self, request: web.Request) -> web.Response:
-        return web.json_response(payloads.models_body(self.config.identity, self._started))
+        return web.json_response(payloads.models_body(self.config.identity, self.started))
 
     async def version(self, request: web.Request) -> web.Response:
         return web.json_response({"version": "pdserve-sim"})
