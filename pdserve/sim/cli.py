@@ -53,12 +53,13 @@ from pdserve.argtypes import (
     stating_default,
 )
 from pdserve.listen import unavailable
+from pdserve.sim.config import ROLES, SimConfig
 from pdserve.sim.engine import flags as engine_flags
 from pdserve.sim.faults import FaultSpecError, parse_faults
 from pdserve.sim.group import GroupConfig, GroupConfigError
 from pdserve.sim.payloads import Identity
 from pdserve.sim.process import serve
-from pdserve.sim.server import ROLES, SimConfig, Simulator
+from pdserve.sim.server import Simulator
 
 AUTO = "auto"
 

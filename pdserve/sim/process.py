@@ -51,7 +51,7 @@ async def serve(sim: Simulator, host: str, port: int, backlog: int = 4096) -> in
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, on_signal, sig)
     c = sim.config
-    faults = ", ".join(f.spec() for f in sim.faults) or "none"
+    faults = ", ".join(f.spec() for f in sim.generation.faults) or "none"
     where = f"group={describe(group)} " if group.multi_node else ""
     if c.engine is not None:
         e = c.engine.config

@@ -15,8 +15,8 @@ from pdserve.loadgen.replay import ReplayOptions
 from pdserve.loadgen.trace import PoissonSpec
 from pdserve.operator import cli as operator_cli
 from pdserve.sim import cli as sim_cli
+from pdserve.sim.config import SimConfig
 from pdserve.sim.group import GroupConfig
-from pdserve.sim.server import SimConfig
 
 
 @dataclass(frozen=True)

@@ -25,11 +25,12 @@ import pytest
 from aiohttp.test_utils import TestServer
 
 from pdserve.proxy.serving.generation import parse_request
+from pdserve.sim.config import SimConfig
 from pdserve.sim.engine.profile import load as load_profile
 from pdserve.sim.engine.runtime import EngineSetup
 from pdserve.sim.engine.scheduler import EngineConfig
 from pdserve.sim.payloads import Identity
-from pdserve.sim.server import SimConfig, Simulator
+from pdserve.sim.server import Simulator
 from pdserve.wire.openai import VALIDATION_ERROR_TYPE, RequestError, error_type, normalize_error_body
 from tests.support.procs import free_port
 from tests.support.vllm_fixtures import (

@@ -1,6 +1,7 @@
 """The engines of one simulator process: a :class:`RankEngine` per DP rank it serves, and the
-pull notices between prefill and decode simulators. The HTTP server (pdserve.sim.server) hands
-each accepted generation request to the rank's engine and streams the tokens as they come.
+pull notices between prefill and decode simulators. The HTTP server's answer of an accepted
+generation request (pdserve.sim.answer) hands it to the rank's engine and streams the tokens as
+they come.
 """
 
 from __future__ import annotations
