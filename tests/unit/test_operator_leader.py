@@ -185,6 +185,14 @@ class Store:
 
     record: LeaseRecord | None = None
     version: int = 0
+    decisions: int = 0
+
+    def micro_time(self, now: float) -> str:
+        """The wall time a decision writes: a MicroTime, never the same for two decisions (each
+        follows an API round trip), so a renewal always changes the record, as on a real cluster.
+        Two equal records would read as no renewal to the followers (client-go compares records)."""
+        self.decisions += 1
+        return f"t={now}#{self.decisions}"
 
     def write(self, expected: str | None, record: LeaseRecord) -> str | None:
         current = str(self.version) if self.record is not None else None
@@ -214,7 +222,7 @@ def read(c: Candidate, store: Store, now: float) -> None:
     if decision.step is Step.LOST:
         c.lost, c.last_renewed = True, None
     elif decision.step is not Step.WAIT:
-        wanted = next_record(decision.step, store.record, c.identity, 15, f"t={now}")
+        wanted = next_record(decision.step, store.record, c.identity, 15, store.micro_time(now))
         c.pending = (decision.step, wanted, version)
 
 
