@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from pdserve.operator.cli import configure, election_config
@@ -250,6 +250,18 @@ actions = st.lists(
 
 @settings(max_examples=1000, deadline=None)
 @given(actions, st.lists(st.floats(-1e6, 1e6), min_size=3, max_size=3))
+@example(  # an acquire, then a renewal decided at once and sent 19 s late (equal records fooled c2)
+    [
+        ("attempt", 0, 0.1),
+        ("attempt", 2, 0.1),
+        ("read", 0, 0.1),
+        ("tick", 0, 9.5),
+        ("tick", 0, 9.5),
+        ("write", 0, 0.1),
+        ("attempt", 2, 0.1),
+    ],
+    [0.0, 0.0, 0.0],
+)
 def test_no_two_candidates_ever_pass_the_fence_at_once(
     steps: list[tuple[str, int, float]], offsets: list[float]
 ) -> None:
