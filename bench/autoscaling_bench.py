@@ -25,7 +25,9 @@ and .png, and autoscaling-<timestamp>.json. A benchmark, not a test: it asserts 
 targets of the issue are printed against the figures.
 
 Run with ``make bench-autoscaling`` or ``python -m bench.autoscaling_bench`` (about 20 minutes at
-x4); ``--limit N`` replays the first N requests only. ``serve`` is the entry the ``hpa`` run
+x4); ``--limit N`` replays the first N requests only; ``--swing F --label swing`` replays the
+same requests with the first and last third of them at 1/F of the trace's rate (a load that swings,
+which the trace's own Poisson arrivals at one rate do not). ``serve`` is the entry the ``hpa`` run
 starts ``pdserve up`` through (with its policy in place of the autoscaler's).
 """
 
@@ -52,7 +54,7 @@ from typing import Any
 
 import yaml
 
-from bench.autoscaling_bound import Bound, bound
+from bench.autoscaling_bound import Bound, bound, swing
 from bench.replay_bench import find_trace
 from pdserve.deployment.plan.autoscale import (
     ROLES,
@@ -443,15 +445,17 @@ def plot(
 def markdown(
     figures: Mapping[str, Mapping[str, Any]],
     config: Mapping[str, Any],
-    has_png: bool,
+    png: str | None,
     ideal: Bound | None = None,
 ) -> str:
     lines = [
         "# Autoscaling: one autoscaler for the pair against fixed sizes and per-role HPA "
         f"(x{config['speedup']:g})",
         "",
-        f"Mooncake {config['trace']}: {config['requests']} requests replayed at x{config['speedup']:g} "
-        f"through `pdserve up` with step-engine sims (profile `{PROFILE}`), run {config['run']}. Objectives: "
+        f"Mooncake {config['trace']}: {config['requests']} requests replayed at x{config['speedup']:g}"
+        + _swung(config.get("swing", 1.0))
+        + f" through `pdserve up` with step-engine sims (profile `{PROFILE}`), run {config['run']}. "
+        "Objectives: "
         f"TTFT p{PERCENTILE:g} <= {TTFT_MS:g} ms and ITL p{PERCENTILE:g} <= {ITL_MS:g} ms; attainment is "
         "the share of requests within both (TTFT and mean ITL per request; a failed request misses). The "
         "autoscalers' time figures are divided by the speed-up (decision every "
@@ -481,8 +485,8 @@ def markdown(
     lines += ["", "## The issue's targets", "", *targets(figures, ideal), ""]
     if ideal is not None:
         lines += ideal_section(ideal, config)
-    if has_png:
-        lines += ["![instances per role against the offered load](autoscaling-latest.png)", ""]
+    if png is not None:
+        lines += [f"![instances per role against the offered load]({png})", ""]
     lines += [
         "Instance-seconds count every running engine from the replay's first request to its last answer, "
         "starting and draining ones included. The simulators are Ready in a second or two; real vLLM "
@@ -519,6 +523,15 @@ def ideal_section(ideal: Bound, config: Mapping[str, Any]) -> list[str]:
     ]
 
 
+def _swung(factor: float) -> str:
+    if factor == 1:
+        return ""
+    return (
+        f", swung (the first and last third of the requests at 1/{factor:g} of the trace's rate, the "
+        "middle third at its rate: `--swing`; the trace's own arrivals are Poisson at one rate)"
+    )
+
+
 def _num(value: float | None) -> str:
     return "-" if value is None else f"{value:,.0f}"
 
@@ -537,14 +550,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--speedup", type=float, default=4.0, help="trace time compression (default: 4)")
     parser.add_argument("--limit", type=int, help="the first N requests only")
     parser.add_argument("--label", default="latest", help="names the results: autoscaling-<label>.md")
+    parser.add_argument(
+        "--swing",
+        type=float,
+        metavar="F",
+        default=1.0,
+        help="the first and last third of the requests at 1/F of the trace's rate (default: 1, the trace)",
+    )
     args = parser.parse_args(argv)
 
     trace = find_trace(args.trace)
-    arrivals = schedule(read_trace(trace), args.speedup, args.limit)
+    arrivals = swing(schedule(read_trace(trace), args.speedup, args.limit), args.swing)
     stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
     work = Path(tempfile.mkdtemp(prefix="autoscaling-bench-"))
     runs: dict[str, Run] = {}
-    print(f"{len(arrivals)} requests of {trace.name} at x{args.speedup:g}; logs in {work}", flush=True)
+    shape = "" if args.swing == 1 else f", swung x{args.swing:g}"
+    print(f"{len(arrivals)} requests of {trace.name} at x{args.speedup:g}{shape}; logs in {work}", flush=True)
 
     def one(name: str, counts: Mapping[str, int], autoscaled: bool) -> None:
         runs[name] = run_one(name, manifest(counts, args.speedup, autoscaled), arrivals, args.speedup, work)
@@ -569,6 +590,7 @@ def main(argv: list[str] | None = None) -> int:
         "trace": trace.name,
         "requests": len(arrivals),
         "speedup": args.speedup,
+        "swing": args.swing,
         "run": stamp,
         "period_s": max(1, round(15 / args.speedup)),
         "window_s": max(5, round(60 / args.speedup)),
@@ -587,7 +609,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     png = RESULTS / f"autoscaling-{args.label}.png"
     has_png = plot(runs, arrivals, png, args.speedup, ideal)
-    text = markdown(figures, config, has_png, ideal)
+    text = markdown(figures, config, png.name if has_png else None, ideal)
     (RESULTS / f"autoscaling-{args.label}.md").write_text(text)
     timelines = {n: [(round(t, 2), c) for t, c in r.samples] for n, r in runs.items()}
     archive = RESULTS / f"autoscaling-{stamp}.json"

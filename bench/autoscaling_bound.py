@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from pdserve.loadgen.schedule import Arrival
 from pdserve.sim.engine.profile import Profile
@@ -63,6 +63,25 @@ def role_loads(
         context = prompt + tokens / 2
         out["decode"][i] += tokens * (step.decode_seq_ms + context / 1000 * step.context_ktoken_ms) / width
     return width, out
+
+
+def swing(arrivals: Sequence[Arrival], factor: float) -> list[Arrival]:
+    """The same requests in the same order, the first and the last third of them arriving at
+    ``1 / factor`` of the trace's rate (the gaps before them stretched ``factor`` times), the middle
+    third as the trace has it. The shared trace's arrivals are Poisson at one rate, so an
+    autoscaler has little to save on it; this is a load that swings ``factor`` times and stays low
+    for many scale-down windows, built from the same requests. ``factor`` 1: the trace unchanged."""
+    if factor <= 0:
+        raise ValueError(f"the swing factor must be > 0, got {factor}")
+    n = len(arrivals)
+    out: list[Arrival] = []
+    at = previous = arrivals[0].at_s if arrivals else 0.0
+    for i, a in enumerate(arrivals):
+        stretch = 1.0 if n // 3 <= i < 2 * n // 3 else factor
+        at += (a.at_s - previous) * stretch
+        previous = a.at_s
+        out.append(replace(a, at_s=at))
+    return out
 
 
 def bound(

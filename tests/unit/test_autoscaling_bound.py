@@ -3,9 +3,11 @@ exactly would bill against a deployment fixed at the peak."""
 
 from __future__ import annotations
 
+from itertools import pairwise
+
 import pytest
 
-from bench.autoscaling_bound import bound
+from bench.autoscaling_bound import bound, swing
 from pdserve.loadgen.schedule import Arrival
 from pdserve.loadgen.trace import TraceRequest
 from pdserve.sim.engine.profile import load
@@ -49,3 +51,19 @@ def test_whole_instances_round_up_and_never_go_below_the_minimum() -> None:
     b = bound(arrivals([8, 3, 0, 3]), PROFILE, PEAK, MINIMUM, 10.0, 0.0)
     assert list(b.counts["prefill"]) == [4, 2, 1, 2]  # 1.5 -> 2, nothing -> minInstances
     assert b.whole > b.fractional
+
+
+def test_swing_slows_the_first_and_last_third_and_keeps_the_requests() -> None:
+    trace = arrivals([3] * 4)  # 12 requests, gaps of 3.33 s
+    swung = swing(trace, 3.0)
+    gaps = [b.at_s - a.at_s for a, b in pairwise(swung)]
+    before = [b.at_s - a.at_s for a, b in pairwise(trace)]
+    assert [a.request for a in swung] == [a.request for a in trace] and swung[0].at_s == trace[0].at_s
+    # the gap before request i is stretched unless i is in the middle third (4..7)
+    assert gaps == pytest.approx([g * (1 if 4 <= i + 1 < 8 else 3) for i, g in enumerate(before)])
+    assert swing(trace, 1.0) == trace
+    b_trace = bound(trace, PROFILE, PEAK, MINIMUM, 10.0, 0.0)
+    b_swung = bound(swung, PROFILE, PEAK, MINIMUM, 10.0, 0.0)
+    assert b_swung.fractional < b_trace.fractional  # a load that swings leaves more to save
+    with pytest.raises(ValueError, match="swing factor"):
+        swing(trace, 0.0)
