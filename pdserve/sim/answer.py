@@ -99,10 +99,6 @@ class Answers:
         kv_answer = None
         if self.engines is None:
             kv_answer = self._kv_answer(job)
-            if kv_answer is not None:
-                if kind is FaultKind.MALFORMED_KV_PARAMS:
-                    kv_answer = job.connector.simulate.malformed(kv_answer)
-                job.record["kv_answer"] = kv_answer
         else:
             self._submit(job)
         drop = kind is FaultKind.DROP_MID_STREAM
@@ -144,14 +140,10 @@ class Answers:
         """An engine's prefill answer names the blocks it really holds, known once it ran."""
         if self.engines is None or job.engine_request is None or job.leg != "prefill":
             return kv_answer
-        kv_answer = self._kv_answer(job, [self.engines.block_ids(job.rank, job.engine_request)])
-        if kv_answer is not None:
-            if job.fault is FaultKind.MALFORMED_KV_PARAMS:
-                kv_answer = job.connector.simulate.malformed(kv_answer)
-            job.record["kv_answer"] = kv_answer
-        return kv_answer
+        return self._kv_answer(job, [self.engines.block_ids(job.rank, job.engine_request)])
 
     def _kv_answer(self, job: Job, blocks: list[list[int]] | None = None) -> dict[str, Any] | None:
+        """A prefill leg's ``kv_transfer_params`` answer (malformed under its fault), recorded."""
         if job.leg != "prefill":
             return None
         if blocks is None:
@@ -169,7 +161,12 @@ class Answers:
         params = job.body["kv_transfer_params"]
         simulate = job.connector.simulate
         prefill = SimPrefill(engine, job.engine_request_id, job.prompt_tokens, blocks)
-        return simulate.prefill_answer(prefill, params)
+        answer = simulate.prefill_answer(prefill, params)
+        if answer is not None:
+            if job.fault is FaultKind.MALFORMED_KV_PARAMS:
+                answer = simulate.malformed(answer)
+            job.record["kv_answer"] = answer
+        return answer
 
     async def _respond(
         self, request: web.Request, job: Job, kv_answer: dict[str, Any] | None, drop: bool

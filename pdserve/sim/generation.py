@@ -152,7 +152,7 @@ class Generation:
         remote = self.group.remote_url(rank)
         if remote is not None or not self.group_config.owns(rank):
             return await self._forward(request, remote, rank, raw, leg, header_rank is not None)
-        job = self._admit(request, endpoint, body, leg, rank, header_rank is not None)
+        job = self._admit(request, endpoint, body, prompt_tokens, leg, rank, header_rank is not None)
         if leg == "decode":
             problems = job.connector.simulate.handoff_problems(body["kv_transfer_params"])
             if problems:
@@ -250,6 +250,7 @@ class Generation:
         request: web.Request,
         endpoint: Endpoint,
         body: Mapping[str, Any],
+        prompt_tokens: int,
         leg: Leg,
         rank: int,
         header: bool,
@@ -303,14 +304,14 @@ class Generation:
             index=rank - self.first_rank,
             base_id=base,
             engine_request_id=engine_request_id,
-            prompt_tokens=count_prompt_tokens(body, endpoint),
-            num_tokens=self._output_tokens(body, endpoint),
+            prompt_tokens=prompt_tokens,
+            num_tokens=self._output_tokens(body, prompt_tokens),
             record=record,
             connector=self._connector(params, leg),
             trace_headers=trace_headers,
         )
 
-    def _output_tokens(self, body: Mapping[str, Any], endpoint: Endpoint) -> int:
+    def _output_tokens(self, body: Mapping[str, Any], prompt_tokens: int) -> int:
         """--tokens, capped by max_tokens; with an engine max_tokens is honoured as vLLM does (a
         performance model must generate what a trace asks), within max_model_len."""
         if self.engines is None:
@@ -318,5 +319,5 @@ class Generation:
         cap = body.get("max_tokens") or body.get("max_completion_tokens")
         if cap is None:
             return self.config.tokens
-        room = self.config.identity.max_model_len - count_prompt_tokens(body, endpoint)
+        room = self.config.identity.max_model_len - prompt_tokens
         return max(1, min(int(cap), room))
