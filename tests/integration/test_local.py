@@ -36,7 +36,7 @@ from pdserve.deployment.spec.pddeployment import load_manifest_file
 from pdserve.local.plan import plan_local_run
 from pdserve.local.runner import LocalRunner
 from pdserve.routing import load_routing_table
-from tests.support.procs import REPO, free_port, pdserve_argv, spawn_pdserve
+from tests.support.procs import REPO, free_port, free_ports, pdserve_argv, spawn_pdserve
 from tests.support.specs import sim_manifest
 
 EXAMPLES = REPO / "examples"
@@ -384,8 +384,7 @@ async def test_a_killed_engine_takes_every_process_it_started_along(tmp_path: Pa
     marker = f"fake-engine-{uuid.uuid4().hex[:8]}"
     pdd = load_manifest_file(EXAMPLES / "sim" / "quickstart.yaml")
     instances = pdd.spec.prefill.instances + pdd.spec.decode.instances
-    ports = [free_port() for _ in range(instances + 1)]
-    assert len(set(ports)) == len(ports)
+    ports = free_ports(instances + 1)
     routing_file = tmp_path / "routing.json"
     plan = plan_local_run(pdd, "sim", ports[:-1], ports[-1], str(routing_file))
     victim = plan.engines[-1]

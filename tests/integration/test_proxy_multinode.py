@@ -16,7 +16,7 @@ import time
 import pytest
 
 from tests.support.pdstack import FAST_SIM, PDStack, StackFactory, decode_sim, http, proxy_args
-from tests.support.procs import Proc, ProcessGroup, free_port, wait_http
+from tests.support.procs import Proc, ProcessGroup, free_port, free_ports, wait_http
 
 
 def node(
@@ -31,7 +31,7 @@ def node(
 @pytest.fixture(scope="module")
 def stack(pd_stack: StackFactory) -> tuple[PDStack, dict[str, Proc]]:
     pd = pd_stack("multinode", {"e": decode_sim(2)}, proxy=None)  # e: a single-node DP2 decode
-    p_rpc, d_rpc = free_port(), free_port()
+    p_rpc, d_rpc = free_ports(2)
     hybrid = "--data-parallel-hybrid-lb"
     nodes = {
         "p.0": node(pd.group, "p.0", "prefill", 0, p_rpc, hybrid, health="/sim/stats"),

@@ -23,7 +23,7 @@ import pytest
 
 from pdserve.routing.table import RoutingTable, load_routing_table
 from tests.support.kube import REPO, KubeCluster, eventually
-from tests.support.procs import free_port, running, spawn_pdserve
+from tests.support.procs import free_ports, running, spawn_pdserve
 from tests.support.specs import vllm_manifest
 
 WAIT = 60.0
@@ -96,8 +96,7 @@ class Operator:
     extra_args: list[str] = field(default_factory=list)
 
     def start(self) -> None:
-        liveness = free_port()
-        self.metrics_port = free_port()
+        liveness, self.metrics_port = free_ports(2)
         args = [
             "operator",
             "--namespace",

@@ -24,7 +24,7 @@ from typing import Any
 
 import pytest
 
-from tests.support.procs import REPO, free_port
+from tests.support.procs import REPO, free_ports
 
 BUILD = REPO / "hack" / "otelcol" / "build"
 #: The OTLP/JSON span kinds (SPAN_KIND_*), by number.
@@ -222,7 +222,7 @@ def start_collector(directory: Path, binary: Path | None = None) -> Collector:
     if binary is None:
         raise CollectorUnavailable("the test collector is not built: run hack/otelcol/build")
     directory.mkdir(parents=True, exist_ok=True)
-    grpc_port, http_port = free_port(), free_port()
+    grpc_port, http_port = free_ports(2)
     config_file = directory / "otelcol.json"
     config_file.write_text(json.dumps(config(grpc_port, http_port, directory / "spans.jsonl")))
     log = (directory / "otelcol.log").open("wb")
