@@ -66,18 +66,27 @@ def running(thing: S) -> Iterator[S]:
         thing.stop()
 
 
+_handed_out: set[int] = set()
+
+
 def free_port() -> int:
     return free_ports(1)[0]
 
 
 def free_ports(count: int) -> list[int]:
-    """``count`` distinct free loopback ports. The sockets stay bound until all are drawn: ports drawn
-    one at a time may repeat, as the kernel hands a just-released port out again."""
+    """``count`` free loopback ports, none handed out before in this process. The kernel hands a
+    just-released port out again, so two draws in a row can repeat: the sockets stay bound until all
+    are drawn, and ports drawn earlier are skipped."""
+    ports: list[int] = []
     with contextlib.ExitStack() as stack:
-        sockets = [stack.enter_context(socket.socket()) for _ in range(count)]
-        for sock in sockets:
+        while len(ports) < count:
+            sock = stack.enter_context(socket.socket())
             sock.bind(("127.0.0.1", 0))
-        return [int(sock.getsockname()[1]) for sock in sockets]
+            port = int(sock.getsockname()[1])
+            if port not in _handed_out:
+                ports.append(port)
+    _handed_out.update(ports)
+    return ports
 
 
 def wait_http(url: str, timeout: float = 20.0, proc: subprocess.Popen[bytes] | None = None) -> None:
