@@ -76,24 +76,17 @@ class _Waiter:
     future: asyncio.Future[None] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
 
 
+@dataclass(eq=False)
 class AdmissionGate:
     """The admission queue: FIFO, bounded, with a deadline; :meth:`release` after every leg."""
 
-    def __init__(
-        self,
-        limit: int,
-        queue_size: int,
-        timeout: float,
-        metrics: ProxyMetrics,
-        poll_seconds: float | None = None,
-    ) -> None:
-        self.limit = limit
-        self.queue_size = queue_size
-        self.timeout = timeout
-        self.metrics = metrics
-        self.poll_seconds = poll_seconds  # room may also come free where release() is not called
-        self._waiters: deque[_Waiter] = deque()
-        self._poller: asyncio.TimerHandle | None = None
+    limit: int  # legs in flight per slot; 0: no limit
+    queue_size: int
+    timeout: float
+    metrics: ProxyMetrics
+    poll_seconds: float | None = None  # room may also come free where release() is not called
+    _waiters: deque[_Waiter] = field(default_factory=deque, init=False, repr=False)
+    _poller: asyncio.TimerHandle | None = field(default=None, init=False, repr=False)
 
     @property
     def depth(self) -> int:
