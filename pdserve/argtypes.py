@@ -60,7 +60,7 @@ class Flag:
     type: Callable[[str], Any] | None = None  # None: the default's type (a string for None)
     choices: tuple[str, ...] | None = None
     metavar: str | None = None
-    minimum: float | None = None  # checked by the settings class (pdserve.proxy.settings)
+    minimum: float | None = None  # checked when the settings are made (Checked)
     action: str | Callable[..., argparse.Action] | None = None  # argparse's: store_true, append, ...
     nargs: str | None = None
 
@@ -95,6 +95,30 @@ def flags_of(settings_class: type) -> Iterator[tuple[str, Flag, Any]]:
         flag = f.metadata.get("flag")
         if flag is not None:
             yield f.name, flag, f.default
+
+
+class SettingsError(ValueError):
+    """A value a command cannot run with; the message names the flag."""
+
+
+def check_flags(value: object) -> None:
+    """The checks every flag of a settings dataclass states: a minimum, a choice."""
+    for name, flag, _ in flags_of(type(value)):
+        given = getattr(value, name)
+        if given is None:
+            continue
+        if flag.minimum is not None and given < flag.minimum:
+            raise SettingsError(f"{flag.names[0]}: expected a value >= {flag.minimum:g}, got {given}")
+        if flag.choices is not None and given not in flag.choices:
+            raise SettingsError(f"{flag.names[0]}: expected one of {', '.join(flag.choices)}, got {given!r}")
+
+
+class Checked:
+    """A settings dataclass whose flags' checks run when it is made, however it is made (flags,
+    environment, or a caller's arguments)."""
+
+    def __post_init__(self) -> None:
+        check_flags(self)
 
 
 def _verbatim(flag: Flag, default: Any) -> str:

@@ -62,7 +62,7 @@ def create_app(
         settings.policy,
         settings.prefill_policy,
         shared.counters if shared is not None else None,
-        settings.prefix.options,
+        settings.prefix,
         shared.prefix_log if shared is not None else None,
         metrics.enable_prefix() if settings.prefill_policy == PrefixAffinity.name else None,
     )

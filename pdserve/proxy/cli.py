@@ -24,10 +24,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pdserve.argtypes import Flag, add_flags, flag_values, flags_of
+from pdserve.argtypes import Flag, SettingsError, add_flags, flag_values, flags_of
 from pdserve.listen import unavailable
 from pdserve.proxy.serving.cpus import available_cpus
-from pdserve.proxy.settings import GROUPS, ProxySettings, SettingsError, TableSettings
+from pdserve.proxy.settings import GROUPS, ProxySettings, TableSettings
 
 if TYPE_CHECKING:  # the ConfigMap source's modules load only when it is chosen (start-up time)
     import socket

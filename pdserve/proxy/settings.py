@@ -4,18 +4,18 @@ Each field is written once, with its default, its flag, the environment variable
 its default, and its help (pdserve.argtypes.setting): ``pdserve proxy``'s flags are generated from
 these fields (pdserve.proxy.cli), so a default cannot differ between the CLI and the code, and every help
 line shows it. Values are checked where they are made (``__post_init__``): a bad flag,
-environment variable or argument is refused naming the flag, before anything starts.
+environment variable or argument is refused naming the flag, before anything starts. A policy's
+options are declared so in its own module (prefix-affinity's: PrefixOptions), and grouped here.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from pdserve.argtypes import flags_of, port_or_unset, setting
+from pdserve.argtypes import Checked, SettingsError, port_or_unset, setting
 from pdserve.proxy.policies import DEFAULT_POLICY, POLICIES, PREFILL_POLICIES, PrefixOptions
-from pdserve.proxy.policies.prefix_affinity import DEFAULT_INDEX_CHUNKS, UNMATCHED_MODES
 from pdserve.routing.sidecar import LocalDecode
 from pdserve.tracing.endpoint import EndpointError, OtlpEndpoint, parse_endpoint
 
@@ -27,29 +27,6 @@ if TYPE_CHECKING:  # the ConfigMap source's types; the file source never imports
 #: per streamed chunk, and no Hypercorn setting removes it (bench/results/latest.md).
 HTTP_SERVERS = ("hypercorn", "uvicorn")
 LOG_LEVELS = ("debug", "info", "warning", "error")
-
-
-class SettingsError(ValueError):
-    """A value the router cannot run with; the message names the flag."""
-
-
-def _check(value: object) -> None:
-    """The checks every flag states: a minimum, a choice."""
-    for name, flag, _ in flags_of(type(value)):
-        given = getattr(value, name)
-        if given is None:
-            continue
-        if flag.minimum is not None and given < flag.minimum:
-            raise SettingsError(f"{flag.names[0]}: expected a value >= {flag.minimum:g}, got {given}")
-        if flag.choices is not None and given not in flag.choices:
-            raise SettingsError(f"{flag.names[0]}: expected one of {', '.join(flag.choices)}, got {given!r}")
-
-
-class Checked:
-    """A settings dataclass whose flags' checks run when it is made."""
-
-    def __post_init__(self) -> None:
-        _check(self)
 
 
 @dataclass(frozen=True)
@@ -360,72 +337,6 @@ class RequestSettings(Checked):
 
 
 @dataclass(frozen=True)
-class PrefixSettings(Checked):
-    """The prefix-affinity prefill policy (pdserve.proxy.policies.prefix_affinity; docs/proxy.md)."""
-
-    balance: float = setting(
-        PrefixOptions.balance,
-        "--prefix-balance",
-        minimum=0,
-        metavar="EPSILON",
-        help="the load bound: a slot takes a request for its prefix only while its prefill legs in flight "
-        "stay within ceil((1 + EPSILON) x the mean over the live slots), this request counted",
-    )
-    min_match_chars: int = setting(
-        PrefixOptions.min_match_chars,
-        "--prefix-min-match",
-        minimum=0,
-        metavar="CHARS",
-        help="the shortest prompt prefix (characters, rounded up to whole chunks) worth leaving the flat "
-        "interleave for",
-    )
-    chunk_chars: int = setting(
-        PrefixOptions.chunk_chars,
-        "--prefix-chunk-chars",
-        minimum=1,
-        metavar="CHARS",
-        help="prompts are indexed in chunks of this many characters, each chunk's hash chained to the one "
-        "before",
-    )
-    index_chunks: int = setting(
-        PrefixOptions.index_chunks,
-        "--prefix-index-chunks",
-        minimum=0,
-        metavar="N",
-        help="chunks each prefill slot's index holds (LRU); 0 sizes it from the engine's KV capacity "
-        "(num_gpu_blocks x block_size tokens of vllm:cache_config_info, x --prefix-chars-per-token), "
-        f"{DEFAULT_INDEX_CHUNKS} until that is read",
-    )
-    chars_per_token: float = setting(
-        PrefixOptions.chars_per_token,
-        "--prefix-chars-per-token",
-        minimum=0.01,
-        help="characters per engine token, to size the index from the engine's KV capacity",
-    )
-    unmatched: str = setting(
-        PrefixOptions.unmatched,
-        "--prefix-unmatched",
-        env="PDSERVE_PROXY_PREFIX_UNMATCHED",
-        choices=UNMATCHED_MODES,
-        help="where a prompt that matches no slot goes: flat (the flat interleave's next slot: unique "
-        "prompts keep exact shares; one router) or rendezvous (the slot its head hashes to, within the "
-        "load bound: several routers agree without talking)",
-    )
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        try:
-            self.options  # noqa: B018  (PrefixOptions checks what a flag's minimum cannot say)
-        except ValueError as exc:
-            raise SettingsError(str(exc)) from None
-
-    @property
-    def options(self) -> PrefixOptions:
-        """The policy's options: these fields are PrefixOptions' own, each with its flag."""
-        return PrefixOptions(**{f.name: getattr(self, f.name) for f in fields(self)})
-
-
-@dataclass(frozen=True)
 class TracingSettings(Checked):
     """OpenTelemetry traces of the generation requests (docs/operations.md#tracing): off without
     an endpoint, and then nothing of OpenTelemetry is loaded."""
@@ -497,7 +408,7 @@ class ProxySettings(Checked):
     deadlines: DeadlineSettings = field(default_factory=DeadlineSettings)
     admission: AdmissionSettings = field(default_factory=AdmissionSettings)
     requests: RequestSettings = field(default_factory=RequestSettings)
-    prefix: PrefixSettings = field(default_factory=PrefixSettings)
+    prefix: PrefixOptions = field(default_factory=PrefixOptions)
     tracing: TracingSettings = field(default_factory=TracingSettings)
 
 
@@ -511,6 +422,6 @@ GROUPS: tuple[tuple[str, str, type], ...] = (
     ("deadlines", "deadlines", DeadlineSettings),
     ("admission", "admission (back-pressure)", AdmissionSettings),
     ("requests", "requests and keys", RequestSettings),
-    ("prefix", "prefix affinity (--prefill-policy prefix-affinity)", PrefixSettings),
+    ("prefix", "prefix affinity (--prefill-policy prefix-affinity)", PrefixOptions),
     ("tracing", "tracing (OpenTelemetry)", TracingSettings),
 )

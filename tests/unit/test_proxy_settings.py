@@ -12,14 +12,13 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.argtypes import flags_of
+from pdserve.argtypes import SettingsError, flags_of
 from pdserve.proxy import cli
 from pdserve.proxy.settings import (
     GROUPS,
     ListenSettings,
     ProxySettings,
     RetrySettings,
-    SettingsError,
     SidecarSettings,
     TableSettings,
 )

@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 import yaml
 
+from pdserve.argtypes import SettingsError
 from pdserve.deployment.render.engine_pod import instance_pod, template_hash
 from pdserve.deployment.render.router import router_deployment
 from pdserve.deployment.spec.pddeployment import SpecError, parse_pddeployment
@@ -19,7 +20,7 @@ from pdserve.deployment.spec.tracing import TracingSpec, with_endpoint
 from pdserve.deployment.validate import problems
 from pdserve.local.plan import SimTimings, plan_local_run
 from pdserve.proxy import cli as proxy_cli
-from pdserve.proxy.settings import SettingsError, TracingSettings
+from pdserve.proxy.settings import TracingSettings
 from pdserve.routing import Role
 from pdserve.sim import vllm_cli
 from pdserve.tracing.context import trace_id_of, traceparent

@@ -40,6 +40,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+from pdserve.argtypes import Checked, SettingsError, setting
 from pdserve.proxy.metrics import PrefixMetrics
 from pdserve.proxy.policies.base import RequestView, live_and_ejected, rotation
 from pdserve.proxy.policies.counters import Counters, LocalCounters
@@ -73,31 +74,63 @@ TIE_GROUP = "prefix-ties"
 
 
 @dataclass(frozen=True)
-class PrefixOptions:
-    chunk_chars: int = 256
-    min_match_chars: int = 1024
-    balance: float = 0.25
-    #: Chunks per slot; 0: from the engine's KV capacity (vllm:cache_config_info) once known.
-    index_chunks: int = 0
-    #: Characters per engine token, to turn the engine's KV capacity (tokens) into chunks.
-    chars_per_token: float = 4.0
-    unmatched: str = "flat"
+class PrefixOptions(Checked):
+    """The policy's options, each with its flag of ``pdserve proxy`` (its settings group
+    pdserve.proxy.settings.GROUPS lists; docs/proxy.md); checked when made, however made."""
+
+    balance: float = setting(
+        0.25,
+        "--prefix-balance",
+        minimum=0,
+        metavar="EPSILON",
+        help="the load bound: a slot takes a request for its prefix only while its prefill legs in flight "
+        "stay within ceil((1 + EPSILON) x the mean over the live slots), this request counted",
+    )
+    min_match_chars: int = setting(
+        1024,
+        "--prefix-min-match",
+        minimum=0,
+        metavar="CHARS",
+        help="the shortest prompt prefix (characters, rounded up to whole chunks) worth leaving the flat "
+        "interleave for",
+    )
+    chunk_chars: int = setting(
+        256,
+        "--prefix-chunk-chars",
+        minimum=1,
+        metavar="CHARS",
+        help="prompts are indexed in chunks of this many characters, each chunk's hash chained to the one "
+        "before",
+    )
+    index_chunks: int = setting(
+        0,  # 0: from the engine's KV capacity (vllm:cache_config_info) once known
+        "--prefix-index-chunks",
+        minimum=0,
+        metavar="N",
+        help="chunks each prefill slot's index holds (LRU); 0 sizes it from the engine's KV capacity "
+        "(num_gpu_blocks x block_size tokens of vllm:cache_config_info, x --prefix-chars-per-token), "
+        f"{DEFAULT_INDEX_CHUNKS} until that is read",
+    )
+    chars_per_token: float = setting(
+        4.0,
+        "--prefix-chars-per-token",
+        minimum=0.01,
+        help="characters per engine token, to size the index from the engine's KV capacity",
+    )
+    unmatched: str = setting(
+        "flat",
+        "--prefix-unmatched",
+        env="PDSERVE_PROXY_PREFIX_UNMATCHED",
+        choices=UNMATCHED_MODES,
+        help="where a prompt that matches no slot goes: flat (the flat interleave's next slot: unique "
+        "prompts keep exact shares; one router) or rendezvous (the slot its head hashes to, within the "
+        "load bound: several routers agree without talking)",
+    )
 
     def __post_init__(self) -> None:
-        if self.chunk_chars < 1:
-            raise ValueError(f"--prefix-chunk-chars: expected a value >= 1, got {self.chunk_chars}")
-        if self.min_match_chars < 0:
-            raise ValueError(f"--prefix-min-match: expected a value >= 0, got {self.min_match_chars}")
-        if not 0 <= self.balance <= 100:
-            raise ValueError(f"--prefix-balance: expected a value from 0 to 100, got {self.balance}")
-        if self.index_chunks < 0:
-            raise ValueError(f"--prefix-index-chunks: expected a value >= 0, got {self.index_chunks}")
-        if self.chars_per_token <= 0:
-            raise ValueError(f"--prefix-chars-per-token: expected a value > 0, got {self.chars_per_token}")
-        if self.unmatched not in UNMATCHED_MODES:
-            raise ValueError(
-                f"--prefix-unmatched: expected one of {', '.join(UNMATCHED_MODES)}, got {self.unmatched!r}"
-            )
+        super().__post_init__()
+        if self.balance > 100:
+            raise SettingsError(f"--prefix-balance: expected a value from 0 to 100, got {self.balance}")
 
     @property
     def min_chunks(self) -> int:
