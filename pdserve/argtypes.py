@@ -3,7 +3,10 @@
 A field made with :func:`setting` carries its default and its :class:`Flag` (names, help, the
 environment variable that may give the default, value type, ...); :func:`add_flags` turns a
 settings class into argparse arguments and :func:`flag_values` reads them back by field name,
-so a default cannot differ between a command's help and the code that uses it.
+so a default cannot differ between a command's help and the code that uses it. A settings class
+that extends :class:`Checked` runs the checks its flags state (a minimum, a choice) whenever it
+is made, from flags or by a caller, and refuses a bad value with :class:`SettingsError` naming
+the flag.
 
 The value types (argparse ``type=``) word every bad value the same way:
 ``argument --rate: expected a number > 0, got 0``.
