@@ -13,11 +13,13 @@ buckets left out.
 The view (one router, or several merged by :func:`merge_views`)::
 
     {"deployment": "d", "window_seconds": 60, "covered_seconds": 60.0,
-     "requests": {"ok": 120, "failed": 0},
+     "requests": {"ok": 120, "failed": 0}, "started": [2, 1, 3, ..., 2],
      "latency": {"ttft": {...}, "itl": {...}, "prefill": {...}, "decode_first": {...}, "decode": {...}},
      "in_flight": {"prefill": 3, "decode": 12}, "queued": 0}
 
-``requests`` counts client requests that ended within the window, ``latency`` their samples:
+``requests`` counts client requests that ended within the window, ``started`` those that arrived,
+second by second (oldest first, the current second last: the trend within the window, which the
+ended requests show late), ``latency`` the samples of the ended ones:
 ``ttft`` from the client's request to the first byte sent back, ``itl`` the mean gap between the
 decode's stream events of one request (one sample per streamed request with at least two gaps),
 ``prefill`` the prefill leg's answer time, ``decode_first`` the decode leg's time to its first
@@ -30,13 +32,15 @@ waiting for a slot with room) are now.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 BASE = 1e-4
 FACTOR = 1.1
 #: About 10 minutes: anything longer counts as that.
 MAX_BUCKET = 170
+#: Longest window a reader may ask a router for.
+HISTORY_SECONDS = 600
 _LOG_FACTOR = math.log(FACTOR)
 
 LATENCIES = ("ttft", "itl", "prefill", "decode_first", "decode")
@@ -106,6 +110,29 @@ def counts_from_json(doc: object) -> Counts:
     return out
 
 
+def started_from_json(doc: object) -> list[int]:
+    """Arrivals per second from their JSON; ValueError naming what is wrong."""
+    if not isinstance(doc, list):
+        raise ValueError("started must be a list of counts per second")
+    if len(doc) > HISTORY_SECONDS:
+        raise ValueError(f"started has {len(doc)} seconds, more than {HISTORY_SECONDS}")
+    for value in doc:
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"started: count {value!r} is not an integer >= 0")
+    return list(doc)
+
+
+def add_series(a: Sequence[int], b: Sequence[int]) -> list[int]:
+    """Two routers' counts per second, added second by second from the latest (each router cuts
+    its seconds by its own clock: they line up within a second)."""
+    longer, shorter = (a, b) if len(a) >= len(b) else (b, a)
+    out = list(longer)
+    offset = len(longer) - len(shorter)
+    for i, count in enumerate(shorter):
+        out[offset + i] += count
+    return out
+
+
 def merge_views(views: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
     """One view from several (worker processes of a router, or every router of a deployment):
     counts and gauges add up, the window is the shortest any of them covers."""
@@ -114,7 +141,9 @@ def merge_views(views: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
     requests = dict.fromkeys(OUTCOMES, 0)
     in_flight = dict.fromkeys(ROLES, 0)
     queued = 0
+    started: list[int] = []
     for view in views:
+        started = add_series(started, started_from_json(view.get("started", [])))
         for kind in LATENCIES:
             add_counts(latency[kind], counts_from_json((view.get("latency") or {}).get(kind, {})))
         for outcome in OUTCOMES:
@@ -128,6 +157,7 @@ def merge_views(views: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
         "window_seconds": first.get("window_seconds"),
         "covered_seconds": min((float(v.get("covered_seconds", 0.0)) for v in views), default=0.0),
         "requests": requests,
+        "started": started,
         "latency": {kind: counts_to_json(c) for kind, c in latency.items()},
         "in_flight": in_flight,
         "queued": queued,

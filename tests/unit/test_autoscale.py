@@ -19,7 +19,7 @@ from pdserve.deployment.plan.autoscale import MIN_SAMPLES, Decision, Memory, Rol
 from pdserve.deployment.plan.behavior import History
 from pdserve.deployment.plan.signals import Signals
 from pdserve.deployment.spec.autoscaling import AutoscalingSpec, parse_autoscaling
-from pdserve.wire.load import bucket_of, mean
+from pdserve.wire.load import bucket_of
 
 
 def autoscaling(**overrides: Any) -> AutoscalingSpec:
@@ -44,9 +44,11 @@ def signals(
     window: float = 60,
     routers: int = 1,
     prefill_now: int | None = None,
+    arriving: float = 1.0,
 ) -> Signals:
     """A window in which every request saw these latencies; ``in_flight`` decode legs now, and
-    the prefill legs now as many as the window averaged (``prefill_now``: another count)."""
+    the prefill legs now as many as the window averaged (``prefill_now``: another count).
+    Requests arrive as fast as they ended, or ``arriving`` times as fast in the last quarter."""
 
     def hist(ms: float | None) -> dict[int, int]:
         return {} if ms is None else {bucket_of(ms / 1000): requests}
@@ -74,7 +76,18 @@ def signals(
         running={"prefill": 0, "decode": 0},
         kv_usage={"prefill": None, "decode": None},
         engines={"prefill": 1, "decode": 1},
+        started=arrivals(requests / window, window, arriving),
     )
+
+
+def arrivals(rate: float, window: float, recent_x: float = 1.0) -> tuple[int, ...]:
+    """Requests arriving per second over ``window`` seconds at ``rate`` (``recent_x`` times that
+    in the last quarter), and the current second still counting."""
+    seconds = int(window)
+    recent = seconds - seconds // 4
+    rates = [rate * (recent_x if i >= recent else 1.0) for i in range(seconds)]
+    totals = list(itertools.accumulate(rates, initial=0.0))
+    return (*(round(b) - round(a) for a, b in itertools.pairwise(totals)), 0)
 
 
 def states(prefill: int, decode: int, **extra: Any) -> dict[str, RoleState]:
@@ -429,35 +442,73 @@ def test_bounds_and_ratio_are_never_violated(
         assert spec.prefill_per_decode.holds(counts["prefill"], counts["decode"]), (counts, d.reason)
 
 
-def test_legs_piling_up_now_grow_a_role_before_the_window_shows_it() -> None:
-    """The window's latencies lag; prefill legs in flight far beyond the window's average (more
-    than its noise) are traffic arriving now: the role grows for it, and no window hold applies."""
-    calm = decide(autoscaling(), 0.0, states(3, 3), signals(ttft_ms=1500, itl_ms=40), OLD)
+def test_requests_arriving_faster_grow_a_role_before_the_window_shows_it() -> None:
+    """The window's latencies lag; requests arriving in its last quarter faster than over it
+    (beyond a Poisson count's noise) are traffic the window does not show yet: the role's need
+    grows with the rate at once, and no window hold applies."""
+    calm = decide(autoscaling(), 0.0, states(3, 3), signals(ttft_ms=2000, itl_ms=40), OLD)
     assert calm.counts["prefill"] == 3
-    piling = signals(ttft_ms=1500, itl_ms=40, prefill_now=30)  # the window averaged 4 in flight
-    grown = decide(autoscaling(), 0.0, states(3, 3), piling, OLD)
+    noise = decide(autoscaling(), 0.0, states(3, 3), signals(ttft_ms=2000, itl_ms=40, arriving=1.3), OLD)
+    assert noise.counts["prefill"] == 3  # 26 more than 20 expected in 15 s: within the noise
+    rising = signals(ttft_ms=2000, itl_ms=40, arriving=3.0)
+    grown = decide(autoscaling(), 0.0, states(3, 3), rising, OLD)
     assert grown.counts["prefill"] > 3
-    assert "legs in flight now" in grown.prefill.why and "rising traffic needs" in grown.prefill.why
+    assert "requests arriving 2.0x as fast as over the window" in grown.prefill.why  # 3x of the mean 1.5
     memory = replace(OLD, grown={"prefill": -5.0})  # grew 5 s ago: the latency-driven growth waits
-    assert decide(autoscaling(), 0.0, states(3, 3), piling, memory).counts["prefill"] > 3
+    assert decide(autoscaling(), 0.0, states(3, 3), rising, memory).counts["prefill"] > 3
 
 
-def test_decode_legs_rising_grow_it_as_the_queue_model_says_not_in_proportion() -> None:
-    """Decode at 4, ITL at 0.6 of its objective on the KNOWN line (base 0.2: utilisation 2/3, a
-    need of 3.3). Twice the legs in flight now puts it at the objective with the same 4 (work in
-    flight ``u / (1 - u)`` doubles from 2 to 4, ``u`` from 0.67 to 0.8): it holds, where growing
-    in proportion to the legs would ask for 7. Four times the legs would miss it: it grows."""
+def test_decode_grows_with_the_rate_requests_arrive_at() -> None:
+    """Decode at 4, ITL at 0.6 of its objective on the KNOWN line (base 0.2, 20 sequences a slot:
+    utilisation 2/3, a need of 3.3). Requests arriving twice as fast bring twice the work: a need
+    of 6.7, so 7."""
 
-    def decode_legs(now_x: float) -> Signals:
-        base = signals(ttft_ms=1500, itl_ms=30, in_flight=0)  # 20 sequences per slot on average:
-        legs = {bucket_of(24.0): 200}  # 200 decode legs of 24 s over 60 s, 80 in flight
-        average = 200 / base.covered_seconds * mean(legs)  # type: ignore[operator]
-        latency = {**base.latency, "decode": legs}
-        return replace(base, latency=latency, in_flight={**base.in_flight, "decode": round(now_x * average)})
+    def decode_window(arriving: float) -> Signals:
+        base = signals(ttft_ms=1500, itl_ms=30, in_flight=80, arriving=arriving)
+        return replace(base, latency={**base.latency, "decode": {bucket_of(24.0): 200}})  # 80 in flight
 
-    steady = decide(autoscaling(), 0.0, states(4, 4), decode_legs(1.0), KNOWN)
-    assert steady.counts["decode"] == 4
-    doubled = decide(autoscaling(), 0.0, states(4, 4), decode_legs(2.0), KNOWN)
-    assert doubled.counts["decode"] == 4, doubled.decode.why
-    surge = decide(autoscaling(), 0.0, states(4, 4), decode_legs(4.0), KNOWN)
-    assert surge.counts["decode"] > 4 and "rising traffic needs" in surge.decode.why
+    steady = decide(autoscaling(), 0.0, states(4, 4), decode_window(1.0), KNOWN)
+    assert steady.counts["decode"] == 4, steady.decode.why
+    d = decide(autoscaling(), 0.0, states(4, 4), decode_window(3.0), KNOWN)  # the last quarter at 3x:
+    assert "requests arriving 2.0x as fast" in d.decode.why  # twice the window's mean
+    assert d.counts["decode"] == 7, d.decode.why
+
+
+#: A prefill whose recent windows read a no-load TTFT ratio of 0.4 (prompts alone take 40 % of the
+#: objective at its percentile): its queue model is known.
+PREFILL_KNOWN = replace(
+    OLD, prefill_bases=tuple((-100.0 + i, a) for i, a in enumerate((0.35, 0.4, 0.45, 0.4, 1.2)))
+)
+
+
+def test_the_prefill_base_is_the_median_of_recent_windows() -> None:
+    from pdserve.deployment.plan.autoscale import prefill_base
+
+    assert prefill_base(PREFILL_KNOWN.prefill_bases) == pytest.approx(
+        0.4
+    )  # the 1.2 of one long prompt left out
+    assert prefill_base(PREFILL_KNOWN.prefill_bases[:3]) is None
+    assert prefill_base([(0.0, 0.2), (1.0, 0.4), (2.0, 0.6), (3.0, 0.8)]) == pytest.approx(0.5)
+
+
+def test_one_long_prompt_missing_the_ttft_objective_does_not_grow_prefill_once_its_base_is_known() -> None:
+    """A quiet window (prefill legs about 0.3 a slot) whose p99 one long prompt set at 1.4 of the
+    objective: judged by the window alone, prefill grows; by its queue model (no-load ratio 0.4,
+    load 0.3 a slot: ratio 0.57) it shrinks to what its traffic needs."""
+    spec = autoscaling(behavior={"scaleDown": {"stabilizationWindowSeconds": 0}})
+    long_prompt = signals(ttft_ms=2800, itl_ms=30, prefill_ms=400, requests=150)
+    assert decide(spec, 0.0, states(6, 4), long_prompt, OLD).counts["prefill"] > 6
+    d = decide(spec, 0.0, states(6, 4), long_prompt, PREFILL_KNOWN)
+    assert d.counts["prefill"] < 6, d.prefill.why
+    assert "queue model: no-load ratio" in d.prefill.why
+
+
+def test_an_overloaded_prefill_is_sized_by_the_requests_arriving_not_the_legs_ended() -> None:
+    """Ended legs show at most what the slots can do; requests arriving three times as fast in the
+    window's last quarter show the overload's size: the need grows with them at once."""
+    spec = autoscaling()
+    busy = signals(ttft_ms=2600, itl_ms=30, prefill_ms=2000, requests=400)  # legs ended: 6.7 a second
+    steady = decide(spec, 0.0, states(4, 4), busy, PREFILL_KNOWN)
+    surge = decide(spec, 0.0, states(4, 4), replace(busy, started=arrivals(400 / 60, 60, 3.0)), PREFILL_KNOWN)
+    assert surge.counts["prefill"] > steady.counts["prefill"] >= 4, (steady.prefill.why, surge.prefill.why)
+    assert "as fast as over the window" in surge.prefill.why

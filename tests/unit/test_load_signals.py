@@ -19,6 +19,7 @@ from pdserve.deployment.plan.signals import (
 from pdserve.proxy.state.load import HISTORY_SECONDS, LoadWindow
 from pdserve.wire.load import (
     FACTOR,
+    add_series,
     bucket_of,
     bucket_value,
     counts_from_json,
@@ -91,6 +92,27 @@ def test_the_window_counts_only_its_last_seconds() -> None:
     assert window.view(HISTORY_SECONDS)["requests"] == {"ok": 0, "failed": 0}
 
 
+def test_arrivals_are_counted_second_by_second_the_latest_last() -> None:
+    clock = Clock()
+    clock.now = 100.2
+    window = LoadWindow(clock)
+    window.started()
+    clock.now += 2
+    window.started()
+    window.started()
+    assert window.view(5)["started"] == [0, 0, 1, 0, 2]
+    clock.now += 3  # nothing since: the window moves on
+    assert window.view(5)["started"] == [0, 2, 0, 0, 0]
+    assert len(window.view(60)["started"]) == 60
+
+
+def test_arrivals_of_routers_add_up_second_by_second_from_the_latest() -> None:
+    assert add_series([1, 2, 3], [10, 20]) == [1, 12, 23]
+    assert add_series([], [4]) == [4]
+    merged = merge_views([{"started": [1, 2, 3]}, {"started": [5, 5, 5, 5]}])
+    assert merged["started"] == [5, 6, 7, 8]
+
+
 def test_views_of_workers_add_up() -> None:
     a = {
         "deployment": "d",
@@ -117,6 +139,9 @@ def test_a_router_load_is_parsed_and_bad_answers_say_why() -> None:
     assert parse_load("r1", {**doc, "deployment": "other"}, "d").error == "serves deployment 'other', not 'd'"
     assert "unreadable /load" in str(parse_load("r1", {**doc, "queued": -1}, "d").error)
     assert "unreadable /load" in str(parse_load("r1", {**doc, "latency": {"ttft": {"a": 1}}}, "d").error)
+    assert parse_load("r1", {**doc, "started": [1, 0, 2]}, "d").started == (1, 0, 2)
+    assert "started: count -1" in str(parse_load("r1", {**doc, "started": [1, -1]}, "d").error)
+    assert "started must be a list" in str(parse_load("r1", {**doc, "started": 3}, "d").error)
     assert parse_load("r1", [], "d").error == "/load did not answer a JSON object"
 
 

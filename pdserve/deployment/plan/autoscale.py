@@ -17,24 +17,38 @@ How a count is decided, per role, then for the pair:
    the instances the role's traffic needs to sit at its objective. Latency is not proportional to
    the count (HPA's ``ceil(ready x q)`` assumes it is): both roles behave like a queue, ``q = a /
    (1 - u)``, where ``a`` is the ratio at no load and ``u`` the share of the role's capacity the
-   traffic uses. A prefill rank shares its steps among the prompts it holds (processor sharing),
-   so ``u = N / (1 + N)`` from ``N``, the prefill legs in flight per slot over the window (Little's
-   law on the routers' counts); a decode step costs a fixed time plus a time per sequence, so
-   ``a`` is where the line through the recent (sequences per slot, ``q``) pairs meets zero
-   sequences (:func:`decode_base`). The traffic needs ``ready x u / (1 - a)`` instances: grown to at
-   least one more when the objective is missed (by ``ready x q`` when missed twice over), shrunk
-   when met. The window lags: legs in flight *now* beyond the window's average by more than a
-   count's noise are rising traffic, and the role grows for them at once (:func:`_need_now`).
-   Without ``a`` (a fresh memory, a load that never varied) a role does not shrink: the
-   conservative side, where HPA's rule would shrink a queue into overload and flap.
+   traffic uses. The traffic needs ``ready x u / (1 - a)`` instances: grown to at least one more
+   when the objective is missed, shrunk when met.
+
+   - **Prefill** shares its steps among the prompts it holds (processor sharing): a prompt takes
+     its no-load time times ``1 + N``, ``N`` the prefill legs in flight per slot over the window
+     (Little's law on the routers' counts), so each window gives ``a = q / (1 + N)``. A window's
+     TTFT percentile is set by its longest prompts (the p99 of a hundred requests is their
+     longest), which no count shortens: taken alone it would grow the role for one long prompt
+     and hold it there for a scale-down window. So once :data:`MIN_FIT_SAMPLES` windows are
+     known, ``a`` is the median of the last :data:`BASELINE_SECONDS`' windows
+     (:func:`prefill_base`), and the role is judged by the queue model itself: ``u`` is the work
+     arriving (requests a second times a prompt's mean no-load time, ``mean leg / (1 + N)``) per
+     slot, and ``q = a / (1 - u)``. Arriving, not ended: an overload shows its size.
+   - **Decode**: a step costs a fixed time plus a time per sequence, so ``a`` is where the line
+     through the recent (sequences per slot, ``q``) pairs meets zero sequences
+     (:func:`decode_base`), and ``u = 1 - a / q`` from the window's ITL. Without ``a`` (a fresh
+     memory, a load that never varied) it does not shrink: the conservative side, where HPA's
+     rule would shrink a queue into overload and flap. Judged by its window alone, a role that
+     misses by :data:`SEVERE` or more grows by ``ready x q``, HPA's rule.
+
+   The window lags: requests arriving in its last quarter (at least :data:`RECENT_SECONDS`)
+   faster than over the window, beyond a Poisson count's noise, are rising traffic; the need
+   grows with the rate at once (:func:`_arrivals`), without the window's wait.
 3. **Stabilisation**, HPA's (pdserve.deployment.plan.behavior): a count grows to the lowest
    recommendation of the scale-up window and shrinks to the highest of the scale-down window (so
    scale-down waits its window).
 4. **Step limits**, HPA's policies (``Instances`` or ``Percent`` per ``periodSeconds``, counted
    from the count at the period's start; ``selectPolicy`` picks the largest or smallest step).
-5. **Holds**: a role does not grow while pods of its last scale-up are still starting, nor for a
-   window after (``windowSeconds``: until the latencies are those of requests the new instances
-   served too), nor while any of its pods is Unschedulable (the cluster has no room: condition
+5. **Holds**: a role does not grow while pods of its last scale-up are still starting, nor, when
+   judged by its window's latencies, for a window after (``windowSeconds``: until the latencies
+   are those of requests the new instances served too; the prefill's queue model counts the
+   slots it has now), nor while any of its pods is Unschedulable (the cluster has no room: condition
    ``ScalingLimited``, naming the resource).
 6. **Bounds and ratio**: each count within ``[minInstances, maxInstances]``; then the pair
    nearest to both targets whose ratio holds: never below a target when avoidable (the ratio
@@ -58,7 +72,8 @@ from pdserve.wire.load import mean, percentile
 ROLES = ("prefill", "decode")
 #: Fewer samples in the window than this, and a percentile says too little to act on.
 MIN_SAMPLES = 10
-#: How far back the (sequences per slot, ITL ratio) pairs of the decode count for its base latency.
+#: How far back the decode's (sequences per slot, ITL ratio) pairs and the prefill's no-load ratios
+#: count for each role's base latency.
 BASELINE_SECONDS = 600.0
 #: Pairs needed, and how far apart their loads must be, to draw a line through them.
 MIN_FIT_SAMPLES = 4
@@ -71,6 +86,8 @@ MAX_RATIO = 10.0
 SEVERE = 2.0
 #: The latency no instance count removes is taken as at most this share of the objective.
 MAX_BASE = 0.8
+#: The recent part of the window whose arrivals show a rise: its last quarter, at least this long.
+RECENT_SECONDS = 5
 
 
 @dataclass(frozen=True)
@@ -96,6 +113,7 @@ class Memory:
 
     history: History = field(default_factory=History)
     samples: tuple[tuple[float, float, float], ...] = ()  # (time, decode sequences per slot, ITL ratio)
+    prefill_bases: tuple[tuple[float, float], ...] = ()  # (time, a window's prefill no-load TTFT ratio)
     #: Per role, the last time it grew or had instances starting: the window's figures show its new
     #: instances only ``windowSeconds`` later.
     grown: Mapping[str, float] = field(default_factory=dict)
@@ -161,6 +179,7 @@ def decide(
         memory,
         history=memory.history.pruned(spec.behavior, now),
         samples=tuple(x for x in memory.samples if x[0] > now - BASELINE_SECONDS),
+        prefill_bases=tuple(x for x in memory.prefill_bases if x[0] > now - BASELINE_SECONDS),
     )
     objectives = spec.objectives
     p = objectives.percentile
@@ -174,13 +193,19 @@ def decide(
     decode_load = _per_slot(_in_flight(signals, "decode"), roles["decode"])
     if itl is not None and signals.known:
         memory = replace(memory, samples=(*memory.samples, (now, decode_load, itl)))
+    window_base = _prefill_base(signals, roles["prefill"], ratios["prefill"])
+    if window_base is not None:
+        memory = replace(memory, prefill_bases=(*memory.prefill_bases, (now, window_base)))
+    prefill_known = prefill_base(memory.prefill_bases)
     base = {
-        "prefill": _prefill_base(signals, roles["prefill"], ratios["prefill"]),
+        "prefill": window_base if prefill_known is None else prefill_known,
         "decode": decode_base(memory.samples),
     }
+    rate, growth = _arrivals(signals)
     raw: dict[str, int] = {}
     wanted: dict[str, int | None] = {}
-    rising: set[str] = set()  # roles growing on the legs in flight now, not on the window's latencies
+    modelled: set[str] = set()  # roles judged by the queue model, not by the window's latencies
+    rising: set[str] = set()  # roles growing for the traffic arriving now, not the window's
     whys: dict[str, list[str]] = {}
     for role in ROLES:
         state = roles[role]
@@ -199,20 +224,27 @@ def decide(
             why.append(f"fewer than {MIN_SAMPLES} requests measured: holding")
         else:
             running = state.ready or current
-            need = _need(running, q, base[role])
-            rec, how = _recommend(spec, running, q, need)
+            model = None
+            need: float | None
+            if role == "prefill" and prefill_known is not None and not notes[role]:
+                model = _prefill_model(signals, state, prefill_known, rate * growth)
+            if model is not None:
+                q, need, shown = model
+                modelled.add(role)
+                why.append(shown)
+            else:
+                need = _need(running, q, base[role])
+            rec, how = _recommend(spec, running, q, need, severe=model is None)
             if how:
                 why.append(how)
-            now_in_flight, average = _rising(signals, role)
-            # beyond the count's own noise (a Poisson count's two standard deviations)
-            if need is not None and average > 0 and now_in_flight > average + 2 * math.sqrt(average):
-                surge = _need_now(need, q, base[role], now_in_flight / average)
+            if growth > 1 and need is not None:
+                surge = need if model is not None else need * growth
                 if surge > running * (1 + spec.behavior.scale_up.tolerance) and math.ceil(surge - 1e-9) > rec:
                     rec = math.ceil(surge - 1e-9)
+                if rec > running:
                     rising.add(role)
                     why.append(
-                        f"{now_in_flight:.0f} legs in flight now, {now_in_flight / average:.1f}x the "
-                        f"window's {average:.1f}: rising traffic needs {surge:.1f}"
+                        f"requests arriving {growth:.1f}x as fast as over the window: needs {surge:.1f}"
                     )
             wanted[role] = rec
         raw[role] = bounds.clamp(rec)
@@ -253,7 +285,7 @@ def decide(
             target, held = current, True
         elif (
             target > current
-            and role not in rising
+            and role not in rising | modelled
             and now - memory.grown.get(role, -math.inf) < objectives.window_seconds
         ):
             since = now - memory.grown[role]
@@ -359,10 +391,41 @@ def _in_flight(signals: Signals, role: str) -> float:
 
 
 def _prefill_base(signals: Signals, state: RoleState, q: float | None) -> float | None:
-    """The prefill's ratio at no load, ``q / (1 + N)``, N its legs in flight per slot."""
+    """This window's prefill ratio at no load, ``q / (1 + N)``, N its legs in flight per slot."""
     if q is None or sum(signals.latency.get("prefill", {}).values()) < MIN_SAMPLES:
         return None
     return q / (1 + _per_slot(_in_flight(signals, "prefill"), state))
+
+
+def prefill_base(bases: Sequence[tuple[float, float]]) -> float | None:
+    """The prefill's TTFT ratio at no load: the median of the recent windows' (a window's
+    percentile is its longest prompts', high or low by chance; the median of many is the
+    traffic's). None until :data:`MIN_FIT_SAMPLES` windows are known."""
+    if len(bases) < MIN_FIT_SAMPLES:
+        return None
+    ordered = sorted(a for _, a in bases)
+    middle = len(ordered) // 2
+    return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
+
+
+def _prefill_model(
+    signals: Signals, state: RoleState, base: float, rate: float
+) -> tuple[float, float, str] | None:
+    """The prefill's ratio and need in the queue model, and how they were reckoned: ``u`` the work
+    arriving per slot (requests a second, or legs ended when more, times a prompt's mean no-load
+    time), ``q = a / (1 - u)``, a need of ``ready x u / (1 - a)``. None without a measured leg."""
+    legs = signals.latency.get("prefill", {})
+    average = mean(legs)
+    if average is None or signals.covered_seconds <= 0:
+        return None
+    alone = average / (1 + _per_slot(_in_flight(signals, "prefill"), state))  # a prompt's no-load time
+    ended = sum(legs.values()) / signals.covered_seconds
+    u = max(rate, ended) * alone / max(state.slots or state.ready, 1)
+    a = min(base, MAX_BASE)
+    q = MAX_RATIO if u >= 1 else min(MAX_RATIO, a / (1 - u))
+    running = state.ready or state.desired
+    shown = f"queue model: no-load ratio {a:.2f} (recent windows' median), load {u:.2f} a slot: ratio {q:.2f}"
+    return q, running * u / (1 - a), shown
 
 
 def decode_base(samples: Sequence[tuple[float, float, float]]) -> float | None:
@@ -395,15 +458,18 @@ def _need(running: int, q: float, base: float | None) -> float | None:
     return running * (1 - a / q) / (1 - a)
 
 
-def _recommend(spec: AutoscalingSpec, running: int, q: float, need: float | None) -> tuple[int, str]:
-    """The count to recommend from the objective ratio and the need, and how that was reckoned."""
+def _recommend(
+    spec: AutoscalingSpec, running: int, q: float, need: float | None, severe: bool = True
+) -> tuple[int, str]:
+    """The count to recommend from the objective ratio and the need, and how that was reckoned
+    (``severe``: a ratio missed twice over grows by ``running x q``, HPA's rule)."""
     up, down = spec.behavior.scale_up, spec.behavior.scale_down
     if 1 - down.tolerance <= q <= 1 + up.tolerance:
         return running, ""
     shown = "" if need is None else f"its traffic needs {need:.1f} of {running} at the objective"
     if q > 1:
         rec = max(math.ceil((need or 0.0) - 1e-9), running + 1)
-        if q >= SEVERE:
+        if severe and q >= SEVERE:
             rec = max(rec, math.ceil(running * q - 1e-9))
         return rec, shown
     if need is None:
@@ -411,27 +477,24 @@ def _recommend(spec: AutoscalingSpec, running: int, q: float, need: float | None
     return max(1, min(math.ceil(need - 1e-9), running)), shown
 
 
-def _need_now(need: float, q: float, base: float | None, growth: float) -> float:
-    """The need of the legs in flight now, ``growth`` times the window's average, rather than of
-    the window. In the queue model a role holds ``x = u / (1 - u)`` (in units of its no-load
-    work) for its utilisation ``u = 1 - a / q``: the prefill's legs per slot, the decode's
-    sequences per slot times their share of a step. So ``x`` grows with the legs, and ``u``,
-    which the need is in proportion to, as ``x / (1 + x)``: slower than the legs near saturation
-    (the prefill's legs wait in its steps, the decode's sequences stay longer as steps lengthen)."""
-    a = min(base or 0.0, 0.95 * q, MAX_BASE)
-    if a <= 0:
-        return need * growth
-    before = 1 - a / q
-    x = before / (1 - before) * growth
-    return need * (x / (1 + x)) / before
-
-
-def _rising(signals: Signals, role: str) -> tuple[float, float]:
-    """The role's legs in flight now (prefill: with the requests queued at the routers) and over
-    the window on average; more now, beyond the count's noise, is traffic the window's latencies
-    do not show yet: the role grows for it at once (no window's wait)."""
-    now = signals.in_flight.get(role, 0) + (signals.queued if role == "prefill" else 0)
-    return float(now), _in_flight(signals, role)
+def _arrivals(signals: Signals) -> tuple[float, float]:
+    """Requests arriving a second over the window, and how many times as fast they arrive in its
+    recent part (1 within a Poisson count's two standard deviations). The current second is
+    still counting: left out."""
+    seconds = list(signals.started[:-1])
+    covered = min(len(seconds), int(signals.covered_seconds))
+    if covered <= 0:
+        return 0.0, 1.0
+    seconds = seconds[-covered:]
+    rate = sum(seconds) / covered
+    recent = max(RECENT_SECONDS, covered // 4)
+    if rate <= 0 or recent >= covered:
+        return rate, 1.0
+    expected = rate * recent
+    arrived = sum(seconds[-recent:])
+    if arrived <= expected + 2 * math.sqrt(expected):
+        return rate, 1.0
+    return rate, arrived / expected
 
 
 # --- step 6: the pair ------------------------------------------------------------------------------

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from prometheus_client.parser import text_string_to_metric_families
 
 from pdserve.deployment.plan.fetch import Get, GetError, get_json
-from pdserve.wire.load import LATENCIES, Counts, add_counts, counts_from_json
+from pdserve.wire.load import LATENCIES, Counts, add_counts, add_series, counts_from_json, started_from_json
 
 ROLES = ("prefill", "decode")
 
@@ -40,6 +40,7 @@ class RouterLoad:
     covered_seconds: float = 0.0
     ok: int = 0
     failed: int = 0
+    started: tuple[int, ...] = ()  # requests that arrived, per second, oldest first
     latency: Mapping[str, Counts] = field(default_factory=dict)
     in_flight: Mapping[str, int] = field(default_factory=dict)
     queued: int = 0
@@ -74,6 +75,7 @@ class Signals:
     running: Mapping[str, int]
     kv_usage: Mapping[str, float | None]  # per role, mean over the engines that answered
     engines: Mapping[str, int]  # per role, engines that answered
+    started: tuple[int, ...] = ()  # requests that arrived at the routers, per second, oldest first
     problems: tuple[str, ...] = ()  # routers and engines that could not be read
 
     @property
@@ -117,6 +119,7 @@ def parse_load(router: str, doc: object, deployment: str) -> RouterLoad:
             covered_seconds=_number(doc.get("covered_seconds"), "covered_seconds"),
             ok=_count(requests.get("ok", 0), "requests.ok"),
             failed=_count(requests.get("failed", 0), "requests.failed"),
+            started=tuple(started_from_json(doc.get("started", []))),
             latency=latency,
             in_flight={role: _count(in_flight.get(role, 0), f"in_flight.{role}") for role in ROLES},
             queued=_count(doc.get("queued", 0), "queued"),
@@ -180,6 +183,9 @@ def combine(window: float, routers: Sequence[RouterLoad], engines: Iterable[Engi
     for report in answered:
         for kind, counts in report.latency.items():
             add_counts(latency[kind], counts)
+    started: list[int] = []
+    for report in answered:
+        started = add_series(started, report.started)
     waiting = dict.fromkeys(ROLES, 0)
     running = dict.fromkeys(ROLES, 0)
     usage: dict[str, list[float]] = {role: [] for role in ROLES}
@@ -202,6 +208,7 @@ def combine(window: float, routers: Sequence[RouterLoad], engines: Iterable[Engi
         latency=latency,
         in_flight={role: sum(r.in_flight.get(role, 0) for r in answered) for role in ROLES},
         queued=sum(r.queued for r in answered),
+        started=tuple(started),
         waiting=waiting,
         running=running,
         kv_usage={role: sum(v) / len(v) if v else None for role, v in usage.items()},

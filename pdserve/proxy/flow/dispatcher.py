@@ -122,6 +122,7 @@ class Dispatcher(LegRunner):
             trace.traceparent, trace.tracestate, trace.spans = traceparent, tracestate, spans
         self.served_requests += 1
         self.metrics.in_flight.inc()
+        self.load.started()
         state = self.served.current  # this request's table, whatever reloads happen meanwhile
         try:
             if split is None:

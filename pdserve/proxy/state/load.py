@@ -2,8 +2,9 @@
 
 ``GET /load?window=S`` (pdserve.wire.load) sums the slices of the last ``S`` seconds, so the
 autoscaler reads percentiles over any window up to :data:`HISTORY_SECONDS` without the router
-knowing which one it wants. A request costs one dictionary update per sample when it ends; the
-decode stream's inter-event gaps are summed by the relay (a count per chunk), not timed one by one.
+knowing which one it wants. A request costs a counter when it arrives and one dictionary update
+per sample when it ends; the decode stream's inter-event gaps are summed by the relay (a count per
+chunk), not timed one by one.
 """
 
 from __future__ import annotations
@@ -14,10 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from pdserve.wire.load import LATENCIES, OUTCOMES, Counts, add_counts, bucket_of, counts_to_json
-
-#: Longest window a reader may ask for.
-HISTORY_SECONDS = 600
+from pdserve.wire.load import HISTORY_SECONDS, LATENCIES, OUTCOMES, Counts, add_counts, bucket_of, counts_to_json
 
 
 @dataclass
@@ -25,6 +23,7 @@ class _Slice:
     second: int
     latency: dict[str, Counts] = field(default_factory=lambda: {kind: {} for kind in LATENCIES})
     outcomes: dict[str, int] = field(default_factory=lambda: dict.fromkeys(OUTCOMES, 0))
+    started: int = 0
 
 
 class LoadWindow:
@@ -49,6 +48,9 @@ class LoadWindow:
         bucket = bucket_of(seconds)
         counts[bucket] = counts.get(bucket, 0) + 1
 
+    def started(self) -> None:
+        self._slice().started += 1
+
     def ended(self, ok: bool) -> None:
         self._slice().outcomes["ok" if ok else "failed"] += 1
 
@@ -59,9 +61,11 @@ class LoadWindow:
         first = int(now - window) + 1
         latency: dict[str, Counts] = {kind: {} for kind in LATENCIES}
         outcomes = dict.fromkeys(OUTCOMES, 0)
+        started = [0] * (int(now) - first + 1)
         for piece in self._slices:
             if piece.second < first:
                 continue
+            started[piece.second - first] += piece.started
             for kind, counts in piece.latency.items():
                 add_counts(latency[kind], counts)
             for outcome, count in piece.outcomes.items():
@@ -70,5 +74,6 @@ class LoadWindow:
             "window_seconds": window,
             "covered_seconds": round(min(window, now - self._started), 3),
             "requests": outcomes,
+            "started": started,
             "latency": {kind: counts_to_json(c) for kind, c in latency.items()},
         }
