@@ -94,7 +94,7 @@ def test_view_shows_the_autoscalers_counts_and_measured_latencies() -> None:
         "  no decision yet",
     ]
     roles = {"prefill": RoleState(2, 2), "decode": RoleState(3, 3)}
-    decision = scaler.decide(0.0, roles, signals(ttft_ms=2800, itl_ms=20))
+    decision = scaler.decide(0.0, roles, signals(ttft_ms=2300, itl_ms=20))
     scaler.apply(decision, 0.0, 0.0, [])
     assert scaler.memory != Memory() and scaler.desired == {"prefill": 3, "decode": 3}
     lines = scaler.lines()

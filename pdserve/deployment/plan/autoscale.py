@@ -38,7 +38,7 @@ How a count is decided, per role, then for the pair:
      misses by :data:`SEVERE` or more grows by ``ready x q``, HPA's rule.
 
    The window lags: requests arriving in its last quarter (at least :data:`RECENT_SECONDS`)
-   faster than over the window, beyond a Poisson count's noise, are rising traffic; the need
+   faster than in the rest of it, beyond a Poisson count's noise, are rising traffic; the need
    grows with the rate at once (:func:`_arrivals`), without the window's wait.
 3. **Stabilisation**, HPA's (pdserve.deployment.plan.behavior): a count grows to the lowest
    recommendation of the scale-up window and shrinks to the highest of the scale-down window (so
@@ -243,9 +243,7 @@ def decide(
                     rec = math.ceil(surge - 1e-9)
                 if rec > running:
                     rising.add(role)
-                    why.append(
-                        f"requests arriving {growth:.1f}x as fast as over the window: needs {surge:.1f}"
-                    )
+                    why.append(f"requests arriving {growth:.1f}x as fast as before: needs {surge:.1f}")
             wanted[role] = rec
         raw[role] = bounds.clamp(rec)
         whys[role] = why
@@ -451,11 +449,16 @@ def decode_base(samples: Sequence[tuple[float, float, float]]) -> float | None:
 
 
 def _need(running: int, q: float, base: float | None) -> float | None:
-    """The instances the window's traffic needs at the objective (None without a base)."""
+    """The instances the window's traffic needs at the objective (None without a base): the
+    larger of two models. In the queue model ``q = a / (1 - u)``, steady at the window's load;
+    past its objective a role is not steady (its backlog grows, and its latency with it), and the
+    part of the latency over the no-load share shrinks at most in proportion to the count,
+    ``running x (q - a) / (1 - a)`` (HPA's ``running x q`` when ``a`` is 0). The queue model is
+    the larger below the objective (a role never shrinks into overload), the other above it."""
     if base is None:
         return None
     a = min(base, 0.95 * q, MAX_BASE)
-    return running * (1 - a / q) / (1 - a)
+    return running * max(1 - a / q, q - a) / (1 - a)
 
 
 def _recommend(
@@ -479,8 +482,8 @@ def _recommend(
 
 def _arrivals(signals: Signals) -> tuple[float, float]:
     """Requests arriving a second over the window, and how many times as fast they arrive in its
-    recent part (1 within a Poisson count's two standard deviations). The current second is
-    still counting: left out."""
+    recent part as in the rest (1 within a Poisson count's two standard deviations): the window's
+    latencies are mostly those of the rest. The current second is still counting: left out."""
     seconds = list(signals.started[:-1])
     covered = min(len(seconds), int(signals.covered_seconds))
     if covered <= 0:
@@ -488,11 +491,12 @@ def _arrivals(signals: Signals) -> tuple[float, float]:
     seconds = seconds[-covered:]
     rate = sum(seconds) / covered
     recent = max(RECENT_SECONDS, covered // 4)
-    if rate <= 0 or recent >= covered:
+    if recent >= covered:
         return rate, 1.0
-    expected = rate * recent
+    before = sum(seconds[:-recent]) / (covered - recent)
+    expected = before * recent
     arrived = sum(seconds[-recent:])
-    if arrived <= expected + 2 * math.sqrt(expected):
+    if before <= 0 or arrived <= expected + 2 * math.sqrt(expected):
         return rate, 1.0
     return rate, arrived / expected
 
