@@ -42,6 +42,7 @@ def load(stack: PDStack, window: float = 60) -> dict:  # type: ignore[type-arg]
 
 def test_the_window_has_each_requests_latencies(stack: PDStack) -> None:
     before = load(stack)["requests"]["ok"]
+    arrived = sum(load(stack)["started"])
     for _ in range(12):
         assert stack.complete(stream=True, max_tokens=20).status == 200
     assert stack.complete(stream=False).status == 200
@@ -49,6 +50,7 @@ def test_the_window_has_each_requests_latencies(stack: PDStack) -> None:
     report = parse_load("router", doc, "test")
     assert report.error is None, report.error
     assert report.ok - before == 13 and report.failed == 0
+    assert sum(report.started) - arrived == 13 and len(report.started) == 60  # second by second
     itl = percentile(report.latency["itl"], 50)
     assert itl is not None and 0.008 <= itl <= 0.05, itl  # the sim's 10 ms, plus the relay's share
     ttft = percentile(report.latency["ttft"], 50)
