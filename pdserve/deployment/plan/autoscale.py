@@ -227,7 +227,7 @@ def decide(
             model = None
             need: float | None
             if role == "prefill" and prefill_known is not None and not notes[role]:
-                model = _prefill_model(signals, state, prefill_known, rate * growth)
+                model = _prefill_model(signals, state, prefill_known, rate)
             if model is not None:
                 q, need, shown = model
                 modelled.add(role)
@@ -481,9 +481,10 @@ def _recommend(
 
 
 def _arrivals(signals: Signals) -> tuple[float, float]:
-    """Requests arriving a second over the window, and how many times as fast they arrive in its
-    recent part as in the rest (1 within a Poisson count's two standard deviations): the window's
-    latencies are mostly those of the rest. The current second is still counting: left out."""
+    """Requests arriving a second now, and how many times as fast as in the window before its
+    recent part (the window's latencies are mostly of that part): the rate of its last quarter
+    (at least :data:`RECENT_SECONDS`) when beyond a Poisson count's two standard deviations over
+    the rest of it; else the window's, at 1. The current second is still counting: left out."""
     seconds = list(signals.started[:-1])
     covered = min(len(seconds), int(signals.covered_seconds))
     if covered <= 0:
@@ -498,7 +499,7 @@ def _arrivals(signals: Signals) -> tuple[float, float]:
     arrived = sum(seconds[-recent:])
     if before <= 0 or arrived <= expected + 2 * math.sqrt(expected):
         return rate, 1.0
-    return rate, arrived / expected
+    return arrived / recent, arrived / expected
 
 
 # --- step 6: the pair ------------------------------------------------------------------------------

@@ -15,7 +15,15 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from pdserve.wire.load import HISTORY_SECONDS, LATENCIES, OUTCOMES, Counts, add_counts, bucket_of, counts_to_json
+from pdserve.wire.load import (
+    HISTORY_SECONDS,
+    LATENCIES,
+    OUTCOMES,
+    Counts,
+    add_counts,
+    bucket_of,
+    counts_to_json,
+)
 
 
 @dataclass
