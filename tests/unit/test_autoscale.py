@@ -15,8 +15,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pdserve.deployment.plan.autoscale import MIN_SAMPLES, Decision, Memory, RoleState, decide, initial_count
+from pdserve.deployment.plan.autoscale import Decision, Memory, RoleState, decide, initial_count
 from pdserve.deployment.plan.behavior import History
+from pdserve.deployment.plan.need import MIN_SAMPLES, decode_base, prefill_base
 from pdserve.deployment.plan.signals import Signals
 from pdserve.deployment.spec.autoscaling import AutoscalingSpec, parse_autoscaling
 from pdserve.wire.load import bucket_of
@@ -259,8 +260,6 @@ def test_out_of_bounds_counts_move_in_at_once() -> None:
 def test_the_decode_base_is_where_its_latency_line_meets_no_load() -> None:
     """ITL = step time + time per sequence: the line through (sequences, ratio) pairs gives the
     step's share; too few pairs, too alike or sloping down give none (and no shrinking)."""
-    from pdserve.deployment.plan.autoscale import decode_base
-
     assert decode_base(KNOWN.samples) == pytest.approx(0.2)
     assert decode_base(KNOWN.samples[:3]) is None
     assert decode_base([(0.0, 10.0, 0.3), (1.0, 11.0, 0.31), (2.0, 10.5, 0.3), (3.0, 10.2, 0.3)]) is None
@@ -485,8 +484,6 @@ PREFILL_KNOWN = replace(
 
 
 def test_the_prefill_base_is_the_median_of_recent_windows() -> None:
-    from pdserve.deployment.plan.autoscale import prefill_base
-
     assert prefill_base(PREFILL_KNOWN.prefill_bases) == pytest.approx(
         0.4
     )  # the 1.2 of one long prompt left out

@@ -7,50 +7,20 @@ time. The operator and ``pdserve up`` call it alike.
 
 How a count is decided, per role, then for the pair:
 
-1. **The role's objective ratio** ``q``: its percentile over its objective, of the requests that
-   ended in the window. Prefill answers for TTFT, decode for ITL. A missed TTFT is the decode's
-   when its leg's time to first byte (the KV pull and its queue) is the larger part; then decode
-   takes that ratio and prefill holds. Fewer than :data:`MIN_SAMPLES` samples: no ratio (the
-   count holds), unless the deployment is idle (nothing ended, in flight or queued), when the
-   traffic needs the minimum.
-2. **The recommendation**, once ``q`` leaves ``[1 - scaleDown.tolerance, 1 + scaleUp.tolerance]``:
-   the instances the role's traffic needs to sit at its objective. Latency is not proportional to
-   the count (HPA's ``ceil(ready x q)`` assumes it is): both roles behave like a queue, ``q = a /
-   (1 - u)``, where ``a`` is the ratio at no load and ``u`` the share of the role's capacity the
-   traffic uses. The traffic needs ``ready x u / (1 - a)`` instances: grown to at least one more
-   when the objective is missed, shrunk when met.
-
-   - **Prefill** shares its steps among the prompts it holds (processor sharing): a prompt takes
-     its no-load time times ``1 + N``, ``N`` the prefill legs in flight per slot over the window
-     (Little's law on the routers' counts), so each window gives ``a = q / (1 + N)``. A window's
-     TTFT percentile is set by its longest prompts (the p99 of a hundred requests is their
-     longest), which no count shortens: taken alone it would grow the role for one long prompt
-     and hold it there for a scale-down window. So once :data:`MIN_FIT_SAMPLES` windows are
-     known, ``a`` is the median of the last :data:`BASELINE_SECONDS`' windows
-     (:func:`prefill_base`), and the role is judged by the queue model itself: ``u`` is the work
-     arriving (requests a second times a prompt's mean no-load time, ``mean leg / (1 + N)``) per
-     slot, and ``q = a / (1 - u)``. Arriving, not ended: an overload shows its size.
-   - **Decode**: a step costs a fixed time plus a time per sequence, so ``a`` is where the line
-     through the recent (sequences per slot, ``q``) pairs meets zero sequences
-     (:func:`decode_base`), and ``u = 1 - a / q`` from the window's ITL. Without ``a`` (a fresh
-     memory, a load that never varied) it does not shrink: the conservative side, where HPA's
-     rule would shrink a queue into overload and flap. Judged by its window alone, a role that
-     misses by :data:`SEVERE` or more grows by ``ready x q``, HPA's rule.
-
-   The window lags: requests arriving in its last quarter (at least :data:`RECENT_SECONDS`)
-   faster than in the rest of it, beyond a Poisson count's noise, are rising traffic; the need
-   grows with the rate at once (:func:`_arrivals`), without the window's wait.
-3. **Stabilisation**, HPA's (pdserve.deployment.plan.behavior): a count grows to the lowest
+1. **The role's objective ratio** ``q`` and **the instances its traffic needs** at its objective
+   (pdserve.deployment.plan.need): a queue model per role, sized by the requests arriving, and the
+   recommendation once ``q`` leaves ``[1 - scaleDown.tolerance, 1 + scaleUp.tolerance]``.
+2. **Stabilisation**, HPA's (pdserve.deployment.plan.behavior): a count grows to the lowest
    recommendation of the scale-up window and shrinks to the highest of the scale-down window (so
    scale-down waits its window).
-4. **Step limits**, HPA's policies (``Instances`` or ``Percent`` per ``periodSeconds``, counted
+3. **Step limits**, HPA's policies (``Instances`` or ``Percent`` per ``periodSeconds``, counted
    from the count at the period's start; ``selectPolicy`` picks the largest or smallest step).
-5. **Holds**: a role does not grow while pods of its last scale-up are still starting, nor, when
+4. **Holds**: a role does not grow while pods of its last scale-up are still starting, nor, when
    judged by its window's latencies, for a window after (``windowSeconds``: until the latencies
    are those of requests the new instances served too; the prefill's queue model counts the
    slots it has now), nor while any of its pods is Unschedulable (the cluster has no room: condition
    ``ScalingLimited``, naming the resource).
-6. **Bounds and ratio**: each count within ``[minInstances, maxInstances]``; then the pair
+5. **Bounds and ratio**: each count within ``[minInstances, maxInstances]``; then the pair
    nearest to both targets whose ratio holds: never below a target when avoidable (the ratio
    pulls the other role up, never a role below its need), then the fewest instances.
 
@@ -61,33 +31,30 @@ moved or held each count.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
 from pdserve.deployment.plan.behavior import History, stabilised, step_limited
+from pdserve.deployment.plan.need import (
+    BASELINE_SECONDS,
+    MIN_SAMPLES,
+    arrivals,
+    decode_base,
+    in_flight,
+    objective_ratio,
+    per_slot,
+    percentile_ms,
+    prefill_base,
+    prefill_model,
+    recommend,
+    role_ratios,
+    traffic_need,
+    window_prefill_base,
+)
 from pdserve.deployment.plan.signals import Signals
 from pdserve.deployment.spec.autoscaling import AutoscalingSpec, prefill_range
-from pdserve.wire.load import mean, percentile
 
 ROLES = ("prefill", "decode")
-#: Fewer samples in the window than this, and a percentile says too little to act on.
-MIN_SAMPLES = 10
-#: How far back the decode's (sequences per slot, ITL ratio) pairs and the prefill's no-load ratios
-#: count for each role's base latency.
-BASELINE_SECONDS = 600.0
-#: Pairs needed, and how far apart their loads must be, to draw a line through them.
-MIN_FIT_SAMPLES = 4
-MIN_FIT_SPREAD = 1.25
-#: The pairs within this factor of the lightest load anchor the line.
-LIGHT_LOAD = 1.25
-#: A ratio is capped here: a stuck queue must not ask for a hundred-fold count (the policies cap it too).
-MAX_RATIO = 10.0
-#: A missed objective by this factor or more grows by it (HPA's rule), not by the queue's estimate.
-SEVERE = 2.0
-#: The latency no instance count removes is taken as at most this share of the objective.
-MAX_BASE = 0.8
-#: The recent part of the window whose arrivals show a rise: its last quarter, at least this long.
-RECENT_SECONDS = 5
 
 
 @dataclass(frozen=True)
@@ -183,17 +150,18 @@ def decide(
     )
     objectives = spec.objectives
     p = objectives.percentile
-    ttft = _ratio(signals, "ttft", p, objectives.ttft_milliseconds / 1000)
-    itl = _ratio(signals, "itl", p, objectives.itl_milliseconds / 1000)
+    ttft = objective_ratio(signals, "ttft", p, objectives.ttft_milliseconds / 1000)
+    itl = objective_ratio(signals, "itl", p, objectives.itl_milliseconds / 1000)
     measured = {
-        "ttft_ms": _ms(signals, "ttft", p),
-        "itl_ms": _ms(signals, "itl", p),
+        "ttft_ms": percentile_ms(signals, "ttft", p),
+        "itl_ms": percentile_ms(signals, "itl", p),
     }
-    ratios, notes = _role_ratios(signals, p, ttft, itl)
-    decode_load = _per_slot(_in_flight(signals, "decode"), roles["decode"])
+    ratios, notes = role_ratios(signals, p, ttft, itl)
+    slots = {role: roles[role].slots or roles[role].ready for role in ROLES}
+    decode_load = per_slot(in_flight(signals, "decode"), slots["decode"])
     if itl is not None and signals.known:
         memory = replace(memory, samples=(*memory.samples, (now, decode_load, itl)))
-    window_base = _prefill_base(signals, roles["prefill"], ratios["prefill"])
+    window_base = window_prefill_base(signals, slots["prefill"], ratios["prefill"])
     if window_base is not None:
         memory = replace(memory, prefill_bases=(*memory.prefill_bases, (now, window_base)))
     prefill_known = prefill_base(memory.prefill_bases)
@@ -201,7 +169,7 @@ def decide(
         "prefill": window_base if prefill_known is None else prefill_known,
         "decode": decode_base(memory.samples),
     }
-    rate, growth = _arrivals(signals)
+    rate, growth = arrivals(signals)
     raw: dict[str, int] = {}
     wanted: dict[str, int | None] = {}
     modelled: set[str] = set()  # roles judged by the queue model, not by the window's latencies
@@ -227,14 +195,14 @@ def decide(
             model = None
             need: float | None
             if role == "prefill" and prefill_known is not None and not notes[role]:
-                model = _prefill_model(signals, state, prefill_known, rate)
+                model = prefill_model(signals, slots[role], running, prefill_known, rate)
             if model is not None:
                 q, need, shown = model
                 modelled.add(role)
                 why.append(shown)
             else:
-                need = _need(running, q, base[role])
-            rec, how = _recommend(spec, running, q, need, severe=model is None)
+                need = traffic_need(running, q, base[role])
+            rec, how = recommend(spec, running, q, need, severe=model is None)
             if how:
                 why.append(how)
             if growth > 1 and need is not None:
@@ -334,175 +302,7 @@ def decide(
     return Decision(decisions["prefill"], decisions["decode"], measured, tuple(limits), memory)
 
 
-# --- step 1: the objective ratios ------------------------------------------------------------------
-
-
-def _ms(signals: Signals, kind: str, p: float) -> float | None:
-    counts = signals.latency.get(kind, {})
-    if sum(counts.values()) < MIN_SAMPLES:
-        return None
-    value = percentile(counts, p)
-    return None if value is None else value * 1000
-
-
-def _ratio(signals: Signals, kind: str, p: float, objective_s: float) -> float | None:
-    ms = _ms(signals, kind, p)
-    return None if ms is None else min(MAX_RATIO, ms / 1000 / objective_s)
-
-
-def _role_ratios(
-    signals: Signals, p: float, ttft: float | None, itl: float | None
-) -> tuple[dict[str, float | None], dict[str, str]]:
-    """Prefill answers for TTFT and decode for ITL; a missed TTFT goes to the leg that takes longer."""
-    ratios: dict[str, float | None] = {"prefill": ttft, "decode": itl}
-    notes = {"prefill": "", "decode": ""}
-    if ttft is None or ttft <= 1:
-        return ratios, notes
-    prefill_leg = _ms(signals, "prefill", p)
-    decode_first = _ms(signals, "decode_first", p)
-    if prefill_leg is not None and decode_first is not None and decode_first > prefill_leg:
-        ratios["prefill"] = 1.0
-        ratios["decode"] = max(itl or 0.0, ttft)
-        notes["prefill"] = (
-            f"TTFT missed at the decode (its first byte p{p:g} {decode_first:.0f} ms > prefill leg "
-            f"{prefill_leg:.0f} ms)"
-        )
-        notes["decode"] = notes["prefill"]
-    return ratios, notes
-
-
-# --- step 2: the recommendation ------------------------------------------------------------------
-
-
-def _per_slot(count: float, state: RoleState) -> float:
-    return count / max(state.slots or state.ready, 1)
-
-
-def _in_flight(signals: Signals, role: str) -> float:
-    """The role's legs in flight on average over the window: the rate its legs ended at times their
-    mean time (Little's law on the routers' counts); the routers' count now when too few ended."""
-    legs = signals.latency.get(role, {})
-    average = mean(legs)
-    if sum(legs.values()) < MIN_SAMPLES or average is None or signals.covered_seconds <= 0:
-        return float(signals.in_flight.get(role, 0))
-    return sum(legs.values()) / signals.covered_seconds * average
-
-
-def _prefill_base(signals: Signals, state: RoleState, q: float | None) -> float | None:
-    """This window's prefill ratio at no load, ``q / (1 + N)``, N its legs in flight per slot."""
-    if q is None or sum(signals.latency.get("prefill", {}).values()) < MIN_SAMPLES:
-        return None
-    return q / (1 + _per_slot(_in_flight(signals, "prefill"), state))
-
-
-def prefill_base(bases: Sequence[tuple[float, float]]) -> float | None:
-    """The prefill's TTFT ratio at no load: the median of the recent windows' (a window's
-    percentile is its longest prompts', high or low by chance; the median of many is the
-    traffic's). None until :data:`MIN_FIT_SAMPLES` windows are known."""
-    if len(bases) < MIN_FIT_SAMPLES:
-        return None
-    ordered = sorted(a for _, a in bases)
-    middle = len(ordered) // 2
-    return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
-
-
-def _prefill_model(
-    signals: Signals, state: RoleState, base: float, rate: float
-) -> tuple[float, float, str] | None:
-    """The prefill's ratio and need in the queue model, and how they were reckoned: ``u`` the work
-    arriving per slot (requests a second, or legs ended when more, times a prompt's mean no-load
-    time), ``q = a / (1 - u)``, a need of ``ready x u / (1 - a)``. None without a measured leg."""
-    legs = signals.latency.get("prefill", {})
-    average = mean(legs)
-    if average is None or signals.covered_seconds <= 0:
-        return None
-    alone = average / (1 + _per_slot(_in_flight(signals, "prefill"), state))  # a prompt's no-load time
-    ended = sum(legs.values()) / signals.covered_seconds
-    u = max(rate, ended) * alone / max(state.slots or state.ready, 1)
-    a = min(base, MAX_BASE)
-    q = MAX_RATIO if u >= 1 else min(MAX_RATIO, a / (1 - u))
-    running = state.ready or state.desired
-    shown = f"queue model: no-load ratio {a:.2f} (recent windows' median), load {u:.2f} a slot: ratio {q:.2f}"
-    return q, running * u / (1 - a), shown
-
-
-def decode_base(samples: Sequence[tuple[float, float, float]]) -> float | None:
-    """The decode's ITL ratio at no load, from the recent (sequences per slot, ratio) pairs: the
-    least-squares slope, through the pairs of the lightest load seen (the end the answer is
-    about: a busy machine bends the line up at the heavy end). None while the loads are too
-    alike to draw it, or it slopes the wrong way; never above 90 % of the lowest ratio seen."""
-    samples = [x for x in samples if x[1] > 0]  # a moment with no sequence in flight says nothing
-    if len(samples) < MIN_FIT_SAMPLES:
-        return None
-    loads = [b for _, b, _ in samples]
-    ratios = [q for _, _, q in samples]
-    if max(loads) / min(loads) < MIN_FIT_SPREAD:
-        return None
-    n = len(samples)
-    mean_b, mean_q = sum(loads) / n, sum(ratios) / n
-    spread = sum((b - mean_b) ** 2 for b in loads)
-    slope = sum((b - mean_b) * (q - mean_q) for b, q in zip(loads, ratios, strict=True)) / spread
-    if slope <= 0:
-        return None
-    light = [q - slope * b for _, b, q in samples if b <= LIGHT_LOAD * min(loads)]
-    return min(max(sum(light) / len(light), 0.0), 0.9 * min(ratios))
-
-
-def _need(running: int, q: float, base: float | None) -> float | None:
-    """The instances the window's traffic needs at the objective (None without a base): the
-    larger of two models. In the queue model ``q = a / (1 - u)``, steady at the window's load;
-    past its objective a role is not steady (its backlog grows, and its latency with it), and the
-    part of the latency over the no-load share shrinks at most in proportion to the count,
-    ``running x (q - a) / (1 - a)`` (HPA's ``running x q`` when ``a`` is 0). The queue model is
-    the larger below the objective (a role never shrinks into overload), the other above it."""
-    if base is None:
-        return None
-    a = min(base, 0.95 * q, MAX_BASE)
-    return running * max(1 - a / q, q - a) / (1 - a)
-
-
-def _recommend(
-    spec: AutoscalingSpec, running: int, q: float, need: float | None, severe: bool = True
-) -> tuple[int, str]:
-    """The count to recommend from the objective ratio and the need, and how that was reckoned
-    (``severe``: a ratio missed twice over grows by ``running x q``, HPA's rule)."""
-    up, down = spec.behavior.scale_up, spec.behavior.scale_down
-    if 1 - down.tolerance <= q <= 1 + up.tolerance:
-        return running, ""
-    shown = "" if need is None else f"its traffic needs {need:.1f} of {running} at the objective"
-    if q > 1:
-        rec = max(math.ceil((need or 0.0) - 1e-9), running + 1)
-        if severe and q >= SEVERE:
-            rec = max(rec, math.ceil(running * q - 1e-9))
-        return rec, shown
-    if need is None:
-        return running, "no base latency known yet: not shrinking"
-    return max(1, min(math.ceil(need - 1e-9), running)), shown
-
-
-def _arrivals(signals: Signals) -> tuple[float, float]:
-    """Requests arriving a second now, and how many times as fast as in the window before its
-    recent part (the window's latencies are mostly of that part): the rate of its last quarter
-    (at least :data:`RECENT_SECONDS`) when beyond a Poisson count's two standard deviations over
-    the rest of it; else the window's, at 1. The current second is still counting: left out."""
-    seconds = list(signals.started[:-1])
-    covered = min(len(seconds), int(signals.covered_seconds))
-    if covered <= 0:
-        return 0.0, 1.0
-    seconds = seconds[-covered:]
-    rate = sum(seconds) / covered
-    recent = max(RECENT_SECONDS, covered // 4)
-    if recent >= covered:
-        return rate, 1.0
-    before = sum(seconds[:-recent]) / (covered - recent)
-    expected = before * recent
-    arrived = sum(seconds[-recent:])
-    if before <= 0 or arrived <= expected + 2 * math.sqrt(expected):
-        return rate, 1.0
-    return arrived / recent, arrived / expected
-
-
-# --- step 6: the pair ------------------------------------------------------------------------------
+# --- step 5: the pair ------------------------------------------------------------------------------
 
 
 def _with_ratio(
