@@ -16,9 +16,10 @@ from pdserve.deployment.plan.signals import (
     parse_engine_metrics,
     parse_load,
 )
-from pdserve.proxy.state.load import HISTORY_SECONDS, LoadWindow
+from pdserve.proxy.state.load import LoadWindow
 from pdserve.wire.load import (
     FACTOR,
+    HISTORY_SECONDS,
     add_series,
     bucket_of,
     bucket_value,

@@ -25,8 +25,8 @@ from pdserve.proxy.metrics import ProxyMetrics
 from pdserve.proxy.serving.generation import client_key_problem, request_id_of
 from pdserve.proxy.serving.worker_views import WorkerInfo, WorkerViewsError
 from pdserve.proxy.settings import ProxySettings
-from pdserve.proxy.state.load import HISTORY_SECONDS
 from pdserve.wire.headers import AUTHORIZATION, ERROR_REASON, REQUEST_ID
+from pdserve.wire.load import HISTORY_SECONDS
 from pdserve.wire.openai import RequestError, error_body
 
 log = logging.getLogger("pdserve.proxy")
