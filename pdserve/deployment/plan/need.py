@@ -40,6 +40,7 @@ grows with the rate at once (:func:`arrivals`), without the window's wait.
 from __future__ import annotations
 
 import math
+import statistics
 from collections.abc import Sequence
 
 from pdserve.deployment.plan.signals import Signals
@@ -133,9 +134,7 @@ def prefill_base(bases: Sequence[tuple[float, float]]) -> float | None:
     traffic's). None until :data:`MIN_FIT_SAMPLES` windows are known."""
     if len(bases) < MIN_FIT_SAMPLES:
         return None
-    ordered = sorted(a for _, a in bases)
-    middle = len(ordered) // 2
-    return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
+    return statistics.median(a for _, a in bases)
 
 
 def prefill_model(
