@@ -32,12 +32,12 @@ from pdserve.deployment.render.names import ROLE_LABEL
 from pdserve.deployment.spec.pddeployment import PDDeployment
 from pdserve.operator import metrics
 from pdserve.operator.kube import Kube
+from pdserve.operator.memory import Key, PerDeployment
 from pdserve.operator.signals import gather
 from pdserve.operator.steps import Event
 from pdserve.operator.views import PodView, rfc3339
 from pdserve.routing import Role
 
-Key = tuple[str, str]
 Gather = Callable[[Kube, PDDeployment, Sequence[PodView], float], Signals]
 
 
@@ -61,15 +61,13 @@ class ScalingPass:
 NO_AUTOSCALING = ScalingPass(None, None)
 
 
-class Autoscaler:
+class Autoscaler(PerDeployment[_State]):
     def __init__(self, kube: Kube, fetch: Gather = gather) -> None:
-        self._kube = kube
+        super().__init__(kube)
         self._fetch = fetch
-        self._states: dict[Key, _State] = {}
 
-    def forget(self, key: Key) -> None:
-        if self._states.pop(key, None) is not None:
-            metrics.forget_autoscaler(*key)
+    def _forgotten(self, key: Key) -> None:
+        metrics.forget_autoscaler(*key)
 
     def counts(self, pdd: PDDeployment, body: Mapping[str, Any]) -> PDDeployment:
         """The deployment at the stored counts (no decision): for a pass that will not scale."""
@@ -93,7 +91,7 @@ class Autoscaler:
             return pdd, NO_AUTOSCALING
         previous = (body.get("status") or {}).get("autoscaling")
         counts = stored_counts(pdd, body.get("status"))
-        state = self._states.setdefault(key, _State(next_at=now))
+        state = self._state(key, lambda: _State(next_at=now))
         decision: Decision | None = None
         signals: Signals | None = None
         events: list[Event] = []

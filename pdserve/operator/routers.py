@@ -31,6 +31,7 @@ from pdserve.deployment.render.router import router_pod_selector
 from pdserve.deployment.spec.pddeployment import PDDeployment
 from pdserve.operator import metrics
 from pdserve.operator.kube import Kube, KubeError
+from pdserve.operator.memory import PerDeployment
 from pdserve.routing.table import RoutingTable
 
 log = logging.getLogger("pdserve.operator")
@@ -39,8 +40,6 @@ log = logging.getLogger("pdserve.operator")
 POLL_SECONDS = 1.0
 #: Per router and request; a router on the pod network answers in milliseconds.
 FETCH_TIMEOUT = 0.5
-
-Key = tuple[str, str]
 
 
 @dataclass(frozen=True)
@@ -58,16 +57,12 @@ class _State:
     due: bool = False  # ask on the next pass even without a drain
 
 
-class Routers:
+class Routers(PerDeployment[_State]):
     """Per-deployment memory of what the routers said; the fetches are the only I/O."""
 
     def __init__(self, kube: Kube, timeout: float = FETCH_TIMEOUT) -> None:
-        self._kube = kube
+        super().__init__(kube)
         self._timeout = timeout
-        self._states: dict[Key, _State] = {}
-
-    def forget(self, key: Key) -> None:
-        self._states.pop(key, None)
 
     def verdicts(
         self,
@@ -80,7 +75,7 @@ class Routers:
         """Asks the routers when a pod drains, on a full pass, when a poll is due, or when the
         router Deployment's ``available`` count is not the number of Ready routers last seen
         (a router pod came or went); one verdict per draining pod."""
-        state = self._states.setdefault((pdd.namespace, pdd.name), _State())
+        state = self._state((pdd.namespace, pdd.name), _State)
         moved = available is not None and (state.reports is None or len(state.reports) != available)
         if not (draining or full or state.due or moved):
             return {}
@@ -103,7 +98,7 @@ class Routers:
     ) -> bool:
         """Records where each draining pod left the table; True when the routers should be asked
         again in :data:`POLL_SECONDS` (a table was written and some router answers)."""
-        state = self._states.setdefault((pdd.namespace, pdd.name), _State())
+        state = self._state((pdd.namespace, pdd.name), _State)
         state.left = {name: state.left.get(name, table.generation) for name in draining}
         summary = self.summary(pdd, table.generation)
         again = summary is not None and (
@@ -113,13 +108,13 @@ class Routers:
         return again
 
     def summary(self, pdd: PDDeployment, written: int | None) -> RoutersSummary | None:
-        state = self._states.get((pdd.namespace, pdd.name))
+        state = self._known((pdd.namespace, pdd.name))
         if state is None or state.reports is None:
             return None
         return summarize(state.reports, written)
 
     def left_generation(self, pdd: PDDeployment, pod: str) -> int | None:
-        state = self._states.get((pdd.namespace, pdd.name))
+        state = self._known((pdd.namespace, pdd.name))
         return state.left.get(pod) if state else None
 
     # --- the edge ----------------------------------------------------------------------------
