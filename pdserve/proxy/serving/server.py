@@ -46,6 +46,17 @@ class Lifecycle:
 AppFactory = Callable[[ProxySettings, Lifecycle, WorkerInfo | None], GenerationApp]
 
 
+@dataclass(frozen=True)
+class Serving:
+    """What a server (one function per name in :data:`SERVERS`) serves, and until when."""
+
+    app: GenerationApp
+    settings: ProxySettings
+    stop: asyncio.Event  # set: stop accepting, let in-flight requests finish (grace period)
+    sockets: Sequence[socket.socket]  # a worker's own SO_REUSEPORT sockets; empty: bind binds(settings)
+    shared: SharedState | None  # with worker processes
+
+
 def hypercorn_config(settings: ProxySettings) -> HypercornConfig:
     config = HypercornConfig()
     config.bind = [f"[{host}]:{port}" if ":" in host else f"{host}:{port}" for host, port in binds(settings)]
@@ -59,18 +70,12 @@ def hypercorn_config(settings: ProxySettings) -> HypercornConfig:
     return config
 
 
-async def _serve_hypercorn(
-    app: GenerationApp,
-    settings: ProxySettings,
-    stop: asyncio.Event,
-    sockets: Sequence[socket.socket],
-    shared: SharedState | None,
-) -> None:
+async def _serve_hypercorn(serving: Serving) -> None:
     """Hypercorn: connections stay where the kernel put them (no :class:`SharedConnections`)."""
-    config = hypercorn_config(settings)
-    if sockets:  # a worker's own SO_REUSEPORT sockets (pdserve.proxy.serving.workers)
-        config.bind = [f"fd://{sock.fileno()}" for sock in sockets]
-    await hypercorn_serve(app, config, shutdown_trigger=stop.wait)  # type: ignore[arg-type]
+    config = hypercorn_config(serving.settings)
+    if serving.sockets:  # a worker's own SO_REUSEPORT sockets (pdserve.proxy.serving.workers)
+        config.bind = [f"fd://{sock.fileno()}" for sock in serving.sockets]
+    await hypercorn_serve(serving.app, config, shutdown_trigger=serving.stop.wait)  # type: ignore[arg-type]
 
 
 class _HeadWithBody:
@@ -238,19 +243,16 @@ def listen(host: str, port: int, backlog: int, reuse_port: bool = False) -> sock
     return sock
 
 
-async def _serve_uvicorn(
-    app: GenerationApp,
-    settings: ProxySettings,
-    stop: asyncio.Event,
-    given: Sequence[socket.socket],
-    shared: SharedState | None,
-) -> None:
-    server = _UvicornServer(uvicorn_config(app, settings, shared.connections if shared else None))
+async def _serve_uvicorn(serving: Serving) -> None:
+    settings, shared = serving.settings, serving.shared
+    server = _UvicornServer(uvicorn_config(serving.app, settings, shared.connections if shared else None))
     # One server on every port (one lifespan, one app); uvicorn binds a single host:port itself.
-    sockets = list(given) or [listen(host, port, settings.listen.backlog) for host, port in binds(settings)]
+    sockets = list(serving.sockets) or [
+        listen(host, port, settings.listen.backlog) for host, port in binds(settings)
+    ]
 
     async def relay_stop() -> None:
-        await stop.wait()
+        await serving.stop.wait()
         server.should_exit = True
 
     relay = asyncio.create_task(relay_stop())
@@ -262,10 +264,7 @@ async def _serve_uvicorn(
             sock.close()
 
 
-Serve = Callable[
-    [GenerationApp, ProxySettings, asyncio.Event, Sequence[socket.socket], SharedState | None],
-    Awaitable[None],
-]
+Serve = Callable[[Serving], Awaitable[None]]
 SERVERS: dict[str, Serve] = {
     "hypercorn": _serve_hypercorn,
     "uvicorn": _serve_uvicorn,
@@ -324,7 +323,7 @@ async def serve_until_signalled(
         settings.table.source,
     )
     try:
-        await serve(app, settings, stop, sockets, worker.shared if worker else None)
+        await serve(Serving(app, settings, stop, sockets, worker.shared if worker else None))
     finally:
         for handle in delayed:
             handle.cancel()
