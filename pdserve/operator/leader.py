@@ -86,6 +86,17 @@ def validate(lease_duration: float, renew_deadline: float, retry_period: float) 
     return problems
 
 
+#: Each field of :class:`LeaseRecord`: its key in the Lease's spec, and how a value read there
+#: becomes the field's (a missing or null holder, duration or count reads as "" or 0).
+LEASE_SPEC: tuple[tuple[str, str, Callable[[Any], Any]], ...] = (
+    ("holder", "holderIdentity", lambda value: str(value or "")),
+    ("duration", "leaseDurationSeconds", lambda value: int(value or 0)),
+    ("acquire_time", "acquireTime", lambda value: value),
+    ("renew_time", "renewTime", lambda value: value),
+    ("transitions", "leaseTransitions", lambda value: int(value or 0)),
+)
+
+
 @dataclass(frozen=True)
 class LeaseRecord:
     """The Lease's spec, as far as election is concerned (an empty ``holder`` is a free lease)."""
@@ -99,22 +110,10 @@ class LeaseRecord:
     @classmethod
     def from_spec(cls, spec: Mapping[str, Any] | None) -> LeaseRecord:
         spec = spec or {}
-        return cls(
-            holder=str(spec.get("holderIdentity") or ""),
-            duration=int(spec.get("leaseDurationSeconds") or 0),
-            acquire_time=spec.get("acquireTime"),
-            renew_time=spec.get("renewTime"),
-            transitions=int(spec.get("leaseTransitions") or 0),
-        )
+        return cls(**{name: read(spec.get(key)) for name, key, read in LEASE_SPEC})
 
     def to_spec(self) -> dict[str, Any]:
-        return {
-            "holderIdentity": self.holder,
-            "leaseDurationSeconds": self.duration,
-            "acquireTime": self.acquire_time,
-            "renewTime": self.renew_time,
-            "leaseTransitions": self.transitions,
-        }
+        return {key: getattr(self, name) for name, key, _ in LEASE_SPEC}
 
 
 @dataclass(frozen=True)
