@@ -85,18 +85,33 @@ class RoleStatus:
         )
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "instances": self.instances,
-            "readyInstances": self.ready_instances,
-            "updatedInstances": self.updated_instances,
-            "availableInstances": self.available_instances,
-            "unreachableInstances": self.unreachable_instances,
-            "slots": self.slots,
-            "readySlots": self.ready_slots,
-            "summary": f"{self.ready_instances}/{self.wanted}",
-            "selector": self.selector,
-            "templateHash": self.template_hash,
-        } | ({"pods": self.group_pods[0], "readyPods": self.group_pods[1]} if self.group_pods else {})
+        """``status.<role>``: the :data:`SHOWN` fields, ``summary``, and ``pods``/``readyPods``
+        for a multi-node role."""
+        out: dict[str, Any] = {_camel_case(name): getattr(self, name) for name in SHOWN}
+        out["summary"] = f"{self.ready_instances}/{self.wanted}"
+        if self.group_pods:
+            out["pods"], out["readyPods"] = self.group_pods
+        return out
+
+
+#: The fields of :class:`RoleStatus` that ``status.<role>`` shows as they are, each under its
+#: name in camelCase (the CRD's schema lists the same keys).
+SHOWN = (
+    "instances",
+    "ready_instances",
+    "updated_instances",
+    "available_instances",
+    "unreachable_instances",
+    "slots",
+    "ready_slots",
+    "selector",
+    "template_hash",
+)
+
+
+def _camel_case(name: str) -> str:
+    first, *rest = name.split("_")
+    return first + "".join(word.capitalize() for word in rest)
 
 
 def role_status(obs: RoleObservation) -> RoleStatus:
