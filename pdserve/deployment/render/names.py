@@ -21,7 +21,7 @@ since the API server refuses an empty uid.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from pdserve.deployment.spec.pddeployment import API_VERSION, KIND, PDDeployment
@@ -72,35 +72,31 @@ def is_instance_name(pdd: PDDeployment, role: Role, index: int, name: str) -> bo
     return name == base or (name.startswith(base + "-") and "-" not in name[len(base) + 1 :])
 
 
-def engine_service_name(pdd: PDDeployment) -> str:
-    return f"{pdd.name}-engines"
+def _suffixed(suffix: str) -> Callable[[PDDeployment], str]:
+    """The name ``<name>-<suffix>`` of one of the deployment's objects."""
+
+    def name(pdd: PDDeployment) -> str:
+        return f"{pdd.name}-{suffix}"
+
+    return name
 
 
-def router_name(pdd: PDDeployment) -> str:
-    return f"{pdd.name}-router"
-
-
-def routing_configmap_name(pdd: PDDeployment) -> str:
-    return f"{pdd.name}-routing"
-
-
-def router_account_name(pdd: PDDeployment) -> str:
-    """The router's ServiceAccount, Role and RoleBinding share this name."""
-    return f"{pdd.name}-router"
+#: The headless Service whose subdomain names the engine pods.
+engine_service_name = _suffixed("engines")
+#: The router's Deployment.
+router_name = _suffixed("router")
+#: The routing table's ConfigMap.
+routing_configmap_name = _suffixed("routing")
+#: The router's ServiceAccount, Role and RoleBinding share this name.
+router_account_name = _suffixed("router")
+#: The default ServiceAccount of a client application (``--service-account``).
+client_account_name = _suffixed("client")
+#: The Role that lets a client sidecar read the routing ConfigMap (client_sidecar.py).
+client_role_name = _suffixed("routing-reader")
 
 
 def disruption_budget_name(pdd: PDDeployment, role: Role) -> str:
     return f"{pdd.name}-{role.value}"
-
-
-def client_account_name(pdd: PDDeployment) -> str:
-    """The default ServiceAccount of a client application (``--service-account``)."""
-    return f"{pdd.name}-client"
-
-
-def client_role_name(pdd: PDDeployment) -> str:
-    """The Role that lets a client sidecar read the routing ConfigMap (client_sidecar.py)."""
-    return f"{pdd.name}-routing-reader"
 
 
 def client_binding_name(pdd: PDDeployment, account: str) -> str:
