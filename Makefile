@@ -17,8 +17,9 @@ $(VENV)/.installed: pyproject.toml
 	@touch $@
 
 ## Whole suite: unit, loopback integration and tests against the real control plane (built and started on demand).
+## Lists its 20 slowest tests at the end: the suite's budget is 25 minutes.
 test: install cluster-build
-	$(VENV)/bin/pytest $(PYTEST_ARGS)
+	$(VENV)/bin/pytest --durations=20 $(PYTEST_ARGS)
 
 ## The proxy's fairness, robustness and guard-rail tests again, with 2 worker processes per proxy
 ## (one shared counter per role, SO_REUSEPORT, merged admin views; docs/proxy.md#workers-one-router-on-every-core).
