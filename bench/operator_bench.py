@@ -211,7 +211,7 @@ def source_commit() -> str:
 def make_kube(kubeconfig: Path) -> Any:
     """pdserve's own thin client (dicts in and out) plus a raw watch: no generated models, which
     cost the bench process CPU the cluster and the operator need on a 2-core machine."""
-    from pdserve.operator.kube import Kube
+    from pdserve.operator.cluster.kube import Kube
 
     class BenchKube(Kube):
         def watch(

@@ -42,8 +42,8 @@ from typing import TYPE_CHECKING
 from pdserve.argtypes import add_flags, positive_float, setting, stating_default
 from pdserve.deployment.spec.pddeployment import DEFAULT_IMAGE
 from pdserve.listen import unavailable
-from pdserve.operator.handlers import OperatorOptions
-from pdserve.operator.leader import (
+from pdserve.operator.control.handlers import OperatorOptions
+from pdserve.operator.control.leader import (
     DEFAULT_LEASE_NAME,
     LEASE_DURATION,
     RENEW_DEADLINE,
@@ -55,7 +55,7 @@ from pdserve.operator.leader import (
 )
 
 if TYPE_CHECKING:
-    from pdserve.operator.leader import LeaderElector
+    from pdserve.operator.control.leader import LeaderElector
 
 
 @dataclass(frozen=True)
@@ -125,7 +125,7 @@ class OperatorFlags:
 
 @dataclass(frozen=True)
 class ElectionFlags:
-    """Leader election among replicas (pdserve.operator.leader)."""
+    """Leader election among replicas (pdserve.operator.control.leader)."""
 
     leader_elect: bool | None = setting(
         None,
@@ -217,7 +217,7 @@ def run(args: argparse.Namespace) -> int:
         traces_endpoint=args.otlp_traces_endpoint,
     )
     liveness = f"http://{args.bind}:{args.liveness_port}/healthz" if args.liveness_port else None
-    import pdserve.operator.handlers  # noqa: F401 - registers the handlers
+    import pdserve.operator.control.handlers  # noqa: F401 - registers the handlers
 
     kopf.run(
         standalone=True,
@@ -270,8 +270,8 @@ def election_config(args: argparse.Namespace) -> ElectionConfig | None:
 
 
 def _elector(config: ElectionConfig, kubeconfig: str | None) -> LeaderElector:
-    from pdserve.operator.kube import Kube
-    from pdserve.operator.leader import LeaderElector
+    from pdserve.operator.cluster.kube import Kube
+    from pdserve.operator.control.leader import LeaderElector
 
     # Its own small connection pool and no fence: a busy reconciler never delays a renewal.
     return LeaderElector(config, Kube(kubeconfig, pool_size=2))

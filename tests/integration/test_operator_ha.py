@@ -26,8 +26,8 @@ from typing import Any
 
 import pytest
 
-from pdserve.operator.kube import Kube, NotLeader
-from pdserve.operator.leader import ElectionConfig, LeaderElector
+from pdserve.operator.cluster.kube import Kube, NotLeader
+from pdserve.operator.control.leader import ElectionConfig, LeaderElector
 from tests.support.kube import KubeCluster, eventually
 from tests.support.operator import (
     WAIT,

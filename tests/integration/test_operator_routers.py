@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 
 from pdserve.deployment.plan.drain import DrainReason, drain_verdict
-from pdserve.operator.routers import fetch_reports
+from pdserve.operator.dataplane.routers import fetch_reports
 from tests.support.kube import eventually, kubectl_for, router_kubeconfig
 from tests.support.operator import (
     WAIT,

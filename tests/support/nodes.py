@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
-from pdserve.operator.nodes import NodeCache
+from pdserve.operator.cluster.nodes import NodeCache
 from tests.support.kube import KubeCluster, eventually
 from tests.support.procs import running
 

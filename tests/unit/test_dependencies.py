@@ -87,9 +87,9 @@ RULES = {
         "pdserve.deployment",
         "pdserve.sim",
     ),
-    # the operator loads OpenTelemetry only with --otlp-traces-endpoint (pdserve.operator.tracing)
-    "pdserve.operator.reconcile": ("opentelemetry",),
-    "pdserve.operator.handlers": ("opentelemetry",),
+    # the operator loads OpenTelemetry only with --otlp-traces-endpoint (pdserve.operator.reconcile.tracing)
+    "pdserve.operator.reconcile.reconciler": ("opentelemetry",),
+    "pdserve.operator.control.handlers": ("opentelemetry",),
     "pdserve.local.runner": ("kopf", "kubernetes", "pdserve.operator", "pdserve.proxy.", "pdserve.sim."),
 }
 
@@ -130,6 +130,8 @@ FLOORS: tuple[frozenset[str], ...] = (
 #: ground; the table and the policies; the settings; the request flow; serving; admin; on top the
 #: composition root (app) and the command (cli). The deployment: the spec; the rollout planning;
 #: rendering; the checks that need rendered pods; the tools. (The KV connectors are pdserve.kv.)
+#: The operator: its metrics; the API server as it reaches and sees it; what a pass asks the
+#: routers and engines; the reconcile pass; the control loop that runs the passes; the command.
 INNER_FLOORS: dict[str, tuple[frozenset[str], ...]] = {
     "deployment": (
         frozenset({"spec"}),
@@ -137,6 +139,14 @@ INNER_FLOORS: dict[str, tuple[frozenset[str], ...]] = {
         frozenset({"render"}),
         frozenset({"validate"}),
         frozenset({"cli", "docgen"}),
+    ),
+    "operator": (
+        frozenset({"metrics"}),
+        frozenset({"cluster"}),
+        frozenset({"dataplane"}),
+        frozenset({"reconcile"}),
+        frozenset({"control"}),
+        frozenset({"cli"}),
     ),
     "proxy": (
         frozenset({"engine", "state", "metrics"}),

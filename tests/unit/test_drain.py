@@ -19,7 +19,7 @@ from pdserve.deployment.plan.drain import (
 )
 from pdserve.deployment.plan.rollout import ActionKind, ObservedPod, RolloutPolicy, plan_role
 from pdserve.deployment.plan.status import Observation, compute_status
-from pdserve.operator.routers import fetch_reports, ready_router_addresses
+from pdserve.operator.dataplane.routers import fetch_reports, ready_router_addresses
 from pdserve.proxy.metrics import ProxyMetrics
 from pdserve.proxy.state.health import SlotBook
 from pdserve.proxy.table.served import ServedTable, served_view

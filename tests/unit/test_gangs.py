@@ -1,4 +1,5 @@
-"""Multi-node groups judged as one unit (pdserve.deployment.plan.gangs, pdserve.operator.views.gang_pass)."""
+"""Multi-node groups judged as one unit (pdserve.deployment.plan.gangs,
+pdserve.operator.cluster.views.gang_pass)."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ from pdserve.deployment.render.names import (
 )
 from pdserve.deployment.render.routing_table import NodeEndpoint
 from pdserve.deployment.spec.pddeployment import parse_pddeployment
-from pdserve.operator.views import gang_pass, lws_stand_in, pod_view
+from pdserve.operator.cluster.views import gang_pass, lws_stand_in, pod_view
 from tests.support.specs import sim_manifest
 
 TIMEOUT = 600.0

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pdserve.operator.cache import ClusterCache
+from pdserve.operator.cluster.cache import ClusterCache
 
 KEY = ("ns", "r1")
 

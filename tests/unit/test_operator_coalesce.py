@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from pdserve.operator.controller import Coalescer, Key
+from pdserve.operator.control.controller import Coalescer, Key
 
 A: Key = ("ns", "a")
 B: Key = ("ns", "b")

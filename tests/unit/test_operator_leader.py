@@ -1,4 +1,4 @@
-"""Leader election's decisions (pdserve/operator/leader.py), without an API server.
+"""Leader election's decisions (pdserve/operator/control/leader.py), without an API server.
 
 Every transition of :func:`decide`, expiry judged on the local clock only (skewed remote times
 change nothing), the records written, release, the flag checks, and a model of several
@@ -17,8 +17,8 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from pdserve.operator.cli import configure, election_config
-from pdserve.operator.kube import Kube, KubeError, NotLeader
-from pdserve.operator.leader import (
+from pdserve.operator.cluster.kube import Kube, KubeError, NotLeader
+from pdserve.operator.control.leader import (
     DEFAULT_LEASE_NAME,
     LeaseRecord,
     Observed,

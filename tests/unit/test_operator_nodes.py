@@ -12,10 +12,10 @@ import json
 from pathlib import Path
 from typing import Any, cast
 
-from pdserve.operator.cache import ClusterCache
-from pdserve.operator.controller import Controller, Key
-from pdserve.operator.nodes import NodeCache, lost_since, parse_time, quantity, ready_condition
-from pdserve.operator.reconcile import Reconciler
+from pdserve.operator.cluster.cache import ClusterCache
+from pdserve.operator.cluster.nodes import NodeCache, lost_since, parse_time, quantity, ready_condition
+from pdserve.operator.control.controller import Controller, Key
+from pdserve.operator.reconcile.reconciler import Reconciler
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "nodes"
 

@@ -1,5 +1,5 @@
 """With the routers in the decode pods, the operator asks the decode pods, and a draining one
-until it is unready and idle (pdserve.operator.routers)."""
+until it is unready and idle (pdserve.operator.dataplane.routers)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import pytest
 
 from pdserve.deployment.plan.drain import RouterReport, drain_verdict
 from pdserve.deployment.spec.pddeployment import parse_pddeployment
-from pdserve.operator import routers as routers_module
-from pdserve.operator.routers import Routers
+from pdserve.operator.dataplane import routers as routers_module
+from pdserve.operator.dataplane.routers import Routers
 from tests.unit.test_deployment_objects import shape_manifest
 
 

@@ -11,9 +11,9 @@ from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from pdserve.operator.passlog import PassRecord
-from pdserve.operator.steps import Event, Outcome
-from pdserve.operator.tracing import PassTracer, Rollout, _Ids
+from pdserve.operator.reconcile.passlog import PassRecord
+from pdserve.operator.reconcile.steps import Event, Outcome
+from pdserve.operator.reconcile.tracing import PassTracer, Rollout, _Ids
 from pdserve.tracing.sdk import Tracing
 
 

@@ -9,7 +9,7 @@ all, nothing can send it work: ``no-routers``. ``spec.rollout.drainSeconds`` is 
 (``timeout``): a router that does not answer, or a request that never ends, only delays the
 deletion until then.
 
-Pure: the operator (pdserve.operator.routers) and ``pdserve up`` fetch the reports with their own
+Pure: the operator (pdserve.operator.dataplane.routers) and ``pdserve up`` fetch the reports with their own
 HTTP clients (:func:`read_served` takes the GET) and perform the verdict.
 """
 

@@ -16,7 +16,7 @@ depends only on what the pods show and the clock.
   seconds: pods of a group that cannot all be placed must not hold GPUs forever. The group is
   deleted and replaced; the status says which member waited for what.
 
-For the rollout planner a group is one unit (pdserve.operator.views): Ready only when every
+For the rollout planner a group is one unit (pdserve.operator.cluster.views): Ready only when every
 member is. Single-pod instances (``size`` 1) are never judged here, and a LeaderWorkerSet's
 group (backend ``lws``) only by the gang timeout: its controller creates and restarts it.
 """

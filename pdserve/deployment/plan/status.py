@@ -8,7 +8,7 @@ asks, so an unchanged world produces a byte-identical status and no write.
 ``routingGeneration`` is the generation the operator last wrote; ``servedGeneration`` the oldest
 one any Ready router serves (null when none answers), and ``routers`` counts the Ready router
 pods and those serving the written generation (``current``), as the routers last told the
-operator (pdserve.operator.routers).
+operator (pdserve.operator.dataplane.routers).
 
 Conditions:
 

@@ -69,7 +69,7 @@ class NotLeader(KubeError):
 
 class Kube:
     """``fence``, when given, is asked right before every write: a reason (str) refuses the write
-    with :class:`NotLeader`, None lets it go (see :mod:`pdserve.operator.leader`)."""
+    with :class:`NotLeader`, None lets it go (see :mod:`pdserve.operator.control.leader`)."""
 
     def __init__(
         self,

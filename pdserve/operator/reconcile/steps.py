@@ -1,4 +1,4 @@
-"""The writes of one pass, in the order reconcile.py calls them: drain marks, the routing table,
+"""The writes of one pass, in the order reconciler.py calls them: drain marks, the routing table,
 the static objects, pod deletes and creates, scheduling gates. Each step sends its calls at once
 on the shared I/O pool; the ones whose answers a later step needs return a function that waits.
 What to do was decided by the pure planners of :mod:`pdserve.deployment`; this only does it.
@@ -33,10 +33,10 @@ from pdserve.deployment.render.static_objects import desired_static_objects
 from pdserve.deployment.spec.multinode import BACKEND_LWS
 from pdserve.deployment.spec.pddeployment import PDDeployment
 from pdserve.operator import metrics
-from pdserve.operator.cache import Body, ClusterCache
-from pdserve.operator.kube import Kube
-from pdserve.operator.passlog import PassRecord
-from pdserve.operator.views import DRAINING_ANNOTATION, PodView, rfc3339
+from pdserve.operator.cluster.cache import Body, ClusterCache
+from pdserve.operator.cluster.kube import Kube
+from pdserve.operator.cluster.views import DRAINING_ANNOTATION, PodView, rfc3339
+from pdserve.operator.reconcile.passlog import PassRecord
 from pdserve.routing.table import CONFIGMAP_KEY, Role, RoutingTable, RoutingTableError, load_routing_table
 
 log = logging.getLogger("pdserve.operator")
@@ -62,7 +62,7 @@ class Outcome:
     events: list[Event] = field(default_factory=list)
     recheck_after: float | None = None
     routing_written: bool = False
-    #: The pass's steps and times when the operator traces (pdserve.operator.tracing), else None.
+    #: The pass's steps and times when the operator traces (pdserve.operator.reconcile.tracing), else None.
     record: PassRecord | None = None
 
     def step(self, name: str) -> contextlib.AbstractContextManager[None]:

@@ -30,8 +30,8 @@ from pdserve.deployment.plan.fetch import Get, GetError
 from pdserve.deployment.render.router import router_pod_selector
 from pdserve.deployment.spec.pddeployment import PDDeployment
 from pdserve.operator import metrics
-from pdserve.operator.kube import Kube, KubeError
-from pdserve.operator.memory import PerDeployment
+from pdserve.operator.cluster.kube import Kube, KubeError
+from pdserve.operator.dataplane.memory import PerDeployment
 from pdserve.routing.table import RoutingTable
 
 log = logging.getLogger("pdserve.operator")

@@ -4,14 +4,14 @@ Two kinds of pass. A full pass (a spec change, the periodic resync, first sight 
 deployment, after an error) reads everything back from the cluster: the PDDeployment, its pods
 (readiness, IP, template hash, sizes, the draining annotation), the routing ConfigMap, the
 Services and the router Deployment. A light pass (a pod or router event) plans from what the
-watches fed into :class:`~pdserve.operator.cache.ClusterCache` and reads nothing; it only writes
+watches fed into :class:`~pdserve.operator.cluster.cache.ClusterCache` and reads nothing; it only writes
 what changed (bench/results/operator-latest.md has what each costs). Either kind runs to the
 end in one go. Pods are only created after a read of the PDDeployment in the same pass (a light
 pass GETs it first), so a late pod event cannot resurrect a deleted deployment's pods. The
 decisions are the pure functions of :mod:`pdserve.deployment` (rendering, validation, rollout
 planning, routing table, status); this module reads, sequences and reports,
-:mod:`pdserve.operator.views` turns pods into the planner's inputs and
-:mod:`pdserve.operator.steps` makes the writes. Running it twice on an unchanged cluster writes
+:mod:`pdserve.operator.cluster.views` turns pods into the planner's inputs and
+:mod:`pdserve.operator.reconcile.steps` makes the writes. Running it twice on an unchanged cluster writes
 nothing, and a restarted operator continues a rollout where the annotations say it stands.
 
 Order inside one pass, chosen so that the router never sends work to a pod being removed and the
@@ -60,13 +60,22 @@ from pdserve.deployment.spec.pddeployment import DEFAULT_IMAGE, PDDeployment, Sp
 from pdserve.deployment.validate import problems as spec_problems
 from pdserve.deployment.validate import with_node_default, with_pdserve_image
 from pdserve.operator import metrics
-from pdserve.operator.autoscaler import Autoscaler
-from pdserve.operator.cache import Body, ClusterCache, version_number
-from pdserve.operator.kube import Kube, KubeError, NotLeader
-from pdserve.operator.nodes import NodeCache
-from pdserve.operator.passlog import PassRecord
-from pdserve.operator.routers import POLL_SECONDS, Draining, Routers
-from pdserve.operator.steps import (
+from pdserve.operator.cluster.cache import Body, ClusterCache, version_number
+from pdserve.operator.cluster.kube import Kube, KubeError, NotLeader
+from pdserve.operator.cluster.nodes import NodeCache
+from pdserve.operator.cluster.views import (
+    PodView,
+    gang_pass,
+    lws_stand_in,
+    pod_placements,
+    pod_view,
+    rfc3339,
+    unreachable_messages,
+)
+from pdserve.operator.dataplane.routers import POLL_SECONDS, Draining, Routers
+from pdserve.operator.reconcile.autoscaler import Autoscaler
+from pdserve.operator.reconcile.passlog import PassRecord
+from pdserve.operator.reconcile.steps import (
     APPLIED_HASH_ANNOTATION,
     Event,
     Outcome,
@@ -78,20 +87,11 @@ from pdserve.operator.steps import (
     owned_object_names,
     with_applied_hash,
 )
-from pdserve.operator.views import (
-    PodView,
-    gang_pass,
-    lws_stand_in,
-    pod_placements,
-    pod_view,
-    rfc3339,
-    unreachable_messages,
-)
 from pdserve.routing import build_slot_table
 from pdserve.routing.table import Role, RoutingTableError
 
 if TYPE_CHECKING:  # loaded only when the operator traces
-    from pdserve.operator.tracing import PassTracer
+    from pdserve.operator.reconcile.tracing import PassTracer
 
 log = logging.getLogger("pdserve.operator")
 
@@ -119,7 +119,7 @@ class Reconciler:
         pdserve_image: str = DEFAULT_IMAGE,
         tracer: PassTracer | None = None,
     ) -> None:
-        """``tracer``: the passes' spans when the operator traces (pdserve.operator.tracing)."""
+        """``tracer``: the passes' spans when the operator traces (pdserve.operator.reconcile.tracing)."""
         self._kube = kube
         self._pdserve_image = pdserve_image
         self._tracer = tracer

@@ -9,10 +9,10 @@ Nodes are watched too (node loss, allocatable GPUs), but only when the operator 
 watch them: the startup handler asks the API server (a SelfSubjectAccessReview) and registers
 :func:`node_event` only then. kopf retries a forbidden watch forever, logging an error at every
 attempt; asking first turns a missing grant into one warning, and the reconciler then skips what
-needs nodes (:class:`~pdserve.operator.nodes.NodeCache` answers None).
+needs nodes (:class:`~pdserve.operator.cluster.nodes.NodeCache` answers None).
 
 Usable as ``pdserve operator`` (see :mod:`pdserve.operator.cli`, which passes the options in
-the memo) or directly as ``kopf run -m pdserve.operator.handlers`` with the defaults.
+the memo) or directly as ``kopf run -m pdserve.operator.control.handlers`` with the defaults.
 """
 
 from __future__ import annotations
@@ -28,12 +28,12 @@ import kopf
 
 from pdserve.deployment.render.names import DEPLOYMENT_LABEL, ROLE_LABEL
 from pdserve.deployment.spec.pddeployment import DEFAULT_IMAGE, GROUP, PLURAL, VERSION
-from pdserve.operator.cache import ClusterCache
-from pdserve.operator.controller import Controller
-from pdserve.operator.kube import Kube, KubeError
-from pdserve.operator.leader import LeaderElector
-from pdserve.operator.nodes import NodeCache
-from pdserve.operator.reconcile import Reconciler
+from pdserve.operator.cluster.cache import ClusterCache
+from pdserve.operator.cluster.kube import Kube, KubeError
+from pdserve.operator.cluster.nodes import NodeCache
+from pdserve.operator.control.controller import Controller
+from pdserve.operator.control.leader import LeaderElector
+from pdserve.operator.reconcile.reconciler import Reconciler
 
 log = logging.getLogger("pdserve.operator")
 
@@ -50,7 +50,7 @@ class OperatorOptions:
     stop: asyncio.Event | None = None
     #: The image of routers and ``engine: sim`` pods whose spec names none (--pdserve-image).
     pdserve_image: str = DEFAULT_IMAGE
-    #: ``--otlp-traces-endpoint``: the reconcile passes as spans (pdserve.operator.tracing).
+    #: ``--otlp-traces-endpoint``: the reconcile passes as spans (pdserve.operator.reconcile.tracing).
     traces_endpoint: str | None = None
 
 
@@ -72,7 +72,7 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) ->
         watch_nodes()
     tracer = None
     if options.traces_endpoint:
-        from pdserve.operator.tracing import PassTracer  # OpenTelemetry only when asked for
+        from pdserve.operator.reconcile.tracing import PassTracer  # OpenTelemetry only when asked for
 
         tracer = memo["tracer"] = PassTracer.start(options.traces_endpoint)
     controller = Controller(

@@ -12,7 +12,7 @@ if it then writes, two replicas drive the same pods. So, as client-go's ``leader
 * The leader renews every ``retry_period``; a leader whose last successful renew was sent
   ``renew_deadline`` ago or more has lost (the deadline is shorter than the lease duration, so it
   stops before any other replica may take over). :meth:`LeaderElector.refusal` is that fence, and
-  every mutating API call of the operator passes through it (:class:`pdserve.operator.kube.Kube`).
+  every mutating API call of the operator passes through it (:class:`pdserve.operator.cluster.kube.Kube`).
 * Losing the lease is final: the process stops writing at once and exits non-zero
   (client-go's ``OnStoppedLeading``), so Kubernetes restarts it as a follower.
 * A graceful stop releases the lease (empty ``holderIdentity``) so another replica takes over at
@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from pdserve.operator import metrics
-from pdserve.operator.kube import Kube, KubeError
+from pdserve.operator.cluster.kube import Kube, KubeError
 
 log = logging.getLogger("pdserve.operator.leader")
 
@@ -260,7 +260,7 @@ def default_namespace(
 class LeaderElector:
     """Runs the election on its own thread; :meth:`refusal` is the fence for every write.
 
-    ``kube`` should be its own :class:`~pdserve.operator.kube.Kube` (own connection pool, no
+    ``kube`` should be its own :class:`~pdserve.operator.cluster.kube.Kube` (own connection pool, no
     fence), so a busy reconciler never delays a renewal. ``on_started`` runs on the election
     thread when this replica starts leading; ``on_stopped`` when it has lost the lease (never
     after a graceful :meth:`release`).

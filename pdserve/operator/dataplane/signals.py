@@ -17,9 +17,9 @@ import aiohttp
 from pdserve.deployment.plan.signals import RouterLoad, Signals, combine, read_signals
 from pdserve.deployment.render.router import router_pod_selector
 from pdserve.deployment.spec.pddeployment import ENGINE_PORT, PDDeployment
-from pdserve.operator.kube import Kube, KubeError
-from pdserve.operator.routers import base_urls, ready_router_addresses, session_get
-from pdserve.operator.views import PodView
+from pdserve.operator.cluster.kube import Kube, KubeError
+from pdserve.operator.cluster.views import PodView
+from pdserve.operator.dataplane.routers import base_urls, ready_router_addresses, session_get
 
 #: Per request: a router or an engine on the pod network answers in milliseconds.
 TIMEOUT = 1.0

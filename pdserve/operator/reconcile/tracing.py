@@ -4,7 +4,7 @@ Loaded only then. Each pass is a ``reconcile`` span (namespace, deployment, gene
 light, result, whether the routing table was written, the Events it posted as span events) with
 a child per step (``read``, ``autoscale``, ``drain``, ``routing_table``, ``delete_pods``,
 ``create_pods``, ``apply_objects``, ``status``), made from the pass's
-:class:`~pdserve.operator.passlog.PassRecord` once it is over.
+:class:`~pdserve.operator.reconcile.passlog.PassRecord` once it is over.
 
 A rollout reads as one trace: while a PDDeployment's ``Progressing`` condition is True, its
 passes are children of a ``rollout`` span whose trace and span ids are derived from the
@@ -29,8 +29,8 @@ from opentelemetry.sdk.trace.id_generator import RandomIdGenerator
 from opentelemetry.trace import NonRecordingSpan, SpanContext, SpanKind, Status, StatusCode, TraceFlags
 
 from pdserve import __version__
-from pdserve.operator.passlog import PassRecord
-from pdserve.operator.steps import Outcome
+from pdserve.operator.reconcile.passlog import PassRecord
+from pdserve.operator.reconcile.steps import Outcome
 from pdserve.tracing.endpoint import parse_endpoint
 from pdserve.tracing.sdk import Tracing, start_tracing
 

@@ -9,7 +9,7 @@ reaches the routing table within tens of milliseconds. Runs for one PDDeployment
 Kubernetes client is synchronous).
 
 Every watch event first goes into the :class:`ClusterCache`, so the run it requests can plan
-from memory (see :mod:`pdserve.operator.reconcile`).
+from memory (see :mod:`pdserve.operator.reconcile.reconciler`).
 
 With leader election, a follower keeps its watches and cache warm but runs nothing; the moment
 it starts leading it runs a full pass of every PDDeployment it knows (the planner is level-based,
@@ -27,10 +27,10 @@ from datetime import UTC, datetime
 from typing import Any
 
 from pdserve.operator import metrics
-from pdserve.operator.cache import ClusterCache
-from pdserve.operator.nodes import NodeCache
-from pdserve.operator.reconcile import Reconciler
-from pdserve.operator.steps import Outcome
+from pdserve.operator.cluster.cache import ClusterCache
+from pdserve.operator.cluster.nodes import NodeCache
+from pdserve.operator.reconcile.reconciler import Reconciler
+from pdserve.operator.reconcile.steps import Outcome
 
 log = logging.getLogger("pdserve.operator")
 

@@ -5,7 +5,7 @@ allocatable GPUs per node (the per-node fit check of :mod:`pdserve.deployment.va
 whether the node a pod is bound to has stopped answering (node loss: its pods must be replaced
 and leave the routing table). The first changes rarely, the second must be seen at once; a
 LIST every 30 s was both too slow for the second and wasteful for the first. kopf feeds every
-Node event in here (:func:`pdserve.operator.handlers.node_event`), one LIST at startup seeds the
+Node event in here (:func:`pdserve.operator.control.handlers.node_event`), one LIST at startup seeds the
 cache so that :meth:`NodeCache.ready_known` can say "every node is known".
 
 A node is *lost* when its Ready condition is False or Unknown (the node lifecycle controller
@@ -13,7 +13,7 @@ sets Unknown when the kubelet's heartbeats stop for ``--node-monitor-grace-perio
 condition's ``lastTransitionTime``; or when the Node object was deleted, since the deletion was
 seen (its pods are as gone as it is).
 
-Ordering follows :mod:`pdserve.operator.cache`: each entry keeps the resourceVersion it came
+Ordering follows :mod:`pdserve.operator.cluster.cache`: each entry keeps the resourceVersion it came
 with, and an older version never overwrites a newer one (nor resurrects a deleted node).
 
 Thread-safe: kopf's event loop writes while reconcile threads read.
@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from pdserve.operator.cache import resource_version, version_number
+from pdserve.operator.cluster.cache import resource_version, version_number
 
 Body = Mapping[str, Any]
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Generic, TypeVar
 
-from pdserve.operator.kube import Kube
+from pdserve.operator.cluster.kube import Kube
 
 Key = tuple[str, str]  # (namespace, PDDeployment name)
 S = TypeVar("S")

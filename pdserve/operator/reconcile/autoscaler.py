@@ -31,11 +31,11 @@ from pdserve.deployment.plan.signals import Signals
 from pdserve.deployment.render.names import ROLE_LABEL
 from pdserve.deployment.spec.pddeployment import PDDeployment
 from pdserve.operator import metrics
-from pdserve.operator.kube import Kube
-from pdserve.operator.memory import Key, PerDeployment
-from pdserve.operator.signals import gather
-from pdserve.operator.steps import Event
-from pdserve.operator.views import PodView, rfc3339
+from pdserve.operator.cluster.kube import Kube
+from pdserve.operator.cluster.views import PodView, rfc3339
+from pdserve.operator.dataplane.memory import Key, PerDeployment
+from pdserve.operator.dataplane.signals import gather
+from pdserve.operator.reconcile.steps import Event
 from pdserve.routing import Role
 
 Gather = Callable[[Kube, PDDeployment, Sequence[PodView], float], Signals]

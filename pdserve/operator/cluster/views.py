@@ -31,7 +31,7 @@ from pdserve.deployment.render.names import (
 )
 from pdserve.deployment.render.routing_table import NodeEndpoint
 from pdserve.deployment.spec.pddeployment import PDDeployment
-from pdserve.operator.cache import Body
+from pdserve.operator.cluster.cache import Body
 from pdserve.routing.table import Role
 
 DRAINING_ANNOTATION = "pdserve.io/draining-since"
