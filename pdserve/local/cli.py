@@ -69,7 +69,8 @@ from pdserve.local.plan import (
     plan_local_run,
 )
 from pdserve.local.proctree import port_free
-from pdserve.local.runner import LocalRunner, Reporter, describe_table
+from pdserve.local.report import Reporter, describe_table
+from pdserve.local.runner import LocalRunner
 from pdserve.local.scaler import LocalScaler
 from pdserve.local.view import LiveView, SummaryLines
 from pdserve.local.vllm_env import find_vllm, gpus_present

@@ -28,7 +28,7 @@ from typing import Any, TextIO
 
 import aiohttp
 
-from pdserve.local.runner import Reporter
+from pdserve.local.report import Reporter
 from pdserve.routing import Role
 
 REFRESH_SECONDS = 0.5

@@ -418,7 +418,7 @@ async def test_a_killed_engine_takes_every_process_it_started_along(tmp_path: Pa
         first = _marked(marker)
         assert len(first) == 3, first  # main, API server, engine core (own session)
         first_pids = {p.pid for p in first}
-        main = runner.engines[fake.name].popen
+        main = runner.supervisor.engines[fake.name].popen
         assert main is not None and main.pid in first_pids
         os.kill(main.pid, signal.SIGKILL)
         await _until(lambda: not routable(), 10, f"{fake.name} out of the table")

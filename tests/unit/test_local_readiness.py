@@ -6,7 +6,7 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pdserve.local.runner import READINESS_FAILURES, readiness
+from pdserve.local.supervisor import READINESS_FAILURES, readiness
 
 
 def walk(answers: list[bool]) -> list[bool]:
