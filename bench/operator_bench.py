@@ -319,7 +319,7 @@ def plain_pods(group: int, shape: Shape, namespace: str) -> list[dict[str, Any]]
     """The pods the operator would create for one PDDeployment, as pdserve renders them, unowned."""
     from pdserve.deployment.render.engine_pod import instance_pod
     from pdserve.deployment.render.router import router_deployment
-    from pdserve.deployment.spec.pddeployment import parse_pddeployment
+    from pdserve.deployment.spec.parse import parse_pddeployment
     from pdserve.routing import Role
 
     pdd = parse_pddeployment(pdd_manifest(f"plain-{group:03d}", shape, 1, namespace))

@@ -38,7 +38,7 @@ import yaml
 from pdserve.deployment.render.client_sidecar import client_pod_patch, client_rbac
 from pdserve.deployment.render.decode_sidecar import SIDECAR_PORT
 from pdserve.deployment.render.groups import render_all
-from pdserve.deployment.spec.pddeployment import SpecError, load_manifest_file
+from pdserve.deployment.spec.parse import SpecError, load_manifest_file
 from pdserve.deployment.validate import problems
 
 

@@ -18,7 +18,8 @@ from pdserve.deployment.render.security import engine_reserved_env, router_reser
 from pdserve.deployment.render.tracing import ENGINE_FLAGS as TRACING_ENGINE_FLAGS
 from pdserve.deployment.spec.multinode import group_shape, uniform_gpus_per_node
 from pdserve.deployment.spec.owned import ENGINE_CONTAINER, ROUTER_CONTAINER, Reserved, owned_problems
-from pdserve.deployment.spec.pddeployment import ENGINE_PORT, PDDeployment, PDDeploymentSpec, SpecError
+from pdserve.deployment.spec.pddeployment import ENGINE_PORT, PDDeployment, PDDeploymentSpec
+from pdserve.deployment.spec.readers import SpecError
 from pdserve.deployment.spec.storage import reserved as storage_reserved
 from pdserve.deployment.spec.vllm_compat import problems as vllm_problems
 from pdserve.kv import owned_env

@@ -55,7 +55,8 @@ from pathlib import Path
 from pdserve.argtypes import port
 from pdserve.deployment.plan.autoscale import ROLES
 from pdserve.deployment.plan.scaling import with_counts
-from pdserve.deployment.spec.pddeployment import PDDeployment, SpecError, load_manifest_file
+from pdserve.deployment.spec.parse import SpecError, load_manifest_file
+from pdserve.deployment.spec.pddeployment import PDDeployment
 from pdserve.deployment.spec.tracing import with_endpoint
 from pdserve.deployment.validate import problems
 from pdserve.local.plan import (

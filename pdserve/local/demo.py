@@ -40,7 +40,8 @@ from typing import Any
 import aiohttp
 import yaml
 
-from pdserve.deployment.spec.pddeployment import PLACEMENTS, load_manifest_file
+from pdserve.deployment.spec.parse import load_manifest_file
+from pdserve.deployment.spec.pddeployment import PLACEMENTS
 from pdserve.local.view import slot_counters
 from pdserve.routing import Role, load_routing_table, parse_routing_table
 from pdserve.wire.headers import SIDECAR

@@ -18,7 +18,8 @@ from typing import Any
 
 from pdserve.deployment.render.engine_pod import engine_argv
 from pdserve.deployment.render.groups import instance_objects
-from pdserve.deployment.spec.pddeployment import PDDeployment, load_manifest_file
+from pdserve.deployment.spec.parse import load_manifest_file
+from pdserve.deployment.spec.pddeployment import PDDeployment
 from pdserve.deployment.spec.tracing import TracingSpec
 from pdserve.local.plan import engine_process_count, plan_local_run
 from pdserve.routing import Role

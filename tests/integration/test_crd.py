@@ -16,7 +16,7 @@ from pdserve.deployment.render.groups import render_all
 from pdserve.deployment.render.routing_table import build_routing_table
 from pdserve.deployment.spec import owned as pt
 from pdserve.deployment.spec import vllm_compat
-from pdserve.deployment.spec.pddeployment import SpecError, parse_pddeployment
+from pdserve.deployment.spec.parse import SpecError, parse_pddeployment
 from pdserve.deployment.validate import problems
 from pdserve.kv import moriio
 from pdserve.kv.base import Rule

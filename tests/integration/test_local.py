@@ -32,7 +32,7 @@ import psutil
 import pytest
 import yaml
 
-from pdserve.deployment.spec.pddeployment import load_manifest_file
+from pdserve.deployment.spec.parse import load_manifest_file
 from pdserve.local.plan import plan_local_run
 from pdserve.local.runner import LocalRunner
 from pdserve.routing import load_routing_table

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from pdserve.deployment.spec.owned import DIRECTIVE_REASON
-from pdserve.deployment.spec.pddeployment import parse_pddeployment
+from pdserve.deployment.spec.parse import parse_pddeployment
 from pdserve.deployment.validate import problems
 from tests.support.kube import eventually
 from tests.support.operator import (

@@ -22,7 +22,7 @@ import pytest
 from pdserve.deployment.render.engine_pod import instance_pod
 from pdserve.deployment.render.groups import render_all
 from pdserve.deployment.render.routing_table import ObservedInstance, build_routing_table
-from pdserve.deployment.spec.pddeployment import parse_pddeployment
+from pdserve.deployment.spec.parse import parse_pddeployment
 from pdserve.routing import Role
 from tests.support.kube import KubeCluster, eventually
 from tests.support.specs import sim_manifest, vllm_manifest

@@ -13,7 +13,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from pdserve.deployment.spec.pddeployment import PDDeployment, parse_pddeployment
+from pdserve.deployment.spec.parse import parse_pddeployment
+from pdserve.deployment.spec.pddeployment import PDDeployment
 
 API_VERSION = "pdserve.io/v1alpha1"
 IMAGE = "vllm/vllm-openai:v0.12.0"

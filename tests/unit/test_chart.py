@@ -24,7 +24,7 @@ import yaml
 
 from pdserve import __version__
 from pdserve.deployment.render.client_sidecar import client_rbac
-from pdserve.deployment.spec.pddeployment import parse_pddeployment
+from pdserve.deployment.spec.parse import parse_pddeployment
 from pdserve.operator.cli import configure as configure_operator_cli
 from tests.support.specs import check_golden, pdd_of
 

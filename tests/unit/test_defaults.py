@@ -9,7 +9,8 @@ import pytest
 
 from pdserve.deployment.render.engine_pod import instance_pod
 from pdserve.deployment.render.router import router_deployment
-from pdserve.deployment.spec.pddeployment import PDDeployment, SpecError
+from pdserve.deployment.spec.parse import SpecError
+from pdserve.deployment.spec.pddeployment import PDDeployment
 from pdserve.routing import Role
 from tests.support.specs import pdd_of
 

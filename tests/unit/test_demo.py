@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pdserve.deployment.spec.pddeployment import load_manifest_file
+from pdserve.deployment.spec.parse import load_manifest_file
 from pdserve.local.demo import EXAMPLE, SlotResult, _report, with_placement
 from pdserve.routing import Role
 

@@ -17,7 +17,7 @@ from pdserve.deployment import cli as render_cli
 from pdserve.deployment.cli import to_yaml
 from pdserve.deployment.render.client_sidecar import client_pod_patch, client_rbac, client_router_container
 from pdserve.deployment.render.router import router_deployment, router_rbac
-from pdserve.deployment.spec.pddeployment import parse_pddeployment
+from pdserve.deployment.spec.parse import parse_pddeployment
 from pdserve.proxy.cli import configure as configure_proxy
 from tests.unit.test_deployment_objects import GOLDEN, UPDATE, shape_manifest
 

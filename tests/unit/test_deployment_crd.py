@@ -15,7 +15,8 @@ from typing import Any
 import pytest
 import yaml
 
-from pdserve.deployment.spec.pddeployment import API_VERSION, KIND, PLURAL, SpecError, parse_spec
+from pdserve.deployment.spec.parse import SpecError, parse_spec
+from pdserve.deployment.spec.pddeployment import API_VERSION, KIND, PLURAL
 
 CRD_PATH = Path(__file__).resolve().parents[2] / "crds" / "pddeployments.pdserve.io.yaml"
 CRD = yaml.safe_load(CRD_PATH.read_text())

@@ -14,7 +14,7 @@ import pytest
 
 from pdserve.deployment.cli import to_yaml
 from pdserve.deployment.render.groups import render_all
-from pdserve.deployment.spec.pddeployment import parse_pddeployment
+from pdserve.deployment.spec.parse import parse_pddeployment
 from pdserve.deployment.validate import problems
 from tests.support import specs
 from tests.support.specs import ENGINE_TEMPLATE, check_golden

@@ -29,7 +29,8 @@ from pdserve.deployment.render.names import (
     TEMPLATE_HASH_LABEL,
 )
 from pdserve.deployment.render.static_objects import disruption_budget
-from pdserve.deployment.spec.pddeployment import PDDeployment, parse_pddeployment
+from pdserve.deployment.spec.parse import parse_pddeployment
+from pdserve.deployment.spec.pddeployment import PDDeployment
 from pdserve.deployment.validate import problems
 from pdserve.routing import Role
 from tests.support import specs

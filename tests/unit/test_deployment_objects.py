@@ -34,12 +34,8 @@ from pdserve.deployment.render.names import role_selector, selector_string
 from pdserve.deployment.render.router import router_deployment, router_rbac, router_service
 from pdserve.deployment.render.routing_table import ObservedInstance, build_routing_table, routing_configmap
 from pdserve.deployment.render.static_objects import desired_static_objects, engine_service
-from pdserve.deployment.spec.pddeployment import (
-    DEFAULT_IMAGE,
-    MAX_NAME_LENGTH,
-    PDDeployment,
-    parse_pddeployment,
-)
+from pdserve.deployment.spec.parse import parse_pddeployment
+from pdserve.deployment.spec.pddeployment import DEFAULT_IMAGE, MAX_NAME_LENGTH, PDDeployment
 from pdserve.routing import Role, build_slot_table, load_routing_table
 from tests.support import specs
 

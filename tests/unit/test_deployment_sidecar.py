@@ -17,7 +17,7 @@ from pdserve.deployment.render.groups import render_all
 from pdserve.deployment.render.router import router_pod_selector
 from pdserve.deployment.render.routing_table import build_routing_table
 from pdserve.deployment.render.static_objects import desired_static_objects
-from pdserve.deployment.spec.pddeployment import SpecError, parse_pddeployment
+from pdserve.deployment.spec.parse import SpecError, parse_pddeployment
 from pdserve.deployment.validate import problems
 from pdserve.routing import Role
 from tests.unit.test_deployment_objects import GOLDEN, UPDATE, all_ready, shape_manifest

@@ -8,16 +8,14 @@ from typing import Any
 
 import pytest
 
-from pdserve.deployment.spec.pddeployment import (
-    KVTransferSpec,
-    PDDeployment,
-    RoleSpec,
+from pdserve.deployment.spec.parse import (
     SpecError,
     load_manifest,
     load_manifest_file,
     parse_pddeployment,
     parse_spec,
 )
+from pdserve.deployment.spec.pddeployment import KVTransferSpec, PDDeployment, RoleSpec
 from pdserve.routing import Connector, Role
 from tests.support import specs
 

@@ -17,12 +17,8 @@ from pdserve.deployment.render.engine_pod import instance_pod, template_hash
 from pdserve.deployment.render.groups import render_all
 from pdserve.deployment.render.names import disruption_budget_name, role_selector
 from pdserve.deployment.render.static_objects import disruption_budget
-from pdserve.deployment.spec.pddeployment import (
-    DisruptionBudgetSpec,
-    PDDeployment,
-    SpecError,
-    parse_pddeployment,
-)
+from pdserve.deployment.spec.parse import SpecError, parse_pddeployment
+from pdserve.deployment.spec.pddeployment import DisruptionBudgetSpec, PDDeployment
 from pdserve.local.plan import SimTimings, plan_local_run
 from pdserve.routing import Role
 from tests.support import specs

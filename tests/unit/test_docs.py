@@ -94,7 +94,7 @@ def test_troubleshooting_quotes_messages_pdserve_really_prints() -> None:
 
 def test_readme_cpu_manifest_is_the_example_file() -> None:
     """The README's CPU manifest is examples/cpu/nixl-1p-1d-dp2.yaml (the one make e2e-vllm runs)."""
-    from pdserve.deployment.spec.pddeployment import load_manifest, load_manifest_file
+    from pdserve.deployment.spec.parse import load_manifest, load_manifest_file
 
     readme = (REPO / "README.md").read_text(encoding="utf-8")
     block = re.search(r"```yaml\n# examples/cpu/nixl-1p-1d-dp2.yaml\n(.*?)```", readme, re.DOTALL)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from pdserve.deployment.spec.pddeployment import load_manifest_file
+from pdserve.deployment.spec.parse import load_manifest_file
 from pdserve.routing import Role
 from pdserve.sim import vllm_cli
 from tests.e2e_vllm.argcheck import EXAMPLES, REPO, rendered_commands

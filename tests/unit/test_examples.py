@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pdserve.deployment.spec.pddeployment import PDDeployment, RoleSpec, load_manifest_file
+from pdserve.deployment.spec.parse import load_manifest_file
+from pdserve.deployment.spec.pddeployment import PDDeployment, RoleSpec
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 SHAPES = ("1p-tp8-1d-tp8", "2p-tp8-1d-dp8ep", "2p-tp8-2d-tp8", "2p-dp8ep-3d-dp8ep", "2p-dp8ep-4d-tp8")

@@ -23,7 +23,7 @@ from pdserve.deployment.render.names import (
     TEMPLATE_HASH_LABEL,
 )
 from pdserve.deployment.render.routing_table import NodeEndpoint
-from pdserve.deployment.spec.pddeployment import parse_pddeployment
+from pdserve.deployment.spec.parse import parse_pddeployment
 from pdserve.operator.cluster.views import gang_pass, lws_stand_in, pod_view
 from tests.support.specs import sim_manifest
 

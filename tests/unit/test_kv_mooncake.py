@@ -11,7 +11,7 @@ import pytest
 
 from pdserve.deployment.render.engine_pod import instance_pod
 from pdserve.deployment.render.routing_table import ObservedInstance, build_routing_table
-from pdserve.deployment.spec.pddeployment import SpecError, load_manifest_file
+from pdserve.deployment.spec.parse import SpecError, load_manifest_file
 from pdserve.deployment.validate import problems
 from pdserve.kv import mooncake
 from pdserve.local.observe import observed_instances

@@ -7,7 +7,8 @@ from typing import Any
 import pytest
 
 from pdserve.deployment.render.engine_pod import instance_pod
-from pdserve.deployment.spec.pddeployment import PDDeployment, SpecError
+from pdserve.deployment.spec.parse import SpecError
+from pdserve.deployment.spec.pddeployment import PDDeployment
 from pdserve.deployment.validate import problems
 from pdserve.routing import Role
 from tests.support.specs import pdd_of

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.deployment.spec.pddeployment import load_manifest_file
+from pdserve.deployment.spec.parse import load_manifest_file
 from pdserve.local.cpus import Cores, assign_cores
 from pdserve.local.plan import CPU_DTYPE, CPU_KV_CACHE_BYTES, plan_local_run
 from pdserve.routing import Role

@@ -10,7 +10,8 @@ import pytest
 
 from pdserve.deployment.render.engine_pod import instance_pod
 from pdserve.deployment.render.router import router_deployment
-from pdserve.deployment.spec.pddeployment import PDDeployment, load_manifest_file
+from pdserve.deployment.spec.parse import load_manifest_file
+from pdserve.deployment.spec.pddeployment import PDDeployment
 from pdserve.local.plan import LOOPBACK, PlanError, SimTimings, plan_local_run
 from pdserve.local.view import instance_rows, prefix_cache_counts, render_frame, summary_line
 from pdserve.routing import Role

@@ -18,7 +18,7 @@ from pdserve.deployment.spec.multinode import (
     group_shape,
     uniform_gpus_per_node,
 )
-from pdserve.deployment.spec.pddeployment import SpecError
+from pdserve.deployment.spec.parse import SpecError
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from pdserve.deployment.plan.drain import RouterReport, drain_verdict
-from pdserve.deployment.spec.pddeployment import parse_pddeployment
+from pdserve.deployment.spec.parse import parse_pddeployment
 from pdserve.operator.dataplane import routers as routers_module
 from pdserve.operator.dataplane.routers import Routers
 from tests.unit.test_deployment_objects import shape_manifest

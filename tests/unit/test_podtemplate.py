@@ -12,7 +12,7 @@ import yaml
 from pdserve.deployment.render.engine_pod import instance_pod, template_hash
 from pdserve.deployment.render.router import router_deployment
 from pdserve.deployment.spec import owned as pt
-from pdserve.deployment.spec.pddeployment import SpecError
+from pdserve.deployment.spec.parse import SpecError
 from pdserve.deployment.spec.podtemplate import PodTemplate, merge_metadata, merge_pod_spec, parse_template
 from pdserve.deployment.validate import problems
 from pdserve.routing import Role

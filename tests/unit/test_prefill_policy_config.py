@@ -11,7 +11,7 @@ import pytest
 
 from pdserve.deployment.render.groups import render_all
 from pdserve.deployment.render.router import router_deployment
-from pdserve.deployment.spec.pddeployment import SpecError
+from pdserve.deployment.spec.parse import SpecError
 from pdserve.proxy.cli import UsageError, configure, settings_from_args
 from pdserve.proxy.settings import ProxySettings
 from tests.unit.test_deployment_objects import pdd_of

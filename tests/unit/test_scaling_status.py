@@ -17,7 +17,8 @@ from pdserve.deployment.plan.scaling import (
     with_counts,
 )
 from pdserve.deployment.plan.status import Observation, compute_status
-from pdserve.deployment.spec.pddeployment import PDDeployment, parse_pddeployment
+from pdserve.deployment.spec.parse import parse_pddeployment
+from pdserve.deployment.spec.pddeployment import PDDeployment
 from tests.support.specs import sim_manifest
 from tests.unit.test_autoscale import OLD, signals
 

@@ -10,7 +10,8 @@ import pytest
 from pdserve.deployment.render.engine_pod import instance_pod
 from pdserve.deployment.render.groups import render_all
 from pdserve.deployment.render.router import router_deployment, router_service
-from pdserve.deployment.spec.pddeployment import PDDeployment, SpecError
+from pdserve.deployment.spec.parse import SpecError
+from pdserve.deployment.spec.pddeployment import PDDeployment
 from pdserve.deployment.validate import problems
 from pdserve.routing import Role
 from tests.support.specs import pdd_of

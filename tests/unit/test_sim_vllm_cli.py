@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from pdserve.deployment.render.engine_pod import instance_pod
-from pdserve.deployment.spec.pddeployment import parse_pddeployment
+from pdserve.deployment.spec.parse import parse_pddeployment
 from pdserve.routing import Role
 from pdserve.sim import vllm_cli
 from tests.support import specs

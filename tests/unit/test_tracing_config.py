@@ -15,7 +15,7 @@ import yaml
 from pdserve.argtypes import SettingsError
 from pdserve.deployment.render.engine_pod import instance_pod, template_hash
 from pdserve.deployment.render.router import router_deployment
-from pdserve.deployment.spec.pddeployment import SpecError, parse_pddeployment
+from pdserve.deployment.spec.parse import SpecError, parse_pddeployment
 from pdserve.deployment.spec.tracing import TracingSpec, with_endpoint
 from pdserve.deployment.validate import problems
 from pdserve.local.plan import SimTimings, plan_local_run

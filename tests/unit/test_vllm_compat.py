@@ -8,7 +8,7 @@ import pytest
 import yaml
 
 from pdserve.deployment.spec import vllm_compat
-from pdserve.deployment.spec.pddeployment import load_manifest_file
+from pdserve.deployment.spec.parse import load_manifest_file
 from pdserve.deployment.validate import problems
 from pdserve.kv import moriio
 from tests.support.specs import pdd_of

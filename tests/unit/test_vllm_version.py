@@ -16,7 +16,7 @@ import pytest
 import yaml
 
 from pdserve import kv
-from pdserve.deployment.spec.pddeployment import SpecError, parse_spec
+from pdserve.deployment.spec.parse import SpecError, parse_spec
 from pdserve.local import vllm_env
 from pdserve.sim import vllm_cli
 from pdserve.wire import vllm

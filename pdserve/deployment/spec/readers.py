@@ -1,7 +1,7 @@
 """Small typed readers of untrusted YAML/JSON values, shared by the PDDeployment parsers.
 
 Each reader checks one value and raises :class:`SpecError` naming the field's full path, so every
-section parser (pddeployment.py, podtemplate.py, storage.py) reports errors the same way.
+section parser (parse.py, podtemplate.py, storage.py) reports errors the same way.
 """
 
 from __future__ import annotations

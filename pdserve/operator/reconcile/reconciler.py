@@ -56,7 +56,8 @@ from pdserve.deployment.render.names import (
 )
 from pdserve.deployment.render.static_objects import desired_static_objects
 from pdserve.deployment.spec.multinode import BACKEND_LWS
-from pdserve.deployment.spec.pddeployment import DEFAULT_IMAGE, PDDeployment, SpecError, parse_pddeployment
+from pdserve.deployment.spec.parse import SpecError, parse_pddeployment
+from pdserve.deployment.spec.pddeployment import DEFAULT_IMAGE, PDDeployment
 from pdserve.deployment.validate import problems as spec_problems
 from pdserve.deployment.validate import with_node_default, with_pdserve_image
 from pdserve.operator import metrics
