@@ -1,9 +1,9 @@
 """The processes of a local run: start, health, restart and stop of every engine's process tree,
 and of the routers.
 
-Apart from the run's loop (:mod:`pdserve.local.runner`), which decides what the table says and
-which instances run, because keeping processes alive and gone is a job of its own: the loop asks
-whether an engine is ready and tells which instances to start or stop; how that is done is here.
+Kept apart from the run's loop (:mod:`pdserve.local.runner`), which decides what the table says
+and which instances run: the loop asks whether an engine is ready and which instances to start or
+stop; how processes are kept alive, restarted and stopped is a job of its own, here.
 
 Every engine runs in its own session, and everything it starts is stopped with it, whatever
 stops it: vLLM's API server, engine cores and workers outlive a killed `vllm serve` (they

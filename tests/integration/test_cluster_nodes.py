@@ -241,5 +241,5 @@ def _refused(line: str) -> bool:
     else:
         if not isinstance(record, dict) or "first_request_line" in record:  # the operator's own access log
             return False
-        said = " ".join(str(record.get(key, "")) for key in ("message", "exc_info", "exception", "error"))
+        said = f"{record.get('message', '')} {record.get('exc_info', '')}"  # python-json-logger's keys
     return re.search(r"forbidden|\b403\b", said, re.IGNORECASE) is not None
